@@ -1,0 +1,105 @@
+"""The ``rollbook`` command.
+
+    rollbook serve  --db runs/demo/rollbook.duckdb --port 0     # the store (gRPC)
+    rollbook query  --server 127.0.0.1:50551 "SELECT count(*) FROM trajectories"
+    rollbook query  --db runs/demo/rollbook.duckdb "SHOW TABLES"  # file, read-only, server down
+    rollbook stats  --server 127.0.0.1:50551
+    rollbook demo   --run-dir runs/demo                          # store + generated workload + SQL
+
+Each subcommand imports what it needs only when it runs: ``rollbook --help`` stays instant and no
+subcommand here imports torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+DEFAULT_SERVER = "127.0.0.1:50551"
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from rollbook.logs import setup_logging
+    from rollbook.store.server import StoreConfig, serve
+
+    setup_logging(args.log_level)
+    config = StoreConfig.from_env(db=args.db, host=args.host, port=args.port, admin_key=args.admin_key,
+                                  trainer_key=args.trainer_key)
+    serve(config)
+    return 0
+
+
+def _query(args: argparse.Namespace) -> int:
+    from rollbook.query_cli import run_query_command
+
+    return run_query_command(args)
+
+
+def _stats(args: argparse.Namespace) -> int:
+    import json
+
+    from google.protobuf.json_format import MessageToDict
+
+    from rollbook.client import StoreClient
+
+    with StoreClient(args.server) as client:
+        stats = MessageToDict(client.stats(), preserving_proto_field_name=True)
+    stats["stats_json"] = json.loads(stats.get("stats_json", "{}"))
+    print(json.dumps(stats, indent=2, sort_keys=True))
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from rollbook.demo import run_demo
+
+    return run_demo(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rollbook", description="A durable, queryable trajectory store for RL on language models.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("serve", help="run the trajectory store (gRPC) on a DuckDB file")
+    p.add_argument("--db", default="runs/default/rollbook.duckdb", help="DuckDB ledger file (default: %(default)s)")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default: %(default)s); non-loopback needs keys")
+    p.add_argument("--port", type=int, default=50551, help="port, 0 = any free one, printed as 'listening on HOST:PORT' (default: %(default)s)")
+    p.add_argument("--admin-key", default=None, help="RegisterModel key (default: env ROLLBOOK_ADMIN_KEY)")
+    p.add_argument("--trainer-key", default=None, help="PublishVersion key (default: env ROLLBOOK_TRAINER_KEY)")
+    p.add_argument("--log-level", default="INFO")
+    p.set_defaults(func=_serve)
+
+    p = sub.add_parser("query", help="run read-only SQL through the server, or on the file when the server is down")
+    p.add_argument("sql", help="one read-only statement (SELECT/WITH/DESCRIBE/SHOW/SUMMARIZE/EXPLAIN)")
+    p.add_argument("--server", default=None, help=f"store address HOST:PORT (default: env ROLLBOOK_SERVER, else {DEFAULT_SERVER} when --db is not given)")
+    p.add_argument("--db", default=None, help="DuckDB file to open read-only when the server is not reachable")
+    p.add_argument("--format", choices=["table", "csv", "json", "parquet"], default="table", help="output format (default: %(default)s)")
+    p.add_argument("--output", "-o", default=None, help="write to this file instead of stdout (required for parquet on a terminal)")
+    p.add_argument("--max-rows", type=int, default=0, help="row cap (0 = server default, 100000)")
+    p.add_argument("--timeout", type=float, default=0.0, help="query timeout in seconds (0 = server default, 30)")
+    p.set_defaults(func=_query)
+
+    p = sub.add_parser("stats", help="print the store's counters as JSON")
+    p.add_argument("--server", default=os.environ.get("ROLLBOOK_SERVER", DEFAULT_SERVER))
+    p.set_defaults(func=_stats)
+
+    p = sub.add_parser("demo", help="start a store in a run directory, feed it a generated workload, print SQL answers")
+    p.add_argument("--run-dir", default="runs/demo", help="run directory; the ledger is RUN_DIR/rollbook.duckdb (default: %(default)s)")
+    p.add_argument("--num-trajectories", type=int, default=2000, help="how many trajectories to generate (default: %(default)s)")
+    p.set_defaults(func=_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        return 130
+    except ValueError as exc:  # user-facing configuration errors
+        print(f"rollbook {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

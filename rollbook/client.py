@@ -1,0 +1,225 @@
+"""``StoreClient``: the Python client of the trajectory store.
+
+    from rollbook.client import StoreClient
+    client = StoreClient("127.0.0.1:50551", admin_key=..., trainer_key=...)
+    client.register_model("tiny", vocab_size=64)
+    client.publish_version("tiny", 0, checksum="...")
+    result = client.submit(trajectories)          # iterable of Trajectory messages or dicts
+    table = client.query("SELECT domain, avg(reward) FROM trajectories GROUP BY ALL")
+
+``submit`` batches on the wire, keeps at most ``max_in_flight`` batches unacknowledged, and when
+the stream breaks (store restarted, network blip) reconnects and resends every unacknowledged
+batch. Resending is safe: ``trajectory_id`` is an idempotency key, so a batch the store had
+already committed comes back ``DUPLICATE`` and nothing is stored twice.
+"""
+
+from __future__ import annotations
+
+import collections
+import io
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Iterator, Mapping
+
+import grpc
+import pyarrow as pa
+
+from rollbook.store.convert import trajectory_from_dict
+from rollbook.v1 import rollbook_pb2 as pb
+from rollbook.v1 import rollbook_pb2_grpc as pb_grpc
+
+log = logging.getLogger("rollbook.client")
+
+MAX_MESSAGE_BYTES = 64 << 20
+_RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.ABORTED,
+              grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL}
+STATUS_NAMES = {pb.Verdict.ACCEPTED: "ACCEPTED", pb.Verdict.DUPLICATE: "DUPLICATE", pb.Verdict.REJECTED: "REJECTED"}
+
+
+@dataclass
+class SubmitResult:
+    """Verdicts of one ``submit`` call, by trajectory id (the last verdict received wins)."""
+
+    verdicts: dict[str, pb.Verdict] = field(default_factory=dict)
+    accepted: int = 0
+    duplicates: int = 0
+    rejected: int = 0
+    reconnects: int = 0
+    resent_batches: int = 0
+
+    def add(self, verdict: pb.Verdict) -> None:
+        self.verdicts[verdict.trajectory_id] = verdict
+        if verdict.status == pb.Verdict.ACCEPTED:
+            self.accepted += 1
+        elif verdict.status == pb.Verdict.DUPLICATE:
+            self.duplicates += 1
+        else:
+            self.rejected += 1
+
+    def rejected_by_reason(self) -> dict[str, int]:
+        return dict(collections.Counter(v.reason for v in self.verdicts.values() if v.status == pb.Verdict.REJECTED))
+
+
+def as_trajectory(item: pb.Trajectory | Mapping[str, Any]) -> pb.Trajectory:
+    return item if isinstance(item, pb.Trajectory) else trajectory_from_dict(item)
+
+
+class StoreClient:
+    def __init__(self, address: str, *, admin_key: str | None = None, trainer_key: str | None = None,
+                 timeout_s: float = 60.0):
+        self.address = address
+        self.admin_key = admin_key
+        self.trainer_key = trainer_key
+        self.timeout_s = timeout_s
+        self.channel = grpc.insecure_channel(address, options=[
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ])
+        self.stub = pb_grpc.TrajectoryStoreStub(self.channel)
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> "StoreClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- submit ---------------------------------------------------------------------------------
+
+    def submit(self, trajectories: Iterable[pb.Trajectory | Mapping[str, Any]], *, batch_size: int = 64,
+               max_in_flight: int = 4, retry_deadline_s: float = 300.0) -> SubmitResult:
+        """Stream ``trajectories`` to the store; returns every verdict. Retries (reconnect and
+        resend the unacknowledged batches) until ``retry_deadline_s`` passes without progress."""
+        if batch_size < 1 or max_in_flight < 1:
+            raise ValueError("batch_size and max_in_flight must be >= 1")
+        return _SubmitSession(self.stub, trajectories, batch_size, max_in_flight, retry_deadline_s).run()
+
+    # ---- control --------------------------------------------------------------------------------
+
+    def register_model(self, model_id: str, vocab_size: int) -> None:
+        self.stub.RegisterModel(pb.RegisterModelRequest(model_id=model_id, vocab_size=vocab_size),
+                                metadata=_auth(self.admin_key), timeout=self.timeout_s)
+
+    def publish_version(self, model_id: str, version: int, checksum: str = "") -> int:
+        response = self.stub.PublishVersion(
+            pb.PublishVersionRequest(model_id=model_id, version=version, checksum=checksum),
+            metadata=_auth(self.trainer_key), timeout=self.timeout_s)
+        return response.latest_version
+
+    def set_reward(self, reward: float, *, trajectory_id: str = "", session_id: str = "") -> str:
+        response = self.stub.SetReward(
+            pb.SetRewardRequest(trajectory_id=trajectory_id, session_id=session_id, reward=reward), timeout=self.timeout_s)
+        return response.trajectory_id
+
+    def stats(self) -> pb.GetStatsResponse:
+        return self.stub.GetStats(pb.GetStatsRequest(), timeout=self.timeout_s)
+
+    # ---- SQL ------------------------------------------------------------------------------------
+
+    def query(self, sql: str, *, max_rows: int = 0, timeout_s: float = 0.0) -> pa.Table:
+        """Run one read-only statement; the table's schema metadata has ``rollbook.truncated``
+        set to ``true`` when the server's row cap cut the result."""
+        chunks = self.stub.Query(pb.QueryRequest(sql=sql, max_rows=max_rows, timeout_seconds=timeout_s),
+                                 timeout=self.timeout_s + (timeout_s or 0))
+        return read_query_chunks(chunks)
+
+
+def read_query_chunks(chunks: Iterable[pb.QueryChunk]) -> pa.Table:
+    tables, truncated = [], False
+    for chunk in chunks:
+        truncated = truncated or chunk.truncated
+        if chunk.arrow_ipc:
+            tables.append(pa.ipc.open_stream(io.BytesIO(chunk.arrow_ipc)).read_all())
+    table = pa.concat_tables(tables) if tables else pa.table({})
+    return table.replace_schema_metadata({"rollbook.truncated": "true" if truncated else "false"})
+
+
+def _auth(key: str | None) -> list[tuple[str, str]]:
+    return [("authorization", f"Bearer {key}")] if key else []
+
+
+class _SubmitSession:
+    """One ``submit`` call: a source of batches, the unacknowledged window, reconnects."""
+
+    def __init__(self, stub, trajectories, batch_size: int, max_in_flight: int, retry_deadline_s: float):
+        self.stub = stub
+        self.source = _batches(trajectories, batch_size)
+        self.max_in_flight = max_in_flight
+        self.retry_deadline_s = retry_deadline_s
+        self.unacked: collections.deque[pb.SubmitRequest] = collections.deque()
+        self.cond = threading.Condition()
+        self.exhausted = False
+        self.result = SubmitResult()
+
+    def run(self) -> SubmitResult:
+        attempt, last_progress, backoff = 0, time.monotonic(), 0.05
+        while True:
+            acked_before = len(self.result.verdicts)
+            try:
+                self._stream(attempt)
+                return self.result
+            except grpc.RpcError as exc:
+                if exc.code() not in _RETRYABLE:
+                    raise
+                if len(self.result.verdicts) > acked_before:
+                    last_progress, backoff = time.monotonic(), 0.05
+                if time.monotonic() - last_progress > self.retry_deadline_s:
+                    raise
+                log.warning("submit stream broke (%s); resending %d batch(es)", exc.code().name, len(self.unacked))
+                time.sleep(backoff)
+                backoff = min(backoff * 2, 2.0)
+                attempt += 1
+                self.result.reconnects += 1
+
+    def _stream(self, attempt: int) -> None:
+        with self.cond:
+            self.attempt = attempt
+            resend = list(self.unacked)
+        self.result.resent_batches += len(resend)
+        responses = self.stub.Submit(self._requests(attempt, resend), wait_for_ready=True)
+        try:
+            for response in responses:
+                with self.cond:
+                    request = self.unacked.popleft()
+                    self.cond.notify_all()
+                if len(response.verdicts) != len(request.trajectories):
+                    raise RuntimeError("store answered with the wrong number of verdicts")
+                for verdict in response.verdicts:
+                    self.result.add(verdict)
+        finally:
+            with self.cond:
+                self.attempt = -1  # stop this attempt's request generator
+                self.cond.notify_all()
+
+    def _requests(self, attempt: int, resend: list[pb.SubmitRequest]) -> Iterator[pb.SubmitRequest]:
+        yield from resend
+        while True:
+            with self.cond:
+                while len(self.unacked) >= self.max_in_flight and self.attempt == attempt:
+                    self.cond.wait()
+                if self.attempt != attempt:
+                    return
+                request = next(self.source, None)
+                if request is None:
+                    self.exhausted = True
+                    # keep the stream open until every batch is answered, then half-close
+                    while self.unacked and self.attempt == attempt:
+                        self.cond.wait()
+                    return
+                self.unacked.append(request)
+            yield request
+
+
+def _batches(trajectories: Iterable, batch_size: int) -> Iterator[pb.SubmitRequest]:
+    batch: list[pb.Trajectory] = []
+    for item in trajectories:
+        batch.append(as_trajectory(item))
+        if len(batch) == batch_size:
+            yield pb.SubmitRequest(trajectories=batch)
+            batch = []
+    if batch:
+        yield pb.SubmitRequest(trajectories=batch)

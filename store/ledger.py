@@ -1,0 +1,351 @@
+"""The ledger: one DuckDB file plus its write-ahead log, with group commit and the idempotency index.
+
+Write path: ``Ledger.submit(rows)`` validates each row (``rollbook.validator.ingest``), reserves its
+``trajectory_id`` in the idempotency index, and hands the batch to the committer thread, which
+gathers every batch waiting from all streams into one fsync'd log append (group commit). Only then
+are verdicts returned. A folder thread moves committed batches into the DuckDB tables in large
+inserts, off the acknowledgement path; ``flush()`` folds everything now (queries call it first so
+they see every acknowledged row). On open, whatever the log holds that DuckDB does not is replayed.
+
+Run directory layout: ``rollbook.duckdb`` and ``rollbook.duckdb.log/`` (the log segments; DuckDB keeps its own ``.wal`` file) side by
+side.
+"""
+
+from __future__ import annotations
+
+import logging
+import pathlib
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import duckdb
+import numpy as np
+import pyarrow as pa
+
+from rollbook.store import wal
+from rollbook.store.convert import Row, rejections_table, rows_to_table
+from rollbook.store.schema import DDL
+from rollbook.store.sql import SANDBOX_CONFIG
+from rollbook.validator import ingest
+from rollbook.validator.ingest import IngestConfig, VersionSet
+
+log = logging.getLogger("rollbook.store")
+
+ACCEPTED, DUPLICATE, REJECTED = "ACCEPTED", "DUPLICATE", "REJECTED"
+
+
+@dataclass(frozen=True)
+class Outcome:
+    trajectory_id: str
+    status: str
+    reason: str = ""
+    detail: str = ""
+
+
+@dataclass
+class _Pending:
+    """One submitted batch waiting for the committer."""
+
+    accepted: list[Row]
+    rejected: list[tuple[object, str, str]]
+    future: Future = field(default_factory=Future)
+
+
+class _Registry:
+    """In-memory view of `models` and `policy_versions` (the tables are the source of truth)."""
+
+    def __init__(self) -> None:
+        self.vocab: dict[str, int] = {}
+        self.versions: dict[str, VersionSet] = {}
+
+    def vocab_size(self, model_id: str) -> int | None:
+        return self.vocab.get(model_id)
+
+    def published_versions(self, model_id: str) -> VersionSet:
+        return self.versions.get(model_id) or VersionSet()
+
+    def add_version(self, model_id: str, version: int) -> None:
+        current = self.published_versions(model_id).versions
+        self.versions[model_id] = VersionSet(np.union1d(current, np.array([version], dtype=np.int64)))
+
+
+class Ledger:
+    """Owns the DuckDB connection, the write-ahead log and the idempotency index."""
+
+    def __init__(self, db_path: str | pathlib.Path, *, ingest_config: IngestConfig | None = None,
+                 fold_interval_s: float = 0.5, max_group_rows: int = 4096):
+        self.db_path = pathlib.Path(db_path)
+        self.db_path.parent.mkdir(parents=True, exist_ok=True)
+        self.ingest_config = ingest_config or IngestConfig()
+        self.fold_interval_s = fold_interval_s
+        self.max_group_rows = max_group_rows
+        self.con = duckdb.connect(str(self.db_path), config=SANDBOX_CONFIG)
+        for ddl in DDL:
+            self.con.execute(ddl)
+        self.registry = _Registry()
+        self._load_registry()
+        self._seen: dict[str, str] = {}  # trajectory_id -> first status (ACCEPTED / REJECTED)
+        self._inflight: dict[str, Future] = {}
+        self._index_lock = threading.Lock()
+        self._db_lock = threading.RLock()  # serialises writes on self.con
+        self.counters = {"duplicates": 0}
+        self.wal_root = self.db_path.with_name(self.db_path.name + ".log")
+        self._unfolded: list[wal.LogBatch] = []
+        self._unfolded_lock = threading.Lock()
+        self._recover()
+        self._closed_segments: dict[int, int] = {}  # rotated segment -> its number of batches
+        self.wal = wal.WriteAheadLog(self.wal_root, first_segment=self._next_segment, on_rotate=self._on_rotate)
+        self._commit_q: queue.Queue[_Pending | None] = queue.Queue()
+        self._stop = threading.Event()
+        self._committer = threading.Thread(target=self._commit_loop, name="rollbook-committer", daemon=True)
+        self._folder = threading.Thread(target=self._fold_loop, name="rollbook-folder", daemon=True)
+        self._committer.start()
+        self._folder.start()
+
+    # ---- public API -----------------------------------------------------------------------------
+
+    def submit(self, rows: Sequence[Row]) -> list[Outcome]:
+        """Validate, deduplicate and durably commit one batch; blocks until the group is fsync'd."""
+        outcomes: list[Outcome | None] = [None] * len(rows)
+        accepted, rejected, waits = [], [], []
+        pending = _Pending([], [])
+        with self._index_lock:
+            for i, row in enumerate(rows):
+                tid = row.trajectory_id
+                if tid and (tid in self._seen or tid in self._inflight):
+                    waits.append((i, tid, self._inflight.get(tid)))
+                    continue
+                verdict = ingest.check(row, self.registry, self.ingest_config)
+                if verdict is None:
+                    accepted.append((i, row))
+                    pending.accepted.append(row)
+                else:
+                    rejected.append((i, row, verdict))
+                    pending.rejected.append((row.msg, str(verdict[0]), verdict[1]))
+                if tid:
+                    self._inflight[tid] = pending.future
+        if accepted or rejected:
+            self._commit_q.put(pending)
+            pending.future.result()  # raises if the commit failed: the client sees an error, retries
+        for i, row in accepted:
+            outcomes[i] = Outcome(row.trajectory_id, ACCEPTED)
+        for i, row, (code, detail) in rejected:
+            outcomes[i] = Outcome(row.trajectory_id, REJECTED, str(code), detail)
+        for i, tid, fut in waits:
+            outcomes[i] = self._duplicate(tid, fut)
+        return outcomes  # type: ignore[return-value]
+
+    def register_model(self, model_id: str, vocab_size: int) -> None:
+        with self._db_lock:
+            self.con.execute(
+                "INSERT OR REPLACE INTO models VALUES (?, ?, ?)", [model_id, vocab_size, time.time()]
+            )
+        self.registry.vocab[model_id] = vocab_size
+
+    def publish_version(self, model_id: str, version: int, checksum: str) -> int:
+        """Record version ``version`` of ``model_id``; returns the latest published version."""
+        if self.registry.vocab_size(model_id) is None:
+            raise KeyError(f"model {model_id!r} is not registered")
+        with self._db_lock:
+            self.con.execute(
+                "INSERT OR REPLACE INTO policy_versions VALUES (?, ?, ?, ?)",
+                [model_id, version, checksum, time.time()],
+            )
+        self.registry.add_version(model_id, version)
+        return int(self.registry.published_versions(model_id).latest)
+
+    def stats(self) -> dict:
+        """Counters over the whole ledger (folds first, so every acknowledged row counts)."""
+        self.flush()
+        cur = self.cursor()
+        try:
+            accepted, tokens = cur.execute(
+                "SELECT count(*), coalesce(sum(num_output_tokens), 0) FROM trajectories").fetchone()
+            by_reason = cur.execute(
+                "SELECT reason, count(*), coalesce(sum(num_output_tokens), 0) FROM rejections GROUP BY reason").fetchall()
+        finally:
+            cur.close()
+        return {
+            "accepted": int(accepted),
+            "accepted_tokens": int(tokens),
+            "duplicates": self.counters["duplicates"],
+            "rejected": sum(int(n) for _, n, _ in by_reason),
+            "rejected_tokens": sum(int(t) for _, _, t in by_reason),
+            "rejected_by_reason": {r: int(n) for r, n, _ in by_reason},
+            "rejected_tokens_by_reason": {r: int(t) for r, _, t in by_reason},
+        }
+
+    def flush(self) -> None:
+        """Fold every committed batch into DuckDB now."""
+        self._fold()
+
+    def cursor(self) -> duckdb.DuckDBPyConnection:
+        with self._db_lock:
+            return self.con.cursor()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._commit_q.put(None)
+        self._committer.join()
+        self._folder.join()
+        self._fold()
+        self.wal.close()
+        self._drop_folded_segments(include_current=True)
+        self.con.close()
+
+    # ---- commit and fold ------------------------------------------------------------------------
+
+    def _duplicate(self, tid: str, fut: Future | None) -> Outcome:
+        if fut is not None:
+            fut.result()  # if the first attempt failed this raises too, and the caller retries
+        with self._index_lock:
+            self.counters["duplicates"] += 1
+            first = self._seen.get(tid, ACCEPTED)
+        return Outcome(tid, DUPLICATE, "", f"trajectory_id already stored (first verdict: {first}); nothing stored twice")
+
+    def _commit_loop(self) -> None:
+        while True:
+            first = self._commit_q.get()
+            if first is None:
+                return
+            group = [first]
+            rows = len(first.accepted) + len(first.rejected)
+            while rows < self.max_group_rows:
+                try:
+                    nxt = self._commit_q.get_nowait()
+                except queue.Empty:
+                    break
+                if nxt is None:
+                    self._commit_q.put(None)
+                    break
+                group.append(nxt)
+                rows += len(nxt.accepted) + len(nxt.rejected)
+            self._commit_group(group)
+
+    def _commit_group(self, group: list[_Pending]) -> None:
+        now = time.time()
+        accepted = [r for p in group for r in p.accepted]
+        rejected = [r for p in group for r in p.rejected]
+        try:
+            traj = rows_to_table(accepted, now) if accepted else None
+            rej = rejections_table(rejected, "ingest", now) if rejected else None
+            batch = self.wal.append(traj, rej)
+        except Exception as exc:  # nothing was acknowledged: release the ids so retries can land
+            log.exception("commit failed")
+            with self._index_lock:
+                for p in group:
+                    for r in p.accepted:
+                        self._inflight.pop(r.trajectory_id, None)
+                    for m, _, _ in p.rejected:
+                        self._inflight.pop(m.trajectory_id, None)
+            for p in group:
+                p.future.set_exception(exc)
+            return
+        with self._unfolded_lock:
+            self._unfolded.append(batch)
+        with self._index_lock:
+            for r in accepted:
+                self._seen[r.trajectory_id] = ACCEPTED
+                self._inflight.pop(r.trajectory_id, None)
+            for m, _, _ in rejected:
+                if m.trajectory_id:
+                    self._seen.setdefault(m.trajectory_id, REJECTED)
+                    self._inflight.pop(m.trajectory_id, None)
+        for p in group:
+            p.future.set_result(None)
+
+    def _fold_loop(self) -> None:
+        while not self._stop.wait(self.fold_interval_s):
+            try:
+                self._fold()
+            except Exception:
+                log.exception("fold failed; will retry")
+
+    def _fold(self) -> None:
+        with self._db_lock:
+            with self._unfolded_lock:
+                batches, self._unfolded = self._unfolded, []
+            if not batches:
+                return
+            try:
+                self._fold_batches(batches)
+            except Exception:
+                with self._unfolded_lock:
+                    self._unfolded = batches + self._unfolded
+                raise
+        self._drop_folded_segments(include_current=False)
+
+    def _fold_batches(self, batches: list[wal.LogBatch]) -> None:
+        trajs = [b.trajectories for b in batches if b.trajectories is not None]
+        rejs = [b.rejections for b in batches if b.rejections is not None]
+        marks: dict[int, int] = {}
+        for b in batches:
+            marks[b.segment] = max(marks.get(b.segment, 0), b.index + 1)
+        cur = self.con
+        cur.execute("BEGIN TRANSACTION")
+        try:
+            if trajs:
+                cur.register("_fold_traj", pa.concat_tables(trajs))
+                cur.execute("INSERT INTO trajectories SELECT * FROM _fold_traj")
+                cur.unregister("_fold_traj")
+            if rejs:
+                cur.register("_fold_rej", pa.concat_tables(rejs))
+                cur.execute("INSERT INTO rejections SELECT * FROM _fold_rej")
+                cur.unregister("_fold_rej")
+            for seg, n in marks.items():
+                cur.execute("INSERT OR REPLACE INTO _log_state VALUES (?, ?)", [seg, n])
+            cur.execute("COMMIT")
+        except Exception:
+            cur.execute("ROLLBACK")
+            raise
+
+    def _on_rotate(self, segment: int, num_batches: int) -> None:
+        with self._unfolded_lock:
+            self._closed_segments[segment] = num_batches
+
+    def _drop_folded_segments(self, *, include_current: bool) -> None:
+        """Delete log segments whose every batch is in DuckDB (their watermark rows stay, so segment
+        numbers are never reused)."""
+        with self._db_lock:
+            folded = dict(self.con.execute("SELECT segment, folded_batches FROM _log_state").fetchall())
+        with self._unfolded_lock:
+            closed = dict(self._closed_segments)
+        if include_current:
+            closed[self.wal.segment] = self.wal.index
+        for seg, total in closed.items():
+            if folded.get(seg, 0) >= total:
+                wal.remove_segment(self.wal_root, seg)
+                with self._unfolded_lock:
+                    self._closed_segments.pop(seg, None)
+
+    # ---- startup ----------------------------------------------------------------------------------
+
+    def _load_registry(self) -> None:
+        for model_id, vocab in self.con.execute("SELECT model_id, vocab_size FROM models").fetchall():
+            self.registry.vocab[model_id] = int(vocab)
+        for model_id, version in self.con.execute("SELECT model_id, version FROM policy_versions").fetchall():
+            self.registry.add_version(model_id, int(version))
+
+    def _recover(self) -> None:
+        """Replay log batches DuckDB has not folded, then load the idempotency index."""
+        folded = dict(self.con.execute("SELECT segment, folded_batches FROM _log_state").fetchall())
+        replay: list[wal.LogBatch] = []
+        for seg in wal.list_segments(self.wal_root):
+            replay += [b for b in wal.read_segment(self.wal_root, seg) if b.index >= folded.get(seg, 0)]
+        if replay:
+            log.info("replaying %d committed batch(es) from the write-ahead log", len(replay))
+            self._fold_batches(replay)
+        segments = wal.list_segments(self.wal_root)
+        marks = [s for (s,) in self.con.execute("SELECT segment FROM _log_state").fetchall()]
+        self._next_segment = max(segments + marks, default=0) + 1
+        for seg in segments:  # all folded now
+            wal.remove_segment(self.wal_root, seg)
+        for (tid,) in self.con.execute("SELECT trajectory_id FROM rejections").fetchall():
+            self._seen[tid] = REJECTED
+        for (tid,) in self.con.execute("SELECT trajectory_id FROM trajectories").fetchall():
+            self._seen[tid] = ACCEPTED
+        self.con.execute("CHECKPOINT")

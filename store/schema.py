@@ -1,0 +1,108 @@
+"""The one Arrow schema of stored trajectories, and the DuckDB DDL of every ledger table.
+
+The ``.proto`` is the wire contract; ``store.convert`` turns it once into ``TRAJECTORY_SCHEMA``, and
+everything downstream (the write-ahead log, DuckDB, ``PullBatch``) speaks that schema. Each column's
+meaning and invariant is documented in ``docs/schema.md``; keep the two in step.
+"""
+
+from __future__ import annotations
+
+import pyarrow as pa
+
+# Invariants (enforced at ingest by rollbook.validator):
+#   len(output_logprobs) == len(output_versions) == len(output_token_ids) == num_output_tokens > 0
+#   min_version == min(output_versions), max_version == max(output_versions)
+TRAJECTORY_SCHEMA = pa.schema(
+    [
+        ("trajectory_id", pa.string()),
+        ("session_id", pa.string()),
+        ("group_id", pa.string()),
+        ("group_size", pa.uint32()),
+        ("request_id", pa.string()),
+        ("attempt", pa.uint32()),
+        ("consumed", pa.bool_()),
+        ("task_id", pa.string()),
+        ("domain", pa.string()),
+        ("model_id", pa.string()),
+        ("prompt_token_ids", pa.list_(pa.int32())),
+        ("output_token_ids", pa.list_(pa.int32())),
+        ("output_logprobs", pa.list_(pa.float32())),
+        ("output_versions", pa.list_(pa.int64())),
+        ("num_prompt_tokens", pa.int32()),
+        ("num_output_tokens", pa.int32()),
+        ("min_version", pa.int64()),
+        ("max_version", pa.int64()),
+        ("temperature", pa.float32()),
+        ("top_p", pa.float32()),
+        ("top_k", pa.int32()),
+        ("finish_reason", pa.string()),
+        ("reward", pa.float64()),
+        ("original_reward", pa.float64()),
+        ("worker_id", pa.string()),
+        ("created_at", pa.float64()),
+        ("received_at", pa.float64()),
+    ]
+)
+
+REJECTION_SCHEMA = pa.schema(
+    [
+        ("trajectory_id", pa.string()),
+        ("reason", pa.string()),
+        ("detail", pa.string()),
+        ("stage", pa.string()),
+        ("session_id", pa.string()),
+        ("group_id", pa.string()),
+        ("request_id", pa.string()),
+        ("model_id", pa.string()),
+        ("domain", pa.string()),
+        ("worker_id", pa.string()),
+        ("num_output_tokens", pa.int64()),
+        ("rejected_at", pa.float64()),
+    ]
+)
+
+_DUCK_TYPES = {
+    pa.string(): "VARCHAR",
+    pa.uint32(): "UINTEGER",
+    pa.bool_(): "BOOLEAN",
+    pa.int32(): "INTEGER",
+    pa.int64(): "BIGINT",
+    pa.float32(): "FLOAT",
+    pa.float64(): "DOUBLE",
+    pa.list_(pa.int32()): "INTEGER[]",
+    pa.list_(pa.float32()): "FLOAT[]",
+    pa.list_(pa.int64()): "BIGINT[]",
+}
+
+
+def _columns_ddl(schema: pa.Schema) -> str:
+    return ",\n  ".join(f"{f.name} {_DUCK_TYPES[f.type]}" for f in schema)
+
+
+# Tables written by the store. `trajectories` and `rejections` follow the Arrow schemas above;
+# the small control tables are written directly. `_log_state` is internal (the fold watermark of
+# the write-ahead log) and not part of the documented surface.
+DDL = [
+    f"CREATE TABLE IF NOT EXISTS trajectories (\n  {_columns_ddl(TRAJECTORY_SCHEMA)}\n)",
+    f"CREATE TABLE IF NOT EXISTS rejections (\n  {_columns_ddl(REJECTION_SCHEMA)}\n)",
+    """CREATE TABLE IF NOT EXISTS rewards (
+  trajectory_id VARCHAR, session_id VARCHAR, reward DOUBLE, source VARCHAR, set_at DOUBLE)""",
+    """CREATE TABLE IF NOT EXISTS groups (
+  group_id VARCHAR PRIMARY KEY, expected_size UINTEGER, num_members UINTEGER,
+  num_rewarded UINTEGER, status VARCHAR, ready_at DOUBLE, closed_at DOUBLE)""",
+    """CREATE TABLE IF NOT EXISTS models (
+  model_id VARCHAR PRIMARY KEY, vocab_size UINTEGER, registered_at DOUBLE)""",
+    """CREATE TABLE IF NOT EXISTS policy_versions (
+  model_id VARCHAR, version BIGINT, checksum VARCHAR, published_at DOUBLE,
+  PRIMARY KEY (model_id, version))""",
+    """CREATE TABLE IF NOT EXISTS leases (
+  lease_id VARCHAR, trajectory_id VARCHAR, trainer_id VARCHAR, step BIGINT,
+  trainer_version BIGINT, issued_at DOUBLE, expires_at DOUBLE, acked_at DOUBLE, expired_at DOUBLE)""",
+    """CREATE TABLE IF NOT EXISTS train_steps (
+  step BIGINT, trainer_id VARCHAR, version BIGINT, lease_id VARCHAR, started_at DOUBLE,
+  finished_at DOUBLE, stats JSON)""",
+    """CREATE TABLE IF NOT EXISTS _log_state (
+  segment BIGINT PRIMARY KEY, folded_batches BIGINT)""",
+]
+
+TABLES = ["trajectories", "rejections", "rewards", "groups", "models", "policy_versions", "leases", "train_steps"]

@@ -1,0 +1,235 @@
+"""The ``rollbook.v1.TrajectoryStore`` gRPC servicer: thin methods over the ledger and the sandbox.
+
+Handlers are registered by hand (``handlers()``) rather than through the generated
+``add_..._to_server`` so that a request that does not parse as its message answers
+``INVALID_ARGUMENT`` with the decoder's message instead of gRPC's generic ``INTERNAL``.
+"""
+
+from __future__ import annotations
+
+import hmac
+import io
+import json
+import logging
+import queue
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable, Iterator
+
+import grpc
+import pyarrow as pa
+from google.protobuf.message import DecodeError
+
+from rollbook.store.convert import decode
+from rollbook.store.ledger import Ledger, Outcome
+from rollbook.store.sql import QueryError, QueryLimits, run_query
+from rollbook.v1 import rollbook_pb2 as pb
+
+log = logging.getLogger("rollbook.store.service")
+
+_STATUS = {"ACCEPTED": pb.Verdict.ACCEPTED, "DUPLICATE": pb.Verdict.DUPLICATE, "REJECTED": pb.Verdict.REJECTED}
+_CHUNK_BYTES = 2 << 20  # Arrow bytes per QueryChunk, well under the client's message limit
+
+
+class _Malformed:
+    """Stands in for a request that did not parse."""
+
+    def __init__(self, error: str):
+        self.error = error
+
+
+def _tolerant(message_type) -> Callable[[bytes], object]:
+    def parse(data: bytes):
+        try:
+            return message_type.FromString(data)
+        except (DecodeError, RuntimeError, ValueError) as exc:
+            return _Malformed(f"request does not parse as {message_type.DESCRIPTOR.full_name}: {exc}")
+
+    return parse
+
+
+def _check_parsed(request, context: grpc.ServicerContext) -> None:
+    if isinstance(request, _Malformed):
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.error)
+
+
+def _verdict(o: Outcome) -> pb.Verdict:
+    return pb.Verdict(trajectory_id=o.trajectory_id, status=_STATUS[o.status], reason=o.reason, detail=o.detail)
+
+
+class TrajectoryStoreService:
+    def __init__(self, ledger: Ledger, *, admin_key: str | None, trainer_key: str | None,
+                 query_limits: QueryLimits, max_inflight_per_stream: int = 8):
+        self.ledger = ledger
+        self.admin_key = admin_key
+        self.trainer_key = trainer_key
+        self.query_limits = query_limits
+        self.max_inflight_per_stream = max_inflight_per_stream
+        self._pool = ThreadPoolExecutor(max_workers=64, thread_name_prefix="rollbook-submit")
+
+    # ---- Submit ---------------------------------------------------------------------------------
+
+    def Submit(self, request_iterator: Iterator, context: grpc.ServicerContext):
+        """Pipelined: a reader thread hands each batch to the ledger; responses go back in order."""
+        futures: queue.Queue[Future | BaseException | None] = queue.Queue(maxsize=self.max_inflight_per_stream)
+        threading.Thread(target=self._read_stream, args=(request_iterator, futures, context), daemon=True).start()
+        while True:
+            item = futures.get()
+            if item is None:
+                return
+            if isinstance(item, _Malformed):
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, item.error)
+            try:
+                outcomes = item.result()
+            except Exception as exc:  # commit failed: nothing in this batch was acknowledged
+                log.exception("submit failed")
+                context.abort(grpc.StatusCode.UNAVAILABLE, f"commit failed, retry: {exc}")
+            yield pb.SubmitResponse(verdicts=[_verdict(o) for o in outcomes])
+
+    def _read_stream(self, request_iterator: Iterator, futures: queue.Queue, context) -> None:
+        def put(item) -> bool:
+            while context.is_active():
+                try:
+                    futures.put(item, timeout=0.5)
+                    return True
+                except queue.Full:
+                    continue
+            return False
+
+        try:
+            for request in request_iterator:
+                if isinstance(request, _Malformed):
+                    put(request)
+                    return
+                rows = [decode(t) for t in request.trajectories]
+                if not put(self._pool.submit(self.ledger.submit, rows)):
+                    return
+        except grpc.RpcError:
+            pass  # the client went away; whatever was committed stays committed
+        except Exception:
+            log.exception("reading a Submit stream failed")
+        finally:
+            put(None)
+
+    # ---- control --------------------------------------------------------------------------------
+
+    def RegisterModel(self, request, context):
+        _check_parsed(request, context)
+        self._require(context, self.admin_key, "admin")
+        if not request.model_id or request.vocab_size == 0:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "model_id and a positive vocab_size are required")
+        self.ledger.register_model(request.model_id, request.vocab_size)
+        return pb.RegisterModelResponse()
+
+    def PublishVersion(self, request, context):
+        _check_parsed(request, context)
+        self._require(context, self.trainer_key, "trainer")
+        if request.version < 0:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"version must be >= 0, got {request.version}")
+        try:
+            latest = self.ledger.publish_version(request.model_id, request.version, request.checksum)
+        except KeyError as exc:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc.args[0]))
+        return pb.PublishVersionResponse(latest_version=latest)
+
+    def _require(self, context: grpc.ServicerContext, key: str | None, role: str) -> None:
+        if key is None:
+            return  # no key configured: only allowed on loopback (checked at server creation)
+        given = ""
+        for k, v in context.invocation_metadata():
+            if k == "authorization" and v.startswith("Bearer "):
+                given = v[len("Bearer "):]
+        if not hmac.compare_digest(given.encode(), key.encode()):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, f"missing or wrong {role} key")
+
+    # ---- reading --------------------------------------------------------------------------------
+
+    def Query(self, request, context):
+        _check_parsed(request, context)
+        limits = QueryLimits(
+            max_rows=min(request.max_rows or self.query_limits.max_rows, self.query_limits.max_rows),
+            timeout_s=min(request.timeout_seconds or self.query_limits.timeout_s, self.query_limits.timeout_s),
+            batch_rows=self.query_limits.batch_rows,
+        )
+        self.ledger.flush()
+        cursor = self.ledger.cursor()
+        try:
+            yield from _chunks(run_query(cursor, request.sql, limits))
+        except QueryError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        finally:
+            cursor.close()
+
+    def GetStats(self, request, context):
+        _check_parsed(request, context)
+        stats = self.ledger.stats()
+        return pb.GetStatsResponse(
+            accepted=stats["accepted"],
+            duplicates=stats["duplicates"],
+            rejected=stats["rejected"],
+            rejected_by_reason=stats["rejected_by_reason"],
+            accepted_tokens=stats["accepted_tokens"],
+            rejected_tokens=stats["rejected_tokens"],
+            stats_json=json.dumps(stats, sort_keys=True),
+        )
+
+    # ---- validator issue ------------------------------------------------------------------------
+
+    def SetReward(self, request, context):
+        context.abort(grpc.StatusCode.UNIMPLEMENTED, "SetReward arrives with the validator")
+
+    def PullBatch(self, request, context):
+        context.abort(grpc.StatusCode.UNIMPLEMENTED, "PullBatch arrives with the validator")
+
+    def AckBatch(self, request, context):
+        context.abort(grpc.StatusCode.UNIMPLEMENTED, "AckBatch arrives with the validator")
+
+
+def _chunks(batches: Iterator[tuple[pa.RecordBatch, bool]]) -> Iterator[pb.QueryChunk]:
+    """Group record batches into self-contained IPC streams of about ``_CHUNK_BYTES`` each."""
+    pending: list[pa.RecordBatch] = []
+    size = 0
+    truncated = False
+    for batch, truncated in batches:
+        pending.append(batch)
+        size += batch.nbytes
+        if size >= _CHUNK_BYTES:
+            yield pb.QueryChunk(arrow_ipc=_ipc(pending), truncated=False)
+            pending, size = [], 0
+    if pending or truncated:
+        yield pb.QueryChunk(arrow_ipc=_ipc(pending) if pending else b"", truncated=truncated)
+
+
+def _ipc(batches: list[pa.RecordBatch]) -> bytes:
+    sink = io.BytesIO()
+    with pa.ipc.new_stream(sink, batches[0].schema) as writer:
+        for b in batches:
+            writer.write_batch(b)
+    return sink.getvalue()
+
+
+def handlers(service: TrajectoryStoreService) -> grpc.GenericRpcHandler:
+    def unary(name, req):
+        return grpc.unary_unary_rpc_method_handler(
+            getattr(service, name), request_deserializer=_tolerant(req), response_serializer=lambda m: m.SerializeToString()
+        )
+
+    return grpc.method_handlers_generic_handler(
+        "rollbook.v1.TrajectoryStore",
+        {
+            "Submit": grpc.stream_stream_rpc_method_handler(
+                service.Submit, request_deserializer=_tolerant(pb.SubmitRequest),
+                response_serializer=pb.SubmitResponse.SerializeToString,
+            ),
+            "Query": grpc.unary_stream_rpc_method_handler(
+                service.Query, request_deserializer=_tolerant(pb.QueryRequest),
+                response_serializer=pb.QueryChunk.SerializeToString,
+            ),
+            "SetReward": unary("SetReward", pb.SetRewardRequest),
+            "PullBatch": unary("PullBatch", pb.PullBatchRequest),
+            "AckBatch": unary("AckBatch", pb.AckBatchRequest),
+            "PublishVersion": unary("PublishVersion", pb.PublishVersionRequest),
+            "RegisterModel": unary("RegisterModel", pb.RegisterModelRequest),
+            "GetStats": unary("GetStats", pb.GetStatsRequest),
+        },
+    )

@@ -1,0 +1,1 @@
+"""rollbook.trainer"""
