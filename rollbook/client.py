@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import io
+import json
 import logging
 import threading
 import time
@@ -60,6 +61,19 @@ class SubmitResult:
 
     def rejected_by_reason(self) -> dict[str, int]:
         return dict(collections.Counter(v.reason for v in self.verdicts.values() if v.status == pb.Verdict.REJECTED))
+
+
+@dataclass
+class PulledBatch:
+    """A leased batch: ``lease_id`` ("" when nothing was ready), the rows, and their statistics."""
+
+    lease_id: str
+    table: pa.Table
+    stats: dict
+
+    @property
+    def num_rows(self) -> int:
+        return self.table.num_rows
 
 
 def as_trajectory(item: pb.Trajectory | Mapping[str, Any]) -> pb.Trajectory:
@@ -117,6 +131,30 @@ class StoreClient:
 
     def stats(self) -> pb.GetStatsResponse:
         return self.stub.GetStats(pb.GetStatsRequest(), timeout=self.timeout_s)
+
+    # ---- trainer side -----------------------------------------------------------------------------
+
+    def pull_batch(self, *, trainer_id: str, trainer_version: int, max_staleness: int, num_samples: int = 0,
+                   num_groups: int = 0, step: int = 0, model_id: str = "", lease_seconds: float = 0.0) -> "PulledBatch":
+        """Lease ready, validated rows (whole groups) no staler than ``max_staleness`` versions."""
+        response = self.stub.PullBatch(pb.PullBatchRequest(
+            trainer_id=trainer_id, trainer_version=trainer_version, max_staleness=max_staleness,
+            num_samples=num_samples, num_groups=num_groups, step=step, model_id=model_id,
+            lease_seconds=lease_seconds), timeout=self.timeout_s)
+        table = pa.ipc.open_stream(io.BytesIO(response.arrow_ipc)).read_all()
+        return PulledBatch(response.lease_id, table, json.loads(response.stats_json or "{}"))
+
+    def ack_batch(self, lease_id: str, trainer_id: str = "") -> int:
+        """Confirm a lease once the step that used it is checkpointed (idempotent)."""
+        return self.stub.AckBatch(pb.AckBatchRequest(lease_id=lease_id, trainer_id=trainer_id), timeout=self.timeout_s).num_rows
+
+    def report_train_step(self, *, step: int, trainer_id: str, version: int, lease_id: str, started_at: float,
+                          finished_at: float, stats: Mapping[str, Any]) -> None:
+        """Write one row of ``train_steps`` (trainer key); re-reporting a step replaces it."""
+        self.stub.ReportTrainStep(pb.ReportTrainStepRequest(
+            step=step, trainer_id=trainer_id, version=version, lease_id=lease_id, started_at=started_at,
+            finished_at=finished_at, stats_json=json.dumps(dict(stats), sort_keys=True)),
+            metadata=_auth(self.trainer_key), timeout=self.timeout_s)
 
     # ---- SQL ------------------------------------------------------------------------------------
 

@@ -13,7 +13,9 @@ side.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import math
 import pathlib
 import queue
 import threading
@@ -31,11 +33,18 @@ from rollbook.store.convert import Row, rejections_table, rows_to_table
 from rollbook.store.schema import DDL
 from rollbook.store.sql import SANDBOX_CONFIG
 from rollbook.validator import ingest
+from rollbook.validator import pull, settle
 from rollbook.validator.ingest import IngestConfig, VersionSet
+from rollbook.validator.reasons import Reason
+from rollbook.validator.settle import ValidatorConfig
 
 log = logging.getLogger("rollbook.store")
 
 ACCEPTED, DUPLICATE, REJECTED = "ACCEPTED", "DUPLICATE", "REJECTED"
+
+
+class NotRewardable(ValueError):
+    """The trajectory exists but its reward can no longer be set (rejected, or already served)."""
 
 
 @dataclass(frozen=True)
@@ -77,10 +86,13 @@ class Ledger:
     """Owns the DuckDB connection, the write-ahead log and the idempotency index."""
 
     def __init__(self, db_path: str | pathlib.Path, *, ingest_config: IngestConfig | None = None,
-                 fold_interval_s: float = 0.5, max_group_rows: int = 4096):
+                 validator_config: ValidatorConfig | None = None,
+                 fold_interval_s: float = 0.5, max_group_rows: int = 4096, validate: bool = True):
         self.db_path = pathlib.Path(db_path)
         self.db_path.parent.mkdir(parents=True, exist_ok=True)
         self.ingest_config = ingest_config or IngestConfig()
+        self.validator_config = validator_config or ValidatorConfig()
+        self.validate = validate  # False only for benchmarks measuring what validation costs
         self.fold_interval_s = fold_interval_s
         self.max_group_rows = max_group_rows
         self.con = duckdb.connect(str(self.db_path), config=SANDBOX_CONFIG)
@@ -119,7 +131,7 @@ class Ledger:
                 if tid and (tid in self._seen or tid in self._inflight):
                     waits.append((i, tid, self._inflight.get(tid)))
                     continue
-                verdict = ingest.check(row, self.registry, self.ingest_config)
+                verdict = ingest.check(row, self.registry, self.ingest_config) if self.validate else None
                 if verdict is None:
                     accepted.append((i, row))
                     pending.accepted.append(row)
@@ -157,6 +169,73 @@ class Ledger:
             )
         self.registry.add_version(model_id, version)
         return int(self.registry.published_versions(model_id).latest)
+
+    # ---- validator: rewards, batches, leases --------------------------------------------------
+
+    def set_reward(self, reward: float, *, trajectory_id: str = "", session_id: str = "") -> str:
+        """Record a (delayed) reward; with ``session_id``, for the session's last interaction.
+        Raises ``KeyError`` (unknown) or ``ValueError`` (not rewardable) with the reason."""
+        if not math.isfinite(reward):
+            raise ValueError(f"{Reason.NONFINITE_REWARD}: reward = {reward}")
+        if bool(trajectory_id) == bool(session_id):
+            raise ValueError("give exactly one of trajectory_id and session_id")
+        self.flush()
+        now = time.time()
+        with self._transaction() as con:
+            if session_id:
+                settle.settle(con, self.validator_config, now)  # retry orphans first: reward a kept attempt
+                found = con.execute(
+                    """SELECT trajectory_id, status FROM trajectories WHERE session_id = ?
+                       ORDER BY consumed DESC, created_at DESC, trajectory_id DESC LIMIT 1""", [session_id]).fetchone()
+                if found is None:
+                    raise KeyError(f"no accepted trajectory in session {session_id!r}")
+            else:
+                found = con.execute("SELECT trajectory_id, status FROM trajectories WHERE trajectory_id = ?",
+                                    [trajectory_id]).fetchone()
+                if found is None:
+                    rejected = con.execute("SELECT reason FROM rejections WHERE trajectory_id = ? LIMIT 1",
+                                           [trajectory_id]).fetchone()
+                    if rejected:
+                        raise NotRewardable(f"trajectory {trajectory_id!r} was rejected ({rejected[0]}); it will never train")
+                    raise KeyError(f"unknown trajectory {trajectory_id!r}")
+            tid, status = found
+            if status != "pending":
+                raise NotRewardable(f"trajectory {tid!r} is already {status}; its reward can no longer change")
+            con.execute("UPDATE trajectories SET reward = ?, original_reward = ? WHERE trajectory_id = ?", [reward, reward, tid])
+            con.execute("INSERT INTO rewards VALUES (?, ?, ?, ?, ?)",
+                        [tid, session_id, reward, "session" if session_id else "trajectory", now])
+            settle.settle(con, self.validator_config, now)
+        return tid
+
+    def pull_batch(self, request: pull.PullRequest) -> pull.Batch:
+        if request.lease_seconds <= 0:
+            request.lease_seconds = self.validator_config.lease_seconds
+        self.flush()
+        with self._transaction() as con:
+            return pull.lease_batch(con, request, self.validator_config, time.time())
+
+    def ack_batch(self, lease_id: str) -> int:
+        with self._transaction() as con:
+            return pull.ack_lease(con, lease_id, time.time())
+
+    def record_train_step(self, step: int, trainer_id: str, version: int, lease_id: str, started_at: float,
+                          finished_at: float, stats_json: str) -> None:
+        """Write (or rewrite, after a trainer restart) one row of ``train_steps``."""
+        with self._transaction() as con:
+            con.execute("DELETE FROM train_steps WHERE step = ? AND trainer_id = ?", [step, trainer_id])
+            con.execute("INSERT INTO train_steps VALUES (?, ?, ?, ?, ?, ?, ?)",
+                        [step, trainer_id, version, lease_id, started_at, finished_at, stats_json])
+
+    @contextlib.contextmanager
+    def _transaction(self):
+        with self._db_lock:
+            self.con.execute("BEGIN TRANSACTION")
+            try:
+                yield self.con
+            except BaseException:
+                self.con.execute("ROLLBACK")
+                raise
+            self.con.execute("COMMIT")
 
     def stats(self) -> dict:
         """Counters over the whole ledger (folds first, so every acknowledged row counts)."""
@@ -277,6 +356,8 @@ class Ledger:
                 with self._unfolded_lock:
                     self._unfolded = batches + self._unfolded
                 raise
+            with self._transaction() as con:
+                settle.settle(con, self.validator_config, time.time())
         self._drop_folded_segments(include_current=False)
 
     def _fold_batches(self, batches: list[wal.LogBatch]) -> None:
@@ -290,11 +371,11 @@ class Ledger:
         try:
             if trajs:
                 cur.register("_fold_traj", pa.concat_tables(trajs))
-                cur.execute("INSERT INTO trajectories SELECT * FROM _fold_traj")
+                cur.execute("INSERT INTO trajectories BY NAME SELECT * FROM _fold_traj")
                 cur.unregister("_fold_traj")
             if rejs:
                 cur.register("_fold_rej", pa.concat_tables(rejs))
-                cur.execute("INSERT INTO rejections SELECT * FROM _fold_rej")
+                cur.execute("INSERT INTO rejections BY NAME SELECT * FROM _fold_rej")
                 cur.unregister("_fold_rej")
             for seg, n in marks.items():
                 cur.execute("INSERT OR REPLACE INTO _log_state VALUES (?, ?)", [seg, n])

@@ -83,7 +83,9 @@ def _columns_ddl(schema: pa.Schema) -> str:
 # the small control tables are written directly. `_log_state` is internal (the fold watermark of
 # the write-ahead log) and not part of the documented surface.
 DDL = [
-    f"CREATE TABLE IF NOT EXISTS trajectories (\n  {_columns_ddl(TRAJECTORY_SCHEMA)}\n)",
+    # `status` is the validator's lifecycle column (pending -> ready -> leased -> trained); it is
+    # not in the log schema: folds insert BY NAME and new rows start 'pending'.
+    f"CREATE TABLE IF NOT EXISTS trajectories (\n  {_columns_ddl(TRAJECTORY_SCHEMA)},\n  status VARCHAR DEFAULT 'pending'\n)",
     f"CREATE TABLE IF NOT EXISTS rejections (\n  {_columns_ddl(REJECTION_SCHEMA)}\n)",
     """CREATE TABLE IF NOT EXISTS rewards (
   trajectory_id VARCHAR, session_id VARCHAR, reward DOUBLE, source VARCHAR, set_at DOUBLE)""",

@@ -23,6 +23,7 @@ from rollbook.store.ledger import Ledger
 from rollbook.store.service import TrajectoryStoreService, handlers
 from rollbook.store.sql import QueryLimits
 from rollbook.validator.ingest import IngestConfig
+from rollbook.validator.settle import ValidatorConfig
 
 log = logging.getLogger("rollbook.store")
 
@@ -42,6 +43,8 @@ class StoreConfig(BaseModel):
     query_max_rows: int = Field(100_000, ge=1, description="Row cap of one Query; the last chunk says when it cut.")
     query_timeout_s: float = Field(30.0, gt=0, description="Per-query timeout in seconds.")
     ingest: IngestConfig = Field(default_factory=IngestConfig, description="Limits and tolerances of the ingest rules.")
+    validator: ValidatorConfig = Field(default_factory=ValidatorConfig, description="Group readiness, normalization and lease settings.")
+    validate_evidence: bool = Field(True, description="Run the evidence rules at ingest. Off only to measure their cost (env ROLLBOOK_BENCH_NOVALIDATE=1).")
 
     @model_validator(mode="after")
     def _keys_off_loopback(self) -> "StoreConfig":
@@ -54,7 +57,8 @@ class StoreConfig(BaseModel):
 
     @classmethod
     def from_env(cls, **overrides) -> "StoreConfig":
-        values = {"admin_key": os.environ.get("ROLLBOOK_ADMIN_KEY"), "trainer_key": os.environ.get("ROLLBOOK_TRAINER_KEY")}
+        values = {"admin_key": os.environ.get("ROLLBOOK_ADMIN_KEY"), "trainer_key": os.environ.get("ROLLBOOK_TRAINER_KEY"),
+                  "validate_evidence": os.environ.get("ROLLBOOK_BENCH_NOVALIDATE", "") != "1"}
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
 
@@ -69,7 +73,8 @@ def is_loopback(host: str) -> bool:
 
 
 def create_server(config: StoreConfig, ledger: Ledger | None = None) -> tuple[grpc.Server, int, Ledger]:
-    ledger = ledger or Ledger(config.db, ingest_config=config.ingest)
+    ledger = ledger or Ledger(config.db, ingest_config=config.ingest, validator_config=config.validator,
+                              validate=config.validate_evidence)
     service = TrajectoryStoreService(
         ledger,
         admin_key=config.admin_key,

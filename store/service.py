@@ -21,9 +21,10 @@ import pyarrow as pa
 from google.protobuf.message import DecodeError
 
 from rollbook.store.convert import decode
-from rollbook.store.ledger import Ledger, Outcome
+from rollbook.store.ledger import Ledger, NotRewardable, Outcome
 from rollbook.store.sql import QueryError, QueryLimits, run_query
 from rollbook.v1 import rollbook_pb2 as pb
+from rollbook.validator.pull import LeaseError, PullRequest, UnknownLease
 
 log = logging.getLogger("rollbook.store.service")
 
@@ -173,16 +174,55 @@ class TrajectoryStoreService:
             stats_json=json.dumps(stats, sort_keys=True),
         )
 
-    # ---- validator issue ------------------------------------------------------------------------
+    # ---- rewards and batches --------------------------------------------------------------------
 
     def SetReward(self, request, context):
-        context.abort(grpc.StatusCode.UNIMPLEMENTED, "SetReward arrives with the validator")
+        _check_parsed(request, context)
+        try:
+            tid = self.ledger.set_reward(request.reward, trajectory_id=request.trajectory_id, session_id=request.session_id)
+        except KeyError as exc:
+            context.abort(grpc.StatusCode.NOT_FOUND, str(exc.args[0]))
+        except NotRewardable as exc:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        except ValueError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return pb.SetRewardResponse(trajectory_id=tid)
 
     def PullBatch(self, request, context):
-        context.abort(grpc.StatusCode.UNIMPLEMENTED, "PullBatch arrives with the validator")
+        _check_parsed(request, context)
+        if request.num_samples == 0 and request.num_groups == 0:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "ask for num_samples > 0 or num_groups > 0")
+        if request.max_staleness < 0 or request.lease_seconds < 0:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "max_staleness and lease_seconds must be >= 0")
+        batch = self.ledger.pull_batch(PullRequest(
+            trainer_id=request.trainer_id, trainer_version=request.trainer_version, max_staleness=request.max_staleness,
+            num_samples=request.num_samples, num_groups=request.num_groups, step=request.step,
+            model_id=request.model_id, lease_seconds=request.lease_seconds))
+        payload = _ipc(batch.table.to_batches() or [pa.RecordBatch.from_pylist([], schema=batch.table.schema)])
+        return pb.PullBatchResponse(lease_id=batch.lease_id, arrow_ipc=payload, num_rows=batch.table.num_rows,
+                                    stats_json=json.dumps(batch.stats, sort_keys=True))
 
     def AckBatch(self, request, context):
-        context.abort(grpc.StatusCode.UNIMPLEMENTED, "AckBatch arrives with the validator")
+        _check_parsed(request, context)
+        try:
+            n = self.ledger.ack_batch(request.lease_id)
+        except UnknownLease as exc:
+            context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+        except LeaseError as exc:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        return pb.AckBatchResponse(num_rows=n)
+
+
+    def ReportTrainStep(self, request, context):
+        _check_parsed(request, context)
+        self._require(context, self.trainer_key, "trainer")
+        try:
+            json.loads(request.stats_json or "{}")
+        except json.JSONDecodeError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"stats_json is not JSON: {exc}")
+        self.ledger.record_train_step(request.step, request.trainer_id, request.version, request.lease_id,
+                                      request.started_at, request.finished_at, request.stats_json or "{}")
+        return pb.ReportTrainStepResponse()
 
 
 def _chunks(batches: Iterator[tuple[pa.RecordBatch, bool]]) -> Iterator[pb.QueryChunk]:
@@ -231,5 +271,6 @@ def handlers(service: TrajectoryStoreService) -> grpc.GenericRpcHandler:
             "PublishVersion": unary("PublishVersion", pb.PublishVersionRequest),
             "RegisterModel": unary("RegisterModel", pb.RegisterModelRequest),
             "GetStats": unary("GetStats", pb.GetStatsRequest),
+            "ReportTrainStep": unary("ReportTrainStep", pb.ReportTrainStepRequest),
         },
     )

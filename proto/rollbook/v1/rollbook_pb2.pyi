@@ -195,6 +195,28 @@ class RegisterModelResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class ReportTrainStepRequest(_message.Message):
+    __slots__ = ("step", "trainer_id", "version", "lease_id", "started_at", "finished_at", "stats_json")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    TRAINER_ID_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    STARTED_AT_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_AT_FIELD_NUMBER: _ClassVar[int]
+    STATS_JSON_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    trainer_id: str
+    version: int
+    lease_id: str
+    started_at: float
+    finished_at: float
+    stats_json: str
+    def __init__(self, step: _Optional[int] = ..., trainer_id: _Optional[str] = ..., version: _Optional[int] = ..., lease_id: _Optional[str] = ..., started_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., stats_json: _Optional[str] = ...) -> None: ...
+
+class ReportTrainStepResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class GetStatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

@@ -74,6 +74,11 @@ class TrajectoryStoreStub:
                 request_serializer=rollbook_dot_v1_dot_rollbook__pb2.GetStatsRequest.SerializeToString,
                 response_deserializer=rollbook_dot_v1_dot_rollbook__pb2.GetStatsResponse.FromString,
                 _registered_method=True)
+        self.ReportTrainStep = channel.unary_unary(
+                '/rollbook.v1.TrajectoryStore/ReportTrainStep',
+                request_serializer=rollbook_dot_v1_dot_rollbook__pb2.ReportTrainStepRequest.SerializeToString,
+                response_deserializer=rollbook_dot_v1_dot_rollbook__pb2.ReportTrainStepResponse.FromString,
+                _registered_method=True)
 
 
 class TrajectoryStoreServicer:
@@ -127,6 +132,13 @@ class TrajectoryStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportTrainStep(self, request, context):
+        """trainer key
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TrajectoryStoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -169,6 +181,11 @@ def add_TrajectoryStoreServicer_to_server(servicer, server):
                     servicer.GetStats,
                     request_deserializer=rollbook_dot_v1_dot_rollbook__pb2.GetStatsRequest.FromString,
                     response_serializer=rollbook_dot_v1_dot_rollbook__pb2.GetStatsResponse.SerializeToString,
+            ),
+            'ReportTrainStep': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportTrainStep,
+                    request_deserializer=rollbook_dot_v1_dot_rollbook__pb2.ReportTrainStepRequest.FromString,
+                    response_serializer=rollbook_dot_v1_dot_rollbook__pb2.ReportTrainStepResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -387,6 +404,33 @@ class TrajectoryStore:
             '/rollbook.v1.TrajectoryStore/GetStats',
             rollbook_dot_v1_dot_rollbook__pb2.GetStatsRequest.SerializeToString,
             rollbook_dot_v1_dot_rollbook__pb2.GetStatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportTrainStep(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rollbook.v1.TrajectoryStore/ReportTrainStep',
+            rollbook_dot_v1_dot_rollbook__pb2.ReportTrainStepRequest.SerializeToString,
+            rollbook_dot_v1_dot_rollbook__pb2.ReportTrainStepResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,181 @@
+"""Serving validated batches to the trainer: ``lease_batch`` and ``ack_lease``.
+
+``lease_batch`` (inside the ledger's transaction): expire old leases, settle groups, reject what
+has gone stale for this trainer version, pick whole ready groups (oldest first) up to the asked
+number of samples or groups, normalize their rewards (``validator.normalize``; singletons follow the
+configured policy), write the normalized reward back beside ``original_reward``, record the lease
+per row in ``leases``, and return the rows as Arrow with rejection-aware statistics.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+
+import duckdb
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from rollbook.validator.normalize import normalize_rewards
+from rollbook.validator.reasons import Reason
+from rollbook.validator.settle import GROUP_KEY, ValidatorConfig, expire_leases, reject_rows, reject_stale, settle
+
+# Columns served to the trainer (docs/schema.md describes them; `advantage` is the normalized
+# sequence-level reward, broadcast over the output tokens by the trainer).
+BATCH_COLUMNS = [
+    "trajectory_id", "group_id", "task_id", "domain", "model_id", "prompt_token_ids", "output_token_ids",
+    "output_logprobs", "output_versions", "min_version", "temperature", "top_p", "top_k", "original_reward",
+]
+
+
+class LeaseError(ValueError):
+    """The lease cannot be acknowledged: it expired and its rows went to another lease."""
+
+
+class UnknownLease(LeaseError):
+    """No such lease."""
+
+
+@dataclass
+class PullRequest:
+    trainer_id: str
+    trainer_version: int
+    max_staleness: int
+    num_samples: int
+    num_groups: int
+    step: int
+    model_id: str
+    lease_seconds: float
+
+
+@dataclass
+class Batch:
+    lease_id: str
+    table: pa.Table
+    stats: dict
+
+
+def lease_batch(con: duckdb.DuckDBPyConnection, req: PullRequest, config: ValidatorConfig, now: float) -> Batch:
+    events = {"expired_rows": expire_leases(con, now)}
+    events.update(settle(con, config, now))
+    events["stale"] = reject_stale(con, req.model_id, req.trainer_version, req.max_staleness, now)
+    rows = _pick_groups(con, req)
+    if rows.num_rows == 0:
+        return Batch("", rows, {"events": events, "num_samples": 0})
+    gkeys = np.asarray(rows.column("gkey").to_pylist(), dtype=object)
+    raw = rows.column("original_reward").to_numpy(zero_copy_only=False).astype(np.float64)
+    norm = normalize_rewards(raw, gkeys, config.norm)
+    if norm.dropped.any():
+        dropped = pa.table({"trajectory_id": rows.column("trajectory_id").filter(pa.array(norm.dropped))})
+        con.register("_dropped", dropped)
+        events["singletons_dropped"] = reject_rows(
+            con, "SELECT trajectory_id, 'group of one; singleton_policy drop' AS detail FROM _dropped",
+            Reason.SINGLETON_DROPPED, "pull", now)
+        con.unregister("_dropped")
+        keep = pa.array(~norm.dropped)
+        rows, norm_values, raw = rows.filter(keep), norm.normalized[~norm.dropped], raw[~norm.dropped]
+    else:
+        norm_values = norm.normalized
+    lease_id = uuid.uuid4().hex
+    table = rows.drop_columns(["gkey"]).append_column("reward", pa.array(norm_values, pa.float64()))
+    table = table.append_column("advantage", pa.array(norm_values, pa.float32()))
+    _record_lease(con, table, lease_id, req, now)
+    return Batch(lease_id, table, _batch_stats(con, table, raw, norm_values, req, events))
+
+
+def _pick_groups(con: duckdb.DuckDBPyConnection, req: PullRequest) -> pa.Table:
+    """Whole ready groups, oldest first, up to num_groups or num_samples (at least one group)."""
+    model_filter = "AND model_id = $model" if req.model_id else ""
+    # a prefix of the groups in age order: up to n groups, or while the running row count fits in
+    # n samples (the first group always, so a group larger than n is not stuck forever)
+    limit = "g.rank <= $n" if req.num_groups else "(g.upto <= $n OR g.rank = 1)"
+    params: dict = {"n": req.num_groups or req.num_samples}
+    if req.model_id:
+        params["model"] = req.model_id
+    return con.sql(
+        f"""WITH ready AS (
+              SELECT *, {GROUP_KEY} AS gkey FROM trajectories WHERE status = 'ready' {model_filter}),
+            g AS (SELECT gkey, count(*) AS n, min(received_at) AS first_at FROM ready GROUP BY gkey),
+            ordered AS (
+              SELECT gkey, row_number() OVER (ORDER BY first_at, gkey) AS rank,
+                     sum(n) OVER (ORDER BY first_at, gkey) AS upto
+              FROM g)
+            SELECT {', '.join('r.' + c for c in BATCH_COLUMNS)}, r.gkey
+            FROM ready r JOIN ordered g USING (gkey)
+            WHERE {limit}
+            ORDER BY g.rank, r.trajectory_id""",
+        params=params,
+    ).to_arrow_table()
+
+
+def _record_lease(con: duckdb.DuckDBPyConnection, table: pa.Table, lease_id: str, req: PullRequest, now: float) -> None:
+    ids = pa.table({"trajectory_id": table.column("trajectory_id"), "reward": table.column("reward")})
+    con.register("_leased", ids)
+    con.execute(
+        """INSERT INTO leases SELECT ?, trajectory_id, ?, ?, ?, ?, ?, NULL, NULL FROM _leased""",
+        [lease_id, req.trainer_id, req.step, req.trainer_version, now, now + req.lease_seconds],
+    )
+    con.execute(
+        """UPDATE trajectories SET status = 'leased', reward = _leased.reward
+           FROM _leased WHERE trajectories.trajectory_id = _leased.trajectory_id"""
+    )
+    con.unregister("_leased")
+
+
+def _batch_stats(con, table: pa.Table, raw: np.ndarray, normalized: np.ndarray, req: PullRequest, events: dict) -> dict:
+    tokens = int(pc.sum(pc.list_value_length(table.column("output_token_ids"))).as_py() or 0)
+    staleness = req.trainer_version - table.column("min_version").to_numpy()
+    hist = {str(int(k)): int(v) for k, v in zip(*np.unique(staleness, return_counts=True))}
+    return {
+        "events": events,
+        "num_samples": table.num_rows,
+        "num_groups": len(set(table.column("group_id").to_pylist())),
+        "num_tokens": tokens,
+        "staleness_histogram": hist,
+        "reward/mean_before": float(raw.mean()) if len(raw) else None,
+        "reward/mean_after": float(normalized.mean()) if len(normalized) else None,
+        "ledger": ledger_token_stats(con),
+    }
+
+
+def ledger_token_stats(con: duckdb.DuckDBPyConnection) -> dict:
+    """Rejection-aware token counts over the whole ledger."""
+    (valid,) = con.execute("SELECT coalesce(sum(num_output_tokens), 0) FROM trajectories").fetchone()
+    by_reason = dict(con.execute(
+        "SELECT reason, coalesce(sum(num_output_tokens), 0) FROM rejections GROUP BY reason").fetchall())
+    rejected = int(sum(by_reason.values()))
+    total = int(valid) + rejected
+    return {
+        "total_tokens": total,
+        "valid_tokens": int(valid),
+        "rejected_tokens": rejected,
+        "rejected_tokens_by_reason": {k: int(v) for k, v in by_reason.items()},
+        "masked_token_ratio": rejected / total if total else 0.0,
+    }
+
+
+def ack_lease(con: duckdb.DuckDBPyConnection, lease_id: str, now: float) -> int:
+    """Mark a lease's rows trained. Idempotent; an expired lease whose rows were not re-leased is
+    still accepted (the trainer checkpointed it), otherwise ``LeaseError``."""
+    rows = con.execute(
+        "SELECT count(*), count(acked_at), count(expired_at) FROM leases WHERE lease_id = ?", [lease_id]).fetchone()
+    total, acked, expired = (int(x) for x in rows)
+    if total == 0:
+        raise UnknownLease(f"unknown lease {lease_id!r}")
+    if acked == total:
+        return total
+    if expired:
+        (taken,) = con.execute(
+            """SELECT count(*) FROM leases a JOIN leases b USING (trajectory_id)
+               WHERE a.lease_id = ? AND b.lease_id <> ? AND b.issued_at > a.issued_at""", [lease_id, lease_id]).fetchone()
+        trained = con.execute(
+            """SELECT count(*) FROM trajectories WHERE status IN ('trained') AND trajectory_id IN
+               (SELECT trajectory_id FROM leases WHERE lease_id = ?)""", [lease_id]).fetchone()[0]
+        if taken or trained:
+            raise LeaseError(f"lease {lease_id} expired and its rows went to another lease; do not train on it")
+    con.execute("UPDATE leases SET acked_at = ?, expired_at = NULL WHERE lease_id = ?", [now, lease_id])
+    con.execute(
+        "UPDATE trajectories SET status = 'trained' WHERE trajectory_id IN (SELECT trajectory_id FROM leases WHERE lease_id = ?)",
+        [lease_id])
+    return total

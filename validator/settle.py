@@ -1,0 +1,176 @@
+"""Group- and pull-time evidence rules over the ledger's DuckDB tables.
+
+A stored trajectory moves ``pending`` -> ``ready`` -> ``leased`` -> ``trained`` (column
+``trajectories.status``), or leaves ``trajectories`` for ``rejections`` with a reason:
+
+- ``settle`` (after every fold and before every pull): retry orphans first (attempts of one
+  ``request_id`` that the caller did not consume, or, when none is marked, all but the latest by
+  ``created_at``: ``RETRY_ORPHAN``), then groups whose members are all in and rewarded become
+  ``ready``; the incomplete-group policy handles the others (``INCOMPLETE_GROUP``).
+- ``expire_leases``: unacked leases past their time return their rows to ``ready``.
+- ``reject_stale``: rows the trainer can no longer use (``trainer_version - min_version > eta``)
+  become ``STALE``; versions only grow, so a stale row never becomes fresh again.
+
+Every function runs inside the caller's DuckDB transaction and takes ``now`` explicitly.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import duckdb
+from pydantic import BaseModel, Field
+
+from rollbook.validator.normalize import NormConfig
+from rollbook.validator.reasons import Reason
+
+GROUP_KEY = "CASE WHEN group_id = '' THEN 'traj:' || trajectory_id ELSE group_id END"
+
+
+class ValidatorConfig(BaseModel):
+    """Group readiness, normalization and lease settings of the store."""
+
+    norm: NormConfig = Field(default_factory=NormConfig, description="Grouped reward normalization applied when rows are served.")
+    incomplete_group_policy: Literal["wait", "drop", "keep"] = Field(
+        "wait",
+        description="wait: wait for missing members up to group_timeout_s, then reject the group as INCOMPLETE_GROUP. "
+        "drop: reject a group as soon as all its present members are rewarded but it is short of group_size. "
+        "keep: after group_timeout_s serve the group with its true size (members still unrewarded then are INCOMPLETE_GROUP).",
+    )
+    group_timeout_s: float = Field(600.0, gt=0, description="How long a group may wait for members (wait / keep), from its first member's arrival.")
+    lease_seconds: float = Field(300.0, gt=0, description="Default lease time; unacked leases expire and their rows return.")
+
+
+def reject_rows(con: duckdb.DuckDBPyConnection, select_sql: str, reason: Reason, stage: str, now: float,
+                params: list | None = None) -> int:
+    """Move rows out of ``trajectories`` into ``rejections``. ``select_sql`` yields
+    ``(trajectory_id, detail)``."""
+    con.execute(f"CREATE OR REPLACE TEMP TABLE _reject AS {select_sql}", params or [])
+    (n,) = con.execute("SELECT count(*) FROM _reject").fetchone()
+    if n:
+        con.execute(
+            """INSERT INTO rejections BY NAME
+               SELECT t.trajectory_id, ? AS reason, r.detail, ? AS stage, t.session_id, t.group_id, t.request_id,
+                      t.model_id, t.domain, t.worker_id, t.num_output_tokens::BIGINT AS num_output_tokens, ? AS rejected_at
+               FROM trajectories t JOIN _reject r USING (trajectory_id)""",
+            [str(reason), stage, now],
+        )
+        con.execute("DELETE FROM trajectories WHERE trajectory_id IN (SELECT trajectory_id FROM _reject)")
+    con.execute("DROP TABLE _reject")
+    return int(n)
+
+
+def settle(con: duckdb.DuckDBPyConnection, config: ValidatorConfig, now: float) -> dict[str, int]:
+    """Resolve retry orphans, then promote complete groups to ``ready``; returns counts."""
+    counts = {"retry_orphans": _retry_orphans(con, now)}
+    counts["incomplete_groups"] = _incomplete_groups(con, config, now)
+    counts["ready"] = _promote_ready(con, config, now)
+    return counts
+
+
+def _retry_orphans(con: duckdb.DuckDBPyConnection, now: float) -> int:
+    # Rank the attempts of every request that has a pending attempt: an attempt already served wins
+    # (it cannot be taken back), then a consumed one, then the latest created_at.
+    return reject_rows(
+        con,
+        """WITH touched AS (SELECT DISTINCT request_id FROM trajectories WHERE status = 'pending' AND request_id <> ''),
+           ranked AS (
+             SELECT trajectory_id, status, attempt, request_id,
+                    row_number() OVER w AS rk, first_value(trajectory_id) OVER w AS kept,
+                    first_value(consumed) OVER w AS kept_consumed
+             FROM trajectories JOIN touched USING (request_id)
+             WINDOW w AS (PARTITION BY request_id ORDER BY (status <> 'pending') DESC, consumed DESC,
+                          created_at DESC, trajectory_id DESC))
+           SELECT trajectory_id,
+                  'attempt ' || attempt || ' of request ' || request_id || ' is not the one kept: ' || kept ||
+                  CASE WHEN kept_consumed THEN ' (consumed by the caller)' ELSE ' (latest created_at, none marked consumed)' END AS detail
+           FROM ranked WHERE rk > 1 AND status = 'pending'""",
+        Reason.RETRY_ORPHAN, "group", now,
+    )
+
+
+_GROUP_STATE = f"""
+    SELECT {GROUP_KEY} AS gkey, greatest(max(group_size), 1) AS expected, count(*) AS members,
+           count(original_reward) AS rewarded, min(received_at) AS first_at,
+           bool_or(status = 'pending') AS has_pending
+    FROM trajectories GROUP BY gkey"""
+
+
+def _incomplete_groups(con: duckdb.DuckDBPyConnection, config: ValidatorConfig, now: float) -> int:
+    policy = config.incomplete_group_policy
+    if policy == "drop":
+        condition = "members < expected AND rewarded = members"
+        detail = "'group has ' || members || ' of ' || expected || ' members, all rewarded; policy drop'"
+    elif policy == "wait":
+        condition = f"members < expected AND first_at < {now - config.group_timeout_s!r}"
+        detail = f"'group has ' || members || ' of ' || expected || ' members after {config.group_timeout_s:g} s; policy wait'"
+    else:  # keep: after the timeout only the unrewarded members are lost
+        return reject_rows(
+            con,
+            f"""WITH g AS ({_GROUP_STATE})
+                SELECT t.trajectory_id, 'no reward after {config.group_timeout_s:g} s; policy keep serves the rest' AS detail
+                FROM trajectories t JOIN g ON g.gkey = {_t_key()}
+                WHERE g.has_pending AND t.status = 'pending' AND t.original_reward IS NULL
+                  AND g.first_at < {now - config.group_timeout_s!r}""",
+            Reason.INCOMPLETE_GROUP, "group", now,
+        )
+    return reject_rows(
+        con,
+        f"""WITH g AS ({_GROUP_STATE})
+            SELECT t.trajectory_id, {detail} AS detail
+            FROM trajectories t JOIN g ON g.gkey = {_t_key()}
+            WHERE g.has_pending AND t.status = 'pending' AND {condition}""",
+        Reason.INCOMPLETE_GROUP, "group", now,
+    )
+
+
+def _promote_ready(con: duckdb.DuckDBPyConnection, config: ValidatorConfig, now: float) -> int:
+    complete = "members >= expected"
+    if config.incomplete_group_policy == "keep":
+        complete = f"(members >= expected OR first_at < {now - config.group_timeout_s!r})"
+    con.execute(
+        f"""CREATE OR REPLACE TEMP TABLE _ready AS
+            WITH g AS ({_GROUP_STATE})
+            SELECT gkey, expected, members FROM g WHERE has_pending AND rewarded = members AND {complete}"""
+    )
+    (n,) = con.execute(
+        f"""UPDATE trajectories SET status = 'ready'
+            WHERE status = 'pending' AND {GROUP_KEY} IN (SELECT gkey FROM _ready)"""
+    ).fetchone()
+    con.execute(
+        """INSERT OR REPLACE INTO groups
+           SELECT gkey, expected, members, members, 'ready', ?, NULL FROM _ready""",
+        [now],
+    )
+    con.execute("DROP TABLE _ready")
+    return int(n)
+
+
+def expire_leases(con: duckdb.DuckDBPyConnection, now: float) -> int:
+    """Unacked leases past ``expires_at`` are expired; their rows return to ``ready``."""
+    con.execute(
+        "UPDATE leases SET expired_at = ? WHERE acked_at IS NULL AND expired_at IS NULL AND expires_at < ?", [now, now]
+    )
+    (n,) = con.execute(
+        """UPDATE trajectories SET status = 'ready'
+           WHERE status = 'leased' AND trajectory_id NOT IN (
+             SELECT trajectory_id FROM leases WHERE acked_at IS NULL AND expired_at IS NULL)"""
+    ).fetchone()
+    return int(n)
+
+
+def reject_stale(con: duckdb.DuckDBPyConnection, model_id: str, trainer_version: int, max_staleness: int, now: float) -> int:
+    model_filter = "AND model_id = ?" if model_id else ""
+    params = [trainer_version, max_staleness] + ([model_id] if model_id else [])
+    return reject_rows(
+        con,
+        f"""SELECT trajectory_id,
+                   'trainer version ' || $1 || ' minus oldest token version ' || min_version || ' = ' ||
+                   ($1 - min_version) || ' > max_staleness ' || $2 AS detail
+            FROM trajectories WHERE status IN ('pending', 'ready') AND $1 - min_version > $2 {model_filter.replace('?', '$3')}""",
+        Reason.STALE, "pull", now, params,
+    )
+
+
+def _t_key() -> str:
+    return "CASE WHEN t.group_id = '' THEN 'traj:' || t.trajectory_id ELSE t.group_id END"
