@@ -1,0 +1,307 @@
+"""Pure loss functions of the trainer: decoupled PPO and multi-teacher on-policy distillation.
+
+Tensors in, ``(loss, stats)`` out: no model, no optimizer, no config object. The step loop calls
+them per micro-batch on packed tokens, shape ``[T]`` (any shape works if every argument has the
+same one). Three policies appear in the arguments, named as in DESIGN.md "Trainer":
+
+- behavior: sampled the tokens; its log-probs come from the rollout engine through the store;
+- proximal: the trainer's weights before this update (recomputed, or the log-linear approximation of
+  ``rollbook.trainer.proximal``);
+- current: the weights being optimized. ``logprobs`` is the only argument gradients flow into; every
+  other tensor is detached here, even when it requires grad.
+
+Conventions shared by every loss here:
+
+- Token mean over ``loss_mask`` (bool or 0/1). The denominator is the number of tokens in the
+  ORIGINAL mask, even when ``behavior_weight_action="mask"`` drops tokens from the numerator
+  (AReaL's convention: a dropped token counts as a zero contribution, so dropping tokens never
+  inflates the others). With no valid token the loss is 0 and still has a grad_fn. To weight
+  micro-batches by token count across a step, scale each loss by
+  ``stats[".../num_valid_tokens"] / total_valid_tokens``.
+- Values at masked positions are never read: padding may hold anything, nan included.
+- Log-ratios (current/proximal, proximal/behavior, teacher/current) are clamped to
+  ``[-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP]``, so no ratio, advantage or stat is inf or nan (a -inf
+  log-prob included, as long as the two sides of a ratio are not both -inf); beyond the clamp the
+  gradient is zero.
+- Arithmetic is float32 (or float64 when given); stats are a flat dict with ``/`` keys whose values
+  are detached 0-d tensors (no device sync; call ``.item()`` when logging).
+
+Tests: ``python -m pytest tests/unit/trainer -q``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal
+
+import torch
+
+LOG_RATIO_CLAMP = 20.0
+"""exp(20) ~ 4.9e8: far beyond any cap or clip, still finite in float32 and bfloat16."""
+
+BehaviorWeightAction = Literal["mask", "clamp"]
+LossOutput = tuple[torch.Tensor, dict[str, torch.Tensor]]
+
+
+def decoupled_ppo_loss(
+    logprobs: torch.Tensor,
+    proximal_logprobs: torch.Tensor,
+    behavior_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    *,
+    eps_clip: float,
+    eps_clip_high: float | None = None,
+    behavior_weight_cap: float | None = None,
+    behavior_weight_action: BehaviorWeightAction = "mask",
+    dual_clip: float | None = None,
+) -> LossOutput:
+    """Decoupled PPO loss, AReaL Eq. 5 (https://arxiv.org/abs/2505.24298).
+
+    Per valid token: ``w * max(-A*u, -A*clip(u, 1-eps_clip, 1+eps_clip_high))`` with
+    ``u = pi_current / pi_proximal`` and ``w = pi_proximal / pi_behavior`` (detached). With the dual
+    clip ``c``, tokens with ``A < 0`` take ``min(that, -c*A)`` before ``w`` multiplies. Then the
+    token mean (see the module docstring for the denominator).
+
+    Args:
+        logprobs: current policy, ``[T]``; log-probs of the sampled tokens; carries the gradient.
+        proximal_logprobs: proximal policy, ``[T]``.
+        behavior_logprobs: behavior policy, ``[T]``.
+        advantages: ``[T]``, one per token (a sequence's advantage repeated over its tokens).
+        loss_mask: ``[T]``, bool or 0/1; false for prompt tokens and padding.
+        eps_clip: lower clip, ``u >= 1 - eps_clip``; in (0, 1).
+        eps_clip_high: upper clip, ``u <= 1 + eps_clip_high``; defaults to ``eps_clip``.
+        behavior_weight_cap: upper bound on ``w``; None means uncapped.
+        behavior_weight_action: above the cap, "mask" drops the token from the numerator,
+            "clamp" uses ``w = cap``.
+        dual_clip: ``c > 1`` bounding negative-advantage tokens' loss by ``-c*A``; None is off.
+
+    Returns:
+        The scalar loss and ``ppo/*`` stats.
+    """
+    eps_high = eps_clip if eps_clip_high is None else eps_clip_high
+    _check_ppo_options(eps_clip, eps_high, dual_clip)
+    _check_cap_options(behavior_weight_cap, behavior_weight_action)
+    mask, (logp, prox, behav, adv) = _prepare(
+        loss_mask, logprobs, proximal_logprobs, behavior_logprobs, advantages
+    )
+    ratio = _exp_clamped(logp - prox)
+    raw_weight = _exp_clamped(prox - behav)
+    weight, keep, capped = _cap_behavior_weight(
+        raw_weight, mask, behavior_weight_cap, behavior_weight_action
+    )
+    unclipped = -adv * ratio
+    clipped = -adv * ratio.clamp(1.0 - eps_clip, 1.0 + eps_high)
+    is_clipped = clipped > unclipped
+    per_token = torch.where(is_clipped, clipped, unclipped)
+    is_dual = torch.zeros_like(mask)
+    if dual_clip is not None:
+        dual = -dual_clip * adv
+        is_dual = (adv < 0) & (dual < per_token)
+        per_token = torch.where(is_dual, dual, per_token)
+    loss = _token_mean(weight * per_token, keep, mask)
+    stats = _shared_stats("ppo", loss, logp, prox, raw_weight, mask, keep, capped)
+    stats["ppo/clip_frac"] = _fraction(is_clipped, keep)
+    stats["ppo/dual_clip_frac"] = _fraction(is_dual, keep)
+    return loss, stats
+
+
+def mopd_loss(
+    logprobs: torch.Tensor,
+    proximal_logprobs: torch.Tensor,
+    behavior_logprobs: torch.Tensor,
+    teacher_logprobs: torch.Tensor,
+    loss_mask: torch.Tensor,
+    *,
+    adv_clip: float,
+    behavior_weight_cap: float | None = None,
+    behavior_weight_action: BehaviorWeightAction = "mask",
+) -> LossOutput:
+    """Multi-teacher on-policy distillation loss (MOPD), with AReaL's decoupled importance ratio.
+
+    Per valid token: ``A_T = clip(log pi_teacher - sg(log pi_current), -c, c)`` and
+    ``-rho * A_T`` with ``rho = u * w``: ``u = pi_current / pi_proximal`` keeps its gradient,
+    ``w = pi_proximal / pi_behavior`` is detached and capped as in ``decoupled_ppo_loss``. Then the
+    token mean. The gradient per token is ``-rho * A_T / T_valid``: a policy gradient whose
+    advantage is the teacher-student log-prob gap. The decoupled ratio is AReaL Eq. 5,
+    https://arxiv.org/abs/2505.24298.
+    The caller combines it with the RL loss (``combined_loss``).
+
+    Args:
+        logprobs: current policy, ``[T]``; carries the gradient.
+        proximal_logprobs: proximal policy, ``[T]``.
+        behavior_logprobs: behavior policy, ``[T]``.
+        teacher_logprobs: teacher policy, ``[T]``: the teacher's log-probs of the student's sampled
+            tokens (one teacher per token by domain routing, or ``mix_teacher_logprobs``).
+        loss_mask: ``[T]``, bool or 0/1.
+        adv_clip: ``c > 0`` bounding the teacher advantage (AReaL's mopd_adv_clip, 5.0).
+        behavior_weight_cap: upper bound on ``w``; None means uncapped.
+        behavior_weight_action: "mask" or "clamp", as in ``decoupled_ppo_loss``.
+
+    Returns:
+        The scalar loss and ``mopd/*`` stats.
+    """
+    _check_positive("adv_clip", adv_clip)
+    _check_cap_options(behavior_weight_cap, behavior_weight_action)
+    mask, (logp, prox, behav, teacher) = _prepare(
+        loss_mask, logprobs, proximal_logprobs, behavior_logprobs, teacher_logprobs
+    )
+    gap = _clamp_log_ratio(teacher - logp.detach())
+    adv = gap.clamp(-adv_clip, adv_clip)
+    raw_weight = _exp_clamped(prox - behav)
+    weight, keep, capped = _cap_behavior_weight(
+        raw_weight, mask, behavior_weight_cap, behavior_weight_action
+    )
+    rho = _exp_clamped(logp - prox) * weight
+    loss = _token_mean(-rho * adv, keep, mask)
+    stats = _shared_stats("mopd", loss, logp, prox, raw_weight, mask, keep, capped)
+    stats["mopd/teacher_gap_mean"] = _masked_mean(gap, mask)
+    stats["mopd/adv_clip_frac"] = _fraction(gap.abs() > adv_clip, keep)
+    return loss, stats
+
+
+def mix_teacher_logprobs(
+    teacher_logprobs: torch.Tensor, weights: Sequence[float] | torch.Tensor
+) -> torch.Tensor:
+    """Mixture routing: log-probs of the arithmetic mixture ``sum_j w_j * pi_Tj``.
+
+    Computes ``logsumexp_j(log pi_Tj + log w_j)`` with the weights normalized to sum to 1.
+
+    Args:
+        teacher_logprobs: ``[K, T]`` (or ``[K, ...]``), teacher j's log-probs of the sampled tokens.
+        weights: ``K`` positive, finite mixture weights, in any scale.
+
+    Returns:
+        ``[T]`` (or ``[...]``): the mixture's log-probs, for ``mopd_loss(teacher_logprobs=...)``.
+    """
+    w = torch.as_tensor(weights, dtype=torch.float64).detach().cpu()
+    if teacher_logprobs.ndim == 0 or w.shape != (teacher_logprobs.shape[0],):
+        raise ValueError(
+            f"need one weight per teacher: weights shape {tuple(w.shape)}, "
+            f"teacher_logprobs shape {tuple(teacher_logprobs.shape)} (teachers on dim 0)"
+        )
+    if not bool((torch.isfinite(w) & (w > 0)).all()):
+        raise ValueError(f"mixture weights must be positive and finite, got {w.tolist()}")
+    dtype = torch.promote_types(teacher_logprobs.dtype, torch.float32)
+    log_w = (w / w.sum()).log().to(device=teacher_logprobs.device, dtype=dtype)
+    log_w = log_w.view(-1, *([1] * (teacher_logprobs.ndim - 1)))
+    return torch.logsumexp(teacher_logprobs.to(dtype) + log_w, dim=0)
+
+
+def combined_loss(
+    rl: LossOutput, distill: LossOutput, *, rl_coef: float, distill_coef: float
+) -> LossOutput:
+    """``L = rl_coef * L_RL + distill_coef * L_MOPD``, stats merged (AReaL's MOPD example: 0 / 1).
+
+    Args:
+        rl: the output of ``decoupled_ppo_loss``.
+        distill: the output of ``mopd_loss`` on the same tokens.
+        rl_coef: weight of the RL loss.
+        distill_coef: weight of the distillation loss.
+    """
+    loss = rl_coef * rl[0] + distill_coef * distill[0]
+    return loss, {**rl[1], **distill[1], "loss/total": loss.detach()}
+
+
+# --- private helpers ---------------------------------------------------------------------------
+
+
+def _prepare(
+    loss_mask: torch.Tensor, logprobs: torch.Tensor, *others: torch.Tensor
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Bool mask, and the tensors upcast, masked positions zeroed; only ``logprobs`` keeps grad."""
+    for tensor in (logprobs, *others):
+        if tensor.shape != loss_mask.shape:
+            raise ValueError(
+                f"every argument must have loss_mask's shape {tuple(loss_mask.shape)}, "
+                f"got {tuple(tensor.shape)}"
+            )
+    mask = loss_mask.bool()
+    dtype = torch.promote_types(logprobs.dtype, torch.float32)
+    tensors = [logprobs] + [t.detach() for t in others]
+    return mask, [torch.where(mask, t.to(dtype), 0.0) for t in tensors]
+
+
+def _clamp_log_ratio(log_ratio: torch.Tensor) -> torch.Tensor:
+    return log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+
+
+def _exp_clamped(log_ratio: torch.Tensor) -> torch.Tensor:
+    return _clamp_log_ratio(log_ratio).exp()
+
+
+def _cap_behavior_weight(
+    weight: torch.Tensor, mask: torch.Tensor, cap: float | None, action: BehaviorWeightAction
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns (weight to use, tokens kept in the numerator, valid tokens above the cap)."""
+    if cap is None:
+        return weight, mask, torch.zeros_like(mask)
+    capped = mask & (weight > cap)
+    if action == "mask":
+        return weight, mask & ~capped, capped
+    return weight.clamp(max=cap), mask, capped
+
+
+def _token_mean(values: torch.Tensor, keep: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    # where, not multiply: a dropped token's value may be huge and 0 * inf is nan.
+    return torch.where(keep, values, 0.0).sum() / mask.sum().clamp(min=1)
+
+
+def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return _token_mean(values.detach(), mask, mask)
+
+
+def _masked_max(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Max over valid tokens of non-negative values; 0 when there is none."""
+    valid = torch.where(mask, values.detach(), 0.0).flatten()
+    return torch.cat([valid.new_zeros(1), valid]).amax()
+
+
+def _fraction(flags: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return (flags & mask).sum() / mask.sum().clamp(min=1)
+
+
+def _shared_stats(
+    prefix: str,
+    loss: torch.Tensor,
+    logp: torch.Tensor,
+    prox: torch.Tensor,
+    raw_weight: torch.Tensor,
+    mask: torch.Tensor,
+    keep: torch.Tensor,
+    capped: torch.Tensor,
+) -> dict[str, torch.Tensor]:
+    """Stats both losses report. Importance weight: pi_prox/pi_behav before the cap, valid tokens.
+
+    approx_kl is the k3 estimator of KL(proximal || current), ``u - 1 - log u`` (never negative).
+    """
+    log_ratio = _clamp_log_ratio(logp.detach() - prox)
+    return {
+        f"{prefix}/loss": loss.detach(),
+        f"{prefix}/num_valid_tokens": mask.sum().to(raw_weight.dtype),
+        f"{prefix}/num_loss_tokens": keep.sum().to(raw_weight.dtype),
+        f"{prefix}/behavior_weight_capped_frac": _fraction(capped, mask),
+        f"{prefix}/importance_weight_mean": _masked_mean(raw_weight, mask),
+        f"{prefix}/importance_weight_max": _masked_max(raw_weight, mask),
+        f"{prefix}/approx_kl": _masked_mean(log_ratio.exp() - 1.0 - log_ratio, mask),
+    }
+
+
+def _check_ppo_options(eps_clip: float, eps_clip_high: float, dual_clip: float | None) -> None:
+    if not 0.0 < eps_clip < 1.0:
+        raise ValueError(f"eps_clip must be in (0, 1) so that 1 - eps_clip > 0, got {eps_clip}")
+    _check_positive("eps_clip_high", eps_clip_high)
+    if dual_clip is not None and not dual_clip > 1.0:
+        raise ValueError(f"dual_clip must be > 1 (or None to turn it off), got {dual_clip}")
+
+
+def _check_cap_options(cap: float | None, action: str) -> None:
+    if cap is not None:
+        _check_positive("behavior_weight_cap", cap)
+    if action not in ("mask", "clamp"):
+        raise ValueError(f"behavior_weight_action must be 'mask' or 'clamp', got {action!r}")
+
+
+def _check_positive(name: str, value: float) -> None:
+    if not value > 0.0:
+        raise ValueError(f"{name} must be > 0, got {value}")
