@@ -56,6 +56,47 @@ def _demo(args: argparse.Namespace) -> int:
     return run_demo(args)
 
 
+def _run(args: argparse.Namespace, overrides: list[str]) -> int:
+    from rollbook.config import RunConfig, load_config
+    from rollbook.logs import setup_logging
+
+    config = load_config(RunConfig, args.config, overrides)  # validated before torch is imported
+    setup_logging(args.log_level)
+    from rollbook.run import run
+
+    run(config)
+    return 0
+
+
+def _train(args: argparse.Namespace, overrides: list[str]) -> int:
+    from rollbook.config import load_config, write_resolved
+    from rollbook.logs import setup_logging
+    from rollbook.trainer.config import TrainerConfig
+
+    config = load_config(TrainerConfig, args.config, overrides)
+    if config.trainer_key is None:
+        config.trainer_key = os.environ.get("ROLLBOOK_TRAINER_KEY")
+    setup_logging(args.log_level)
+    write_resolved(config, config.run_dir)
+    from rollbook.trainer.main import train
+
+    train(config)
+    return 0
+
+
+def _rollout(args: argparse.Namespace, overrides: list[str]) -> int:
+    from rollbook.config import load_config
+    from rollbook.logs import setup_logging
+    from rollbook.rollout.standalone import WorkerConfig
+
+    config = load_config(WorkerConfig, args.config, overrides)
+    setup_logging(args.log_level)
+    from rollbook.rollout.standalone import run_worker
+
+    run_worker(config)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rollbook", description="A durable, queryable trajectory store for RL on language models.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -83,6 +124,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--server", default=os.environ.get("ROLLBOOK_SERVER", DEFAULT_SERVER))
     p.set_defaults(func=_stats)
 
+    p = sub.add_parser("run", help="the whole loop on one machine: store + rollout + trainer on RUN_DIR/rollbook.duckdb",
+                       description="Run store, rollout and trainer on one machine. Any config field can be overridden "
+                       "with a dotted flag, e.g. --num_steps 10 --trainer.lr 1e-3 --rollout.group_size 4.")
+    p.add_argument("--config", default=None, help="TOML run config (see configs/); defaults apply without one")
+    p.add_argument("--log-level", default="WARNING")
+    p.set_defaults(func=_run, takes_overrides=True)
+
+    p = sub.add_parser("train", help="run the trainer against a store: pull, update, checkpoint, ack, publish",
+                       description="Train on validated batches from a running store. Dotted overrides set any "
+                       "TrainerConfig field, e.g. --server 127.0.0.1:50551 --num_steps 20 --loss.eps_clip 0.1.")
+    p.add_argument("--config", default=None, help="TOML trainer config; defaults apply without one")
+    p.add_argument("--log-level", default="INFO")
+    p.set_defaults(func=_train, takes_overrides=True)
+
+    p = sub.add_parser("rollout", help="run a rollout worker: weights from a channel, generation, spooled submission",
+                       description="Run a rollout worker against a store. Dotted overrides set any WorkerConfig field, "
+                       "e.g. --server 127.0.0.1:50551 --weights shm:NAME --rollout.group_size 4.")
+    p.add_argument("--config", default=None, help="TOML or JSON worker config")
+    p.add_argument("--log-level", default="INFO")
+    p.set_defaults(func=_rollout, takes_overrides=True)
+
     p = sub.add_parser("demo", help="start a store in a run directory, feed it a generated workload, print SQL answers")
     p.add_argument("--run-dir", default="runs/demo", help="run directory; the ledger is RUN_DIR/rollbook.duckdb (default: %(default)s)")
     p.add_argument("--num-trajectories", type=int, default=2000, help="how many trajectories to generate (default: %(default)s)")
@@ -91,9 +153,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and not getattr(args, "takes_overrides", False):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
-        return args.func(args)
+        return args.func(args, extra) if getattr(args, "takes_overrides", False) else args.func(args)
     except KeyboardInterrupt:
         return 130
     except ValueError as exc:  # user-facing configuration errors

@@ -1,0 +1,169 @@
+"""``rollbook run``: the whole loop on one machine — store, rollout, trainer — on an embedded DuckDB
+file in a run directory.
+
+    rollbook run --config configs/quickstart.toml [--num_steps 30 --trainer.lr 1e-3 ...]
+
+1. starts ``rollbook serve`` on ``RUN_DIR/rollbook.duckdb`` (a real gRPC store process);
+2. registers the model and warm-starts a tiny student (and, for MOPD, a better teacher);
+3. ``colocated``: alternates rollout (the native engine samples task groups, verifiers reward them,
+   the batch is submitted) and training (pull the validated batch, decoupled PPO / MOPD, checkpoint,
+   ack, publish the next version to the engine) in this process.
+   ``separated``: a ``rollbook rollout`` worker process generates asynchronously under the staleness
+   gate and receives weights over shared memory, while this process trains;
+4. evaluates greedy held-out reward every ``eval_every`` steps, writes ``metrics.jsonl`` and prints
+   SQL answers about the run.
+Kill it and run the same command again: the trainer resumes from its checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pathlib
+import secrets
+import subprocess
+import sys
+import time
+
+from rollbook.config import RunConfig, write_resolved
+from rollbook.rollout.tasks import TOKENIZER
+
+log = logging.getLogger("rollbook.run")
+
+SUMMARY_SQL = [
+    ("Reward and staleness per trainer step (train_steps)",
+     "SELECT step, version, round((stats->>'$.\"reward/mean\"')::DOUBLE, 3) AS reward, "
+     "round((stats->>'$.\"loss/total\"')::DOUBLE, 4) AS loss, stats->>'$.\"batch/staleness_max\"' AS max_staleness "
+     "FROM train_steps ORDER BY step DESC LIMIT 5"),
+    ("Which trajectories trained the last step, under which versions, with what rewards",
+     "SELECT l.step, t.domain, t.output_versions, t.original_reward, round(t.reward, 3) AS normalized "
+     "FROM leases l JOIN trajectories t USING (trajectory_id) "
+     "WHERE l.acked_at IS NOT NULL AND l.step = (SELECT max(step) FROM leases WHERE acked_at IS NOT NULL) LIMIT 5"),
+    ("Evidence that will never train, by reason",
+     "SELECT reason, count(*) AS n FROM rejections GROUP BY reason ORDER BY n DESC"),
+]
+
+
+class StoreProcess:
+    """A ``rollbook serve`` child process on the run directory's ledger."""
+
+    def __init__(self, db: pathlib.Path, *, admin_key: str, trainer_key: str, port: int = 0):
+        env = {**os.environ, "ROLLBOOK_ADMIN_KEY": admin_key, "ROLLBOOK_TRAINER_KEY": trainer_key}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "rollbook.cli", "serve", "--db", str(db), "--port", str(port), "--log-level", "WARNING"],
+            stdout=subprocess.PIPE, text=True, env=env)
+        line = self.proc.stdout.readline().strip()
+        if not line.startswith("listening on "):
+            self.proc.kill()
+            raise RuntimeError(f"store did not start (exit {self.proc.poll()}): {line!r}")
+        self.address = line.removeprefix("listening on ")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(timeout=60)
+
+
+def run(config: RunConfig) -> dict:
+    import torch
+
+    from rollbook.client import StoreClient
+
+    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+    run_dir = pathlib.Path(config.run_dir)
+    write_resolved(config, run_dir)
+    keys = _run_keys(run_dir)
+    store = StoreProcess(run_dir / "rollbook.duckdb", **keys)
+    print(f"store: {store.address}, ledger {run_dir / 'rollbook.duckdb'}", flush=True)
+    try:
+        client = StoreClient(store.address, **keys)
+        client.register_model(config.trainer.model_id, vocab_size=TOKENIZER.vocab_size)
+        if config.placement == "colocated":
+            summary = _colocated(config, client)
+        else:
+            from rollbook.separated import run_separated
+
+            summary = run_separated(config, client, store.address, keys)
+        _print_sql(client)
+        client.close()
+    finally:
+        store.stop()
+    return summary
+
+
+def _colocated(config: RunConfig, client) -> dict:
+    import copy
+
+    from rollbook.trainer.setup import build_models
+    from rollbook.rollout.engine import NativeEngine
+    from rollbook.rollout.worker import RolloutWorker
+    from rollbook.trainer.loop import Trainer
+
+    student, teacher = build_models(config)
+    engine = NativeEngine(copy.deepcopy(student), version=0, seed=config.rollout.seed)
+    worker = RolloutWorker(engine, config.rollout, model_id=config.trainer.model_id)
+    metrics = MetricsLog(pathlib.Path(config.run_dir) / "metrics.jsonl")
+    trainer = Trainer(config.trainer, client, model=student, teacher=teacher,
+                      publishers=[lambda v, sd: _install(engine, v, sd)])
+    trainer.start()
+    first = {"step": trainer.state.step, **worker.evaluate()}
+    metrics.write(first)
+    print(f"held-out reward before step {trainer.state.step}: {first['eval/reward']:.3f}", flush=True)
+    while trainer.state.step < config.num_steps:
+        result = client.submit(worker.produce())
+        stats = trainer.step()
+        if stats is None:
+            log.warning("no ready batch after a rollout round (%s rejected)", result.rejected_by_reason())
+            continue
+        row = {**stats, **worker.stats.metrics()}
+        step = trainer.state.step
+        if step % config.eval_every == 0 or step == config.num_steps:
+            row.update(worker.evaluate())
+            print(f"step {step:4d}  train reward {stats['reward/mean']:.3f}  held-out {row['eval/reward']:.3f}  "
+                  f"loss {stats['loss/total']:+.4f}  {stats['perf/tokens_per_s']:.0f} tok/s", flush=True)
+        metrics.write(row)
+    return {"first": first, "last": metrics.last_eval()}
+
+
+def _install(engine, version: int, state_dict) -> None:
+    if version > engine.version:
+        engine.update_weights(state_dict, version)
+
+
+def _run_keys(run_dir: pathlib.Path) -> dict:
+    """Per-run keys (kept in the run dir so a restart reuses them); the env overrides them."""
+    path = run_dir / "keys.json"
+    if not path.exists():
+        path.write_text(json.dumps({"admin_key": secrets.token_hex(16), "trainer_key": secrets.token_hex(16)}))
+        path.chmod(0o600)
+    keys = json.loads(path.read_text())
+    keys["admin_key"] = os.environ.get("ROLLBOOK_ADMIN_KEY", keys["admin_key"])
+    keys["trainer_key"] = os.environ.get("ROLLBOOK_TRAINER_KEY", keys["trainer_key"])
+    return keys
+
+
+class MetricsLog:
+    """Appends one JSON object per line; remembers the latest evaluation."""
+
+    def __init__(self, path: pathlib.Path):
+        self.path = path
+        self._last_eval: dict = {}
+
+    def write(self, row: dict) -> None:
+        row = {"time": time.time(), **row}
+        if "eval/reward" in row:
+            self._last_eval = {k: v for k, v in row.items() if k.startswith("eval/") or k == "step"}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+    def last_eval(self) -> dict:
+        return self._last_eval
+
+
+def _print_sql(client) -> None:
+    from rollbook.query_cli import format_table
+
+    for title, sql in SUMMARY_SQL:
+        print(f"\n== {title}\n   {sql}\n", flush=True)
+        print(format_table(client.query(sql)), flush=True)

@@ -1,0 +1,67 @@
+"""Separated placement for ``rollbook run``: the trainer here, a ``rollbook rollout`` worker process
+beside it, weights over shared memory, bounded staleness (asynchronous RL)."""
+
+from __future__ import annotations
+
+import copy
+import os
+import pathlib
+import subprocess
+import sys
+import time
+import uuid
+
+from rollbook.config import RunConfig
+
+
+def run_separated(config: RunConfig, client, address: str, keys: dict) -> dict:
+    from rollbook.rollout.engine import NativeEngine
+    from rollbook.rollout.standalone import WorkerConfig, write_worker_config
+    from rollbook.rollout.weights.shm import SharedMemoryPublisher
+    from rollbook.rollout.worker import RolloutWorker
+    from rollbook.run import MetricsLog, _install
+    from rollbook.trainer.loop import Trainer
+    from rollbook.trainer.setup import build_models
+
+    run_dir = pathlib.Path(config.run_dir)
+    student, teacher = build_models(config)
+    channel = f"rollbook-{uuid.uuid4().hex[:12]}"
+    publisher = SharedMemoryPublisher(channel, student.state_dict(), checksum=True)
+    evaluator = NativeEngine(copy.deepcopy(student), version=0, seed=config.rollout.seed)
+    judge = RolloutWorker(evaluator, config.rollout, model_id=config.trainer.model_id)
+    metrics = MetricsLog(run_dir / "metrics.jsonl")
+    trainer = Trainer(config.trainer, client, model=student, teacher=teacher,
+                      publishers=[publisher.publish, lambda v, sd: _install(evaluator, v, sd)])
+    trainer.start()
+    worker_cfg = WorkerConfig(server=address, weights=f"shm:{channel}", model_id=config.trainer.model_id,
+                              model=config.trainer.model, rollout=config.rollout, batch_size=config.trainer.num_samples,
+                              spool_dir=str(run_dir / "spool"))
+    path = write_worker_config(worker_cfg, run_dir / "worker.json")
+    worker = subprocess.Popen([sys.executable, "-m", "rollbook.cli", "rollout", "--config", str(path)],
+                              env={**os.environ, "ROLLBOOK_ADMIN_KEY": keys["admin_key"]})
+    try:
+        first = {"step": trainer.state.step, **judge.evaluate()}
+        metrics.write(first)
+        print(f"held-out reward before step {trainer.state.step}: {first['eval/reward']:.3f}", flush=True)
+        waited = time.monotonic()
+        while trainer.state.step < config.num_steps:
+            stats = trainer.step()
+            if stats is None:
+                if worker.poll() is not None:
+                    raise RuntimeError(f"rollout worker exited with {worker.returncode}")
+                if time.monotonic() - waited > config.trainer.max_wait_s:
+                    raise TimeoutError("no batch from the rollout worker")
+                time.sleep(config.trainer.poll_interval_s)
+                continue
+            waited = time.monotonic()
+            step = trainer.state.step
+            if step % config.eval_every == 0 or step == config.num_steps:
+                stats.update(judge.evaluate())
+                print(f"step {step:4d}  train reward {stats['reward/mean']:.3f}  held-out {stats['eval/reward']:.3f}  "
+                      f"staleness<={stats['batch/staleness_max']}  {stats['perf/tokens_per_s']:.0f} tok/s", flush=True)
+            metrics.write(stats)
+    finally:
+        worker.terminate()
+        worker.wait(timeout=120)
+        publisher.close()
+    return {"first": first, "last": metrics.last_eval()}

@@ -1,0 +1,138 @@
+"""``rollbook rollout``: a rollout worker as its own process.
+
+    rollbook rollout --config runs/x/worker.json            # or TOML; dotted overrides work too
+
+It maps the trainer's weights from a weight channel (``shm:NAME`` on one host, ``grpc:HOST:PORT``
+across hosts), generates task groups with the native engine under the staleness gate (admission
+capacity ``(eta + version + 1) * batch_size - (accepted + running)``), and hands every trajectory to
+the spooling ``Submitter``, so a store outage pauses nothing until the spool fills. New weights are
+installed between decode steps (in-flight sequences continue under them, their later tokens carrying
+the new version). SIGTERM/SIGINT: finish the round, flush the spool, exit.
+"""
+
+from __future__ import annotations
+
+import logging
+import pathlib
+import signal
+import threading
+import time
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from rollbook.rollout.worker import RolloutConfig
+from rollbook.trainer.config import ModelConfig
+
+log = logging.getLogger("rollbook.rollout")
+
+
+class WorkerConfig(BaseModel):
+    """Configuration of ``rollbook rollout``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    server: str = Field("127.0.0.1:50551", description="Store address HOST:PORT.")
+    weights: str = Field(description="Weight channel: 'shm:NAME' (shared memory, one host) or 'grpc:HOST:PORT' (network).")
+    model_id: str = Field("tiny", description="Model id the trajectories are recorded under.")
+    model: ModelConfig = Field(default_factory=ModelConfig, description="Architecture to build before the first weights arrive.")
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    batch_size: int = Field(64, ge=1, description="The trainer's samples per version (the staleness gate's batch).")
+    spool_dir: str = Field("runs/default/spool", description="Local spool for trajectories while the store is unreachable.")
+    spool_max_bytes: int = Field(256 << 20, ge=1 << 16, description="Spool bound; admission stops when it is full.")
+    first_weights_timeout_s: float = Field(300.0, gt=0, description="How long to wait for the first published weights.")
+    max_rounds: int = Field(0, ge=0, description="Stop after this many rollout rounds (0 = until signalled).")
+
+
+def open_channel(spec: str):
+    kind, _, where = spec.partition(":")
+    if kind == "shm":
+        from rollbook.rollout.weights.shm import SharedMemoryReceiver
+
+        return SharedMemoryReceiver(where)
+    if kind == "grpc":
+        from rollbook.rollout.weights.network import NetworkReceiver
+
+        return NetworkReceiver(where)
+    raise ValueError(f"weights must be 'shm:NAME' or 'grpc:HOST:PORT', got {spec!r}")
+
+
+def run_worker(config: WorkerConfig, stop: threading.Event | None = None) -> dict:
+    import torch
+
+    from rollbook.client import StoreClient
+    from rollbook.rollout.engine import NativeEngine
+    from rollbook.rollout.gate import StalenessGate
+    from rollbook.rollout.spool import Spool
+    from rollbook.rollout.submitter import Submitter
+    from rollbook.rollout.weights.base import load_into
+    from rollbook.rollout.worker import RolloutWorker
+    from rollbook.trainer.setup import build_student
+
+    torch.set_num_threads(1)
+    stop = stop or _stop_on_signals()
+    channel = _wait_for_channel(config, stop)
+    snapshot = _first_snapshot(channel, config, stop)
+    model = build_student(config.model)
+    load_into(model, snapshot)
+    engine = NativeEngine(model, version=snapshot.version, seed=config.rollout.seed)
+    worker = RolloutWorker(engine, config.rollout, model_id=config.model_id)
+    gate = StalenessGate(config.rollout.max_staleness, config.batch_size)
+    group = config.rollout.group_size
+    want = group * config.rollout.num_prompts
+    rounds = 0
+    with StoreClient(config.server) as client, Submitter(client, Spool(config.spool_dir, max_bytes=config.spool_max_bytes)) as sub:
+        while not stop.is_set() and (config.max_rounds == 0 or rounds < config.max_rounds):
+            latest = channel.fetch()
+            if latest is not None:
+                engine.update_weights(lambda m, s=latest: load_into(m, s), latest.version)
+            admitted = gate.try_admit(want, engine.version)
+            whole = admitted - admitted % group
+            if admitted > whole:
+                gate.on_finished(admitted - whole, accepted=False)  # give back a partial group's slots
+            if whole == 0:
+                stop.wait(0.05)
+                continue
+            trajectories = worker.produce(whole // group)
+            sub.submit(trajectories)
+            gate.on_finished(whole, accepted=True)
+            rounds += 1
+        sub.flush(timeout=120)
+        stats = {**worker.stats.metrics(), **sub.stats().metrics(), "rounds": rounds, "version": engine.version}
+    channel.close()
+    log.info("rollout worker done: %s", stats)
+    return stats
+
+
+def _wait_for_channel(config: WorkerConfig, stop: threading.Event):
+    deadline = time.monotonic() + config.first_weights_timeout_s
+    while True:
+        try:
+            return open_channel(config.weights)
+        except FileNotFoundError:
+            if stop.is_set() or time.monotonic() > deadline:
+                raise
+            stop.wait(0.2)
+
+
+def _first_snapshot(channel, config: WorkerConfig, stop: threading.Event):
+    deadline = time.monotonic() + config.first_weights_timeout_s
+    while not stop.is_set():
+        snapshot = channel.fetch()
+        if snapshot is not None:
+            return snapshot
+        if time.monotonic() > deadline:
+            break
+        stop.wait(0.1)
+    raise TimeoutError(f"no weights on {config.weights} within {config.first_weights_timeout_s:g} s")
+
+
+def _stop_on_signals() -> threading.Event:
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    return stop
+
+
+def write_worker_config(config: WorkerConfig, path: pathlib.Path) -> pathlib.Path:
+    path.write_text(config.model_dump_json(indent=2))
+    return path

@@ -1,0 +1,96 @@
+"""Checkpoints that neither lose nor repeat a batch.
+
+A checkpoint holds the model, the optimizer, the policy version, the step, every RNG state, and the
+lease ids the checkpointed weights consumed. It is written to a temporary directory and renamed into
+place (atomic on POSIX), so a kill -9 leaves either the old checkpoint or the new one. A lease is
+acked only after the checkpoint holding it exists; on restart the trainer re-acks the checkpoint's
+leases (acks are idempotent) and republishes its version, so a crash between checkpoint and ack
+loses nothing, and a crash before the checkpoint lets the lease expire and its rows return.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import random
+import shutil
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+import torch
+
+
+@dataclass
+class TrainerState:
+    step: int = 0  # the next step to run
+    version: int = 0  # policy version of the current weights
+    consumed_leases: list[str] = field(default_factory=list)  # leases trained into these weights (latest step)
+
+
+def save_checkpoint(run_dir: pathlib.Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: TrainerState) -> pathlib.Path:
+    root = run_dir / "checkpoints"
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step-{state.step:06d}"
+    tmp = root / f".tmp-{state.step:06d}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    torch.save(
+        {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "rng": _rng_state()},
+        tmp / "state.pt",
+    )
+    (tmp / "trainer.json").write_text(json.dumps(asdict(state), indent=2))
+    _fsync_tree(tmp)
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    _fsync(root)
+    (root / "LATEST.tmp").write_text(final.name)
+    os.replace(root / "LATEST.tmp", root / "LATEST")
+    _fsync(root)
+    _prune(root, keep=final.name)
+    return final
+
+
+def load_checkpoint(run_dir: pathlib.Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> TrainerState | None:
+    """Restore the latest checkpoint into ``model``/``optimizer``; None when there is none."""
+    root = run_dir / "checkpoints"
+    latest = root / "LATEST"
+    if not latest.exists():
+        return None
+    path = root / latest.read_text().strip()
+    blob = torch.load(path / "state.pt", weights_only=False)
+    model.load_state_dict(blob["model"])
+    optimizer.load_state_dict(blob["optimizer"])
+    _set_rng_state(blob["rng"])
+    return TrainerState(**json.loads((path / "trainer.json").read_text()))
+
+
+def _rng_state() -> dict:
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+
+
+def _set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+
+
+def _prune(root: pathlib.Path, keep: str) -> None:
+    for p in root.glob("step-*"):
+        if p.name != keep:
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def _fsync_tree(path: pathlib.Path) -> None:
+    for p in path.iterdir():
+        with open(p, "rb") as f:
+            os.fsync(f.fileno())
+    _fsync(path)
+
+
+def _fsync(path: pathlib.Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,84 @@
+"""Trainer configuration (pydantic; every field documented). No torch import here: the CLI parses
+and validates the config before it imports torch."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class ModelConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    path: str | None = Field(None, description="Local directory of a transformers causal LM; None builds a tiny model from the fields below.")
+    vocab_size: int | None = Field(None, ge=2, description="Tiny model: vocabulary size; None = the task tokenizer's (rollout/tasks.py).")
+    hidden_size: int = Field(64, ge=8, description="Tiny model: hidden size.")
+    num_layers: int = Field(2, ge=1, description="Tiny model: number of decoder layers.")
+    num_heads: int = Field(4, ge=1, description="Tiny model: attention heads.")
+    num_kv_heads: int = Field(2, ge=1, description="Tiny model: key/value heads (grouped-query attention).")
+    intermediate_size: int = Field(128, ge=8, description="Tiny model: MLP width.")
+    seed: int = Field(0, description="Initialisation seed of the tiny model.")
+
+
+class LossConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    eps_clip: float = Field(0.2, gt=0, lt=1, description="PPO ratio clip (lower side; upper too unless eps_clip_high).")
+    eps_clip_high: float | None = Field(None, gt=0, description="Upper ratio clip (decoupled clip, 'clip-higher'); None = eps_clip.")
+    behavior_weight_cap: float | None = Field(5.0, gt=0, description="Cap on pi_prox/pi_behav; None = uncapped.")
+    behavior_weight_action: Literal["mask", "clamp"] = Field("mask", description="Above the cap: drop the token (mask) or clamp the weight.")
+    dual_clip: float | None = Field(None, gt=1, description="Dual-clip constant c for negative advantages; None = off.")
+    proximal: Literal["recompute", "loglinear"] = Field(
+        "recompute", description="Proximal log-probs: recomputed with the trainer's weights before the update, or AReaL's log-linear approximation.")
+    rl_coef: float = Field(1.0, ge=0, description="Weight of the decoupled-PPO loss.")
+    distill_coef: float = Field(0.0, ge=0, description="Weight of the MOPD loss (needs teachers).")
+    adv_clip: float = Field(5.0, gt=0, description="MOPD: clip of the teacher advantage log pi_T - log pi_theta.")
+
+
+class TeacherConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    path: str = Field(description="Local directory of the teacher (a transformers causal LM or a rollbook checkpoint's model/).")
+    domain: str | None = Field(None, description="Domain this teacher serves (routing 'domain').")
+    weight: float = Field(1.0, gt=0, description="Mixture weight (routing 'mixture').")
+
+
+class TrainerConfig(BaseModel):
+    """Configuration of ``rollbook train`` (and the trainer inside ``rollbook run``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    server: str = Field("127.0.0.1:50551", description="Store address HOST:PORT.")
+    trainer_key: str | None = Field(None, description="PublishVersion / ReportTrainStep key (env ROLLBOOK_TRAINER_KEY).")
+    trainer_id: str = Field("trainer-0", description="Name recorded in leases and train_steps.")
+    model_id: str = Field("tiny", description="Model id in the store's registry.")
+    run_dir: str = Field("runs/default", description="Run directory: checkpoints/ and the resolved config go here.")
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    loss: LossConfig = Field(default_factory=LossConfig)
+    teachers: list[TeacherConfig] = Field(default_factory=list, description="Teachers for MOPD.")
+    teacher_routing: Literal["domain", "mixture"] = Field("domain", description="How tokens are routed to teachers.")
+    num_steps: int = Field(50, ge=1, description="Optimizer steps (each on one pulled batch) before stopping.")
+    num_samples: int = Field(64, ge=1, description="Samples per pulled batch (whole groups, so it may be exceeded by one group).")
+    num_minibatches: int = Field(1, ge=1, description="Optimizer updates per batch (the batch split by sequences).")
+    micro_batch_tokens: int = Field(8192, ge=64, description="Largest packed micro-batch (tokens); gradients accumulate across them.")
+    lr: float = Field(1e-3, gt=0, description="AdamW learning rate.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    grad_clip: float = Field(1.0, gt=0, description="Gradient-norm clip.")
+    max_staleness: int = Field(1, ge=0, description="eta: serve only samples with version - min(output_versions) <= eta (0 = on-policy).")
+    lease_seconds: float = Field(120.0, gt=0, description="Lease time; an unacked batch returns to the pool after it.")
+    poll_interval_s: float = Field(0.2, gt=0, description="Wait between pulls when no batch is ready.")
+    max_wait_s: float = Field(600.0, gt=0, description="Give up when no batch arrives for this long.")
+    checkpoint_every: int = Field(1, ge=1, description="Checkpoint every N steps (a batch is acked only once checkpointed).")
+    seed: int = Field(0, description="Trainer RNG seed.")
+
+    @model_validator(mode="after")
+    def _check(self) -> "TrainerConfig":
+        if self.loss.distill_coef > 0 and not self.teachers:
+            raise ValueError("loss.distill_coef > 0 needs at least one [[teachers]] entry (or set distill_coef = 0)")
+        if self.teachers and self.loss.distill_coef == 0:
+            warnings.warn("teachers are configured but loss.distill_coef = 0: they will not be used", stacklevel=2)
+        if self.teacher_routing == "domain" and len(self.teachers) > 1 and any(t.domain is None for t in self.teachers):
+            raise ValueError("teacher_routing 'domain' with several teachers needs a domain on each")
+        return self

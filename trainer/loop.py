@@ -1,0 +1,273 @@
+"""The training loop: pull a validated batch, update with decoupled PPO (+ MOPD), checkpoint, ack,
+publish the next policy version.
+
+    trainer = Trainer(config, StoreClient(config.server, trainer_key=...), publishers=[channel])
+    trainer.run()
+
+One step (``Trainer.step``):
+1. ``PullBatch`` at the trainer's version ``v`` with staleness bound ``eta`` (whole groups, leased);
+2. proximal log-probs: recomputed with the current weights before any update (no grad), or AReaL's
+   log-linear approximation between the behavior and the current log-probs;
+3. ``num_minibatches`` optimizer updates over the batch (packed micro-batches, token-weighted
+   gradient accumulation) on ``rl_coef * decoupled_ppo + distill_coef * mopd``;
+4. the step's statistics to ``train_steps`` (``ReportTrainStep``), then a checkpoint holding the
+   lease, then ``AckBatch``, then version ``v + 1`` to every weight publisher and ``PublishVersion``.
+A kill -9 anywhere in between neither loses nor repeats a batch (see ``trainer.checkpoint``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import pathlib
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from rollbook.trainer import losses
+from rollbook.trainer.checkpoint import TrainerState, load_checkpoint, save_checkpoint
+from rollbook.trainer.config import TrainerConfig
+from rollbook.trainer.packing import pack_sequences, packed_logprobs
+from rollbook.trainer.proximal import loglinear_alpha, loglinear_proximal_logprobs
+
+log = logging.getLogger("rollbook.trainer")
+
+Publisher = Callable[[int, dict], None]  # (version, state_dict) -> None
+
+
+@dataclass
+class _Rows:
+    """The per-sequence and per-token tensors of one pulled batch (token tensors are [T_out])."""
+
+    prompts: list[list[int]]
+    outputs: list[list[int]]
+    domains: list[str]
+    behavior: torch.Tensor
+    versions: torch.Tensor
+    advantages: torch.Tensor
+    temperatures: torch.Tensor
+    seq_of_token: torch.Tensor
+    offsets: np.ndarray  # token offsets per sequence, len = num_seqs + 1
+
+    @classmethod
+    def from_table(cls, table: pa.Table) -> "_Rows":
+        outputs = table.column("output_token_ids").to_pylist()
+        lengths = np.array([len(o) for o in outputs])
+        offsets = np.concatenate([[0], np.cumsum(lengths)])
+        seq_of_token = torch.from_numpy(np.repeat(np.arange(len(outputs)), lengths))
+        flat = lambda col, dtype: torch.tensor(np.concatenate([np.asarray(x) for x in table.column(col).to_pylist()]), dtype=dtype)
+        per_seq = lambda col: torch.tensor(table.column(col).to_numpy(zero_copy_only=False), dtype=torch.float32)
+        temps = torch.tensor([t if t and t > 0 else 1.0 for t in table.column("temperature").to_pylist()], dtype=torch.float32)
+        return cls(
+            prompts=table.column("prompt_token_ids").to_pylist(),
+            outputs=outputs,
+            domains=table.column("domain").to_pylist(),
+            behavior=flat("output_logprobs", torch.float32),
+            versions=flat("output_versions", torch.int64),
+            advantages=per_seq("advantage")[seq_of_token],
+            temperatures=temps[seq_of_token],
+            seq_of_token=seq_of_token,
+            offsets=offsets,
+        )
+
+    def token_slice(self, seqs: Sequence[int]) -> torch.Tensor:
+        """Token indices [T] of the given sequences, in order."""
+        return torch.cat([torch.arange(self.offsets[s], self.offsets[s + 1]) for s in seqs])
+
+
+class Trainer:
+    def __init__(self, config: TrainerConfig, client, *, model: torch.nn.Module, teacher=None,
+                 publishers: Sequence[Publisher] = (), on_step: Callable[[dict], None] | None = None):
+        self.config = config
+        self.client = client
+        self.model = model
+        self.teacher = teacher
+        self.publishers = list(publishers)
+        self.on_step = on_step
+        self.run_dir = pathlib.Path(config.run_dir)
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+        self.state = TrainerState()
+
+    # ---- lifecycle --------------------------------------------------------------------------------
+
+    def start(self) -> TrainerState:
+        """Resume from the latest checkpoint (re-ack its leases, republish its version) or publish v0."""
+        restored = load_checkpoint(self.run_dir, self.model, self.optimizer)
+        if restored is None:
+            torch.manual_seed(self.config.seed)
+            self.state = TrainerState()
+        else:
+            self.state = restored
+            for lease in restored.consumed_leases:
+                self.client.ack_batch(lease, self.config.trainer_id)
+            log.info("resumed at step %d, version %d", restored.step, restored.version)
+        self._publish()
+        return self.state
+
+    def run(self) -> list[dict]:
+        """Train until ``num_steps`` steps are done; returns each step's statistics."""
+        self.start()
+        history = []
+        waited_since = time.monotonic()
+        while self.state.step < self.config.num_steps:
+            stats = self.step()
+            if stats is None:
+                if time.monotonic() - waited_since > self.config.max_wait_s:
+                    raise TimeoutError(f"no batch for {self.config.max_wait_s:g} s at step {self.state.step}")
+                time.sleep(self.config.poll_interval_s)
+                continue
+            waited_since = time.monotonic()
+            history.append(stats)
+        return history
+
+    # ---- one step ---------------------------------------------------------------------------------
+
+    def step(self) -> dict | None:
+        cfg = self.config
+        started = time.time()
+        batch = self.client.pull_batch(
+            trainer_id=cfg.trainer_id, trainer_version=self.state.version, max_staleness=cfg.max_staleness,
+            num_samples=cfg.num_samples, step=self.state.step, model_id=cfg.model_id, lease_seconds=cfg.lease_seconds)
+        if batch.num_rows == 0:
+            return None
+        rows = _Rows.from_table(batch.table)
+        stats = self.update(rows)
+        stats.update(_batch_stats(batch, rows, self.state.version))
+        stats["time/step_s"] = time.time() - started
+        stats["perf/tokens_per_s"] = len(rows.behavior) / max(stats["time/step_s"], 1e-9)
+        self.client.report_train_step(step=self.state.step, trainer_id=cfg.trainer_id, version=self.state.version + 1,
+                                      lease_id=batch.lease_id, started_at=started, finished_at=time.time(), stats=stats)
+        self.state = TrainerState(step=self.state.step + 1, version=self.state.version + 1, consumed_leases=[batch.lease_id])
+        if self.state.step % cfg.checkpoint_every == 0 or self.state.step == cfg.num_steps:
+            save_checkpoint(self.run_dir, self.model, self.optimizer, self.state)
+            self.client.ack_batch(batch.lease_id, cfg.trainer_id)
+        self._publish()
+        stats["step"] = self.state.step - 1
+        log.info("step %d  reward %.3f  loss %.4f  clip %.3f  tokens/s %.0f", stats["step"], stats["reward/mean"],
+                 stats["loss/total"], stats.get("ppo/clip_frac", 0.0), stats["perf/tokens_per_s"])
+        if self.on_step:
+            self.on_step(stats)
+        return stats
+
+    def update(self, rows: _Rows) -> dict:
+        """Proximal log-probs, then the minibatch updates; returns averaged statistics."""
+        cfg = self.config
+        proximal = self._proximal(rows)
+        teacher = self._teacher_logprobs(rows) if cfg.loss.distill_coef > 0 else None
+        order = np.random.permutation(len(rows.outputs))
+        acc: dict[str, list[float]] = defaultdict(list)
+        for minibatch in np.array_split(order, cfg.num_minibatches):
+            if len(minibatch) == 0:
+                continue
+            self.optimizer.zero_grad(set_to_none=True)
+            tokens = rows.token_slice(minibatch)
+            total = len(tokens)
+            for seqs, idx, packed in self._micro_batches(rows, minibatch):
+                logp = packed_logprobs(self.model, packed, rows.temperatures[idx])
+                loss, stats = self._loss(logp, proximal[idx], rows.behavior[idx], rows.advantages[idx],
+                                         teacher[idx] if teacher is not None else None)
+                (loss * (len(idx) / total)).backward()
+                for k, v in stats.items():
+                    acc[k].append(float(v))
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
+            acc["grad/norm"].append(float(grad_norm))
+            self.optimizer.step()
+        out = {k: float(np.mean(v)) for k, v in acc.items()}
+        out["proximal/behavior_gap"] = float((proximal - rows.behavior).abs().mean())
+        if teacher is not None:
+            out.update(_teacher_gap_by_domain(rows, teacher, proximal))
+        return out
+
+    def _loss(self, logp, prox, behav, adv, teacher_logp):
+        cfg = self.config.loss
+        mask = torch.ones_like(logp, dtype=torch.bool)
+        rl = losses.decoupled_ppo_loss(
+            logp, prox, behav, adv, mask, eps_clip=cfg.eps_clip, eps_clip_high=cfg.eps_clip_high,
+            behavior_weight_cap=cfg.behavior_weight_cap, behavior_weight_action=cfg.behavior_weight_action,
+            dual_clip=cfg.dual_clip)
+        if teacher_logp is None:
+            loss, stats = rl
+            return loss * cfg.rl_coef, {**stats, "loss/total": float(loss * cfg.rl_coef)}
+        distill = losses.mopd_loss(logp, prox, behav, teacher_logp, mask, adv_clip=cfg.adv_clip,
+                                   behavior_weight_cap=cfg.behavior_weight_cap,
+                                   behavior_weight_action=cfg.behavior_weight_action)
+        return losses.combined_loss(rl, distill, rl_coef=cfg.rl_coef, distill_coef=cfg.distill_coef)
+
+    def _micro_batches(self, rows: _Rows, seqs: Sequence[int]):
+        """(sequence ids, token indices [T], PackedBatch) per packed micro-batch of ``seqs``."""
+        seqs = list(seqs)
+        packs = pack_sequences([rows.prompts[s] for s in seqs], [rows.outputs[s] for s in seqs],
+                               max_tokens=self.config.micro_batch_tokens)
+        for packed in packs:
+            members = [seqs[i] for i in packed.sequence_ids.tolist()]
+            yield members, rows.token_slice(members), packed
+
+    @torch.no_grad()
+    def _proximal(self, rows: _Rows) -> torch.Tensor:
+        all_seqs = list(range(len(rows.outputs)))
+        if self.config.loss.proximal == "loglinear":
+            current = torch.empty_like(rows.behavior)
+            for _, idx, packed in self._micro_batches(rows, all_seqs):
+                current[idx] = packed_logprobs(self.model, packed, rows.temperatures[idx])
+            alpha = loglinear_alpha(rows.versions, self.state.version, self.state.version + 1)
+            return loglinear_proximal_logprobs(rows.behavior, current, alpha)
+        out = torch.empty_like(rows.behavior)
+        for _, idx, packed in self._micro_batches(rows, all_seqs):
+            out[idx] = packed_logprobs(self.model, packed, rows.temperatures[idx])
+        return out
+
+    @torch.no_grad()
+    def _teacher_logprobs(self, rows: _Rows) -> torch.Tensor:
+        out = torch.empty_like(rows.behavior)
+        for members, idx, packed in self._micro_batches(rows, list(range(len(rows.outputs)))):
+            out[idx] = self.teacher.score(packed, [rows.domains[s] for s in members])
+        return out
+
+    def _publish(self) -> None:
+        state = {k: v.detach() for k, v in self.model.state_dict().items()}
+        for publish in self.publishers:
+            publish(self.state.version, state)
+        self.client.publish_version(self.config.model_id, self.state.version, checksum=state_checksum(state))
+
+
+def state_checksum(state: dict) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    for name in sorted(state):
+        h.update(name.encode())
+        h.update(state[name].detach().contiguous().cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
+def _batch_stats(batch, rows: _Rows, version: int) -> dict:
+    table = batch.table
+    rewards = np.asarray(table.column("original_reward").to_pylist(), dtype=np.float64)
+    stats = {
+        "reward/mean": float(rewards.mean()),
+        "reward/normalized_mean": float(np.mean(table.column("reward").to_pylist())),
+        "batch/num_samples": table.num_rows,
+        "batch/valid_tokens": int(len(rows.behavior)),
+        "batch/staleness_max": int(version - min(table.column("min_version").to_pylist())),
+    }
+    ledger = batch.stats.get("ledger", {})
+    stats["ledger/total_tokens"] = ledger.get("total_tokens", 0)
+    stats["ledger/rejected_tokens"] = ledger.get("rejected_tokens", 0)
+    stats["ledger/masked_token_ratio"] = ledger.get("masked_token_ratio", 0.0)
+    for domain in sorted(set(rows.domains)):
+        mask = np.array([d == domain for d in rows.domains])
+        stats[f"reward/{domain}"] = float(rewards[mask].mean())
+    return stats
+
+
+def _teacher_gap_by_domain(rows: _Rows, teacher: torch.Tensor, student: torch.Tensor) -> dict:
+    gap = (teacher - student).numpy()
+    seq = rows.seq_of_token.numpy()
+    out = {}
+    for domain in sorted(set(rows.domains)):
+        seqs = [i for i, d in enumerate(rows.domains) if d == domain]
+        out[f"teacher_gap/{domain}"] = float(gap[np.isin(seq, seqs)].mean())
+    return out

@@ -1,0 +1,54 @@
+"""Build the student (warm-started, cached in the run dir) and the MOPD teacher(s) a run config asks for."""
+
+from __future__ import annotations
+
+import pathlib
+
+from rollbook.models import TinyModelSpec, build_tiny_model, load_model
+from rollbook.rollout.tasks import TOKENIZER
+from rollbook.rollout.worker import build_domains
+from rollbook.rollout.tasks import make_tasks
+from rollbook.trainer.warmstart import cached_warm_start
+
+
+def build_student(m, *, seed: int | None = None):
+    """A model for a ``ModelConfig``: loaded from ``path``, or a fresh tiny one."""
+    if m.path:
+        return load_model(m.path)
+    spec = TinyModelSpec(vocab_size=m.vocab_size or TOKENIZER.vocab_size, hidden_size=m.hidden_size,
+                         num_layers=m.num_layers, num_heads=m.num_heads, num_kv_heads=m.num_kv_heads,
+                         intermediate_size=m.intermediate_size)
+    return build_tiny_model(spec, seed=m.seed if seed is None else seed)
+
+
+def build_models(config):
+    """``(student, teacher_scorer_or_None)`` for a ``RunConfig``."""
+    from rollbook.trainer.teachers import DomainRouter, LocalTeacher, MixtureRouter
+
+    m = config.trainer.model
+    run_dir = pathlib.Path(config.run_dir)
+    ws = config.warm_start
+    tasks = [t for d in build_domains(config.rollout).values()
+             for t in make_tasks(d, "train", config.rollout.num_train_tasks, config.rollout.seed, allow_fewer=True)]
+
+    def fresh(seed: int):
+        return lambda: build_student(m, seed=seed)
+
+    if m.path:
+        student = load_model(m.path)
+    else:
+        student = cached_warm_start(run_dir / "base-student", fresh(m.seed), tasks, steps=ws.student_steps,
+                                    batch_size=ws.batch_size, lr=ws.lr, seed=ws.seed)
+    if config.trainer.loss.distill_coef == 0:
+        return student, None
+    scorers = [(LocalTeacher(load_model(t.path)), t) for t in config.trainer.teachers]
+    if ws.teacher_steps:
+        teacher = cached_warm_start(run_dir / "teacher", fresh(m.seed + 1), tasks, steps=ws.teacher_steps,
+                                    batch_size=ws.batch_size, lr=ws.lr, seed=ws.seed + 1)
+        scorers.append((LocalTeacher(teacher), None))
+    if len(scorers) == 1:
+        return student, scorers[0][0]
+    if config.trainer.teacher_routing == "mixture":
+        return student, MixtureRouter([s for s, _ in scorers], [t.weight if t else 1.0 for s, t in scorers])
+    return student, DomainRouter({t.domain: s for s, t in scorers if t and t.domain},
+                                 default=next((s for s, t in scorers if t is None or t.domain is None), None))

@@ -1,0 +1,68 @@
+"""Supervised warm start: teach a tiny model the answer format (and a little of the task) before RL.
+
+RL on language models always starts from a pretrained model; on CPU the stand-in is a few dozen
+cross-entropy steps on training problems (``prompt -> answer <eos>``), so that the policy's first
+samples earn some reward and the RL signal is not all zeros. A longer warm start makes a better
+model: that is the MOPD teacher. Models are cached as transformers directories in the run dir.
+"""
+
+from __future__ import annotations
+
+import logging
+import pathlib
+import random
+
+import torch
+import torch.nn.functional as F
+
+from rollbook.rollout.tasks import TOKENIZER, Task
+
+log = logging.getLogger("rollbook.trainer")
+
+
+def supervised_steps(model: torch.nn.Module, tasks: list[Task], *, steps: int, batch_size: int, lr: float, seed: int) -> list[float]:
+    """Cross-entropy on the answer tokens (prompt tokens are context only); returns the losses."""
+    rng = random.Random(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    history = []
+    model.train()
+    for _ in range(steps):
+        batch = [rng.choice(tasks) for _ in range(batch_size)]
+        ids, labels = _padded(batch)
+        logits = model(input_ids=ids, attention_mask=(ids != TOKENIZER.pad_token_id).long()).logits
+        loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        history.append(float(loss))
+    return history
+
+
+def _padded(batch: list[Task]) -> tuple[torch.Tensor, torch.Tensor]:
+    rows, labels = [], []
+    for task in batch:
+        prompt = TOKENIZER.encode(task.prompt, add_bos=True)
+        answer = TOKENIZER.encode(task.answer, add_eos=True)
+        rows.append(prompt + answer)
+        labels.append([-100] * len(prompt) + answer)
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), TOKENIZER.pad_token_id, dtype=torch.long)
+    lab = torch.full((len(rows), width), -100, dtype=torch.long)
+    for i, (r, lb) in enumerate(zip(rows, labels)):
+        ids[i, : len(r)] = torch.tensor(r)
+        lab[i, : len(lb)] = torch.tensor(lb)
+    return ids, lab
+
+
+def cached_warm_start(path: pathlib.Path, build, tasks: list[Task], *, steps: int, batch_size: int, lr: float, seed: int):
+    """Load the warm-started model from ``path`` or build it (``build()`` -> fresh model) and save it."""
+    from transformers import AutoModelForCausalLM
+
+    if (path / "config.json").exists():
+        return AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32)
+    model = build()
+    if steps:
+        losses = supervised_steps(model, tasks, steps=steps, batch_size=batch_size, lr=lr, seed=seed)
+        log.info("warm start %s: %d steps, loss %.3f -> %.3f", path.name, steps, losses[0], losses[-1])
+    model.save_pretrained(path)
+    return model
