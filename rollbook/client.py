@@ -39,6 +39,20 @@ _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, gr
 STATUS_NAMES = {pb.Verdict.ACCEPTED: "ACCEPTED", pb.Verdict.DUPLICATE: "DUPLICATE", pb.Verdict.REJECTED: "REJECTED"}
 
 
+class StoreUnavailable(grpc.RpcError):
+    """The store stayed unreachable for the whole retry deadline."""
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self) -> str:
+        return self.message
+
+
 @dataclass
 class SubmitResult:
     """Verdicts of one ``submit`` call, by trajectory id (the last verdict received wins)."""
@@ -90,6 +104,10 @@ class StoreClient:
         self.channel = grpc.insecure_channel(address, options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            # reconnect within ~1 s of a restarted store instead of gRPC's default backoff (up to 120 s)
+            ("grpc.initial_reconnect_backoff_ms", 100),
+            ("grpc.min_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 1000),
         ])
         self.stub = pb_grpc.TrajectoryStoreStub(self.channel)
 
@@ -110,7 +128,7 @@ class StoreClient:
         resend the unacknowledged batches) until ``retry_deadline_s`` passes without progress."""
         if batch_size < 1 or max_in_flight < 1:
             raise ValueError("batch_size and max_in_flight must be >= 1")
-        return _SubmitSession(self.stub, trajectories, batch_size, max_in_flight, retry_deadline_s).run()
+        return _SubmitSession(self, trajectories, batch_size, max_in_flight, retry_deadline_s).run()
 
     # ---- control --------------------------------------------------------------------------------
 
@@ -183,8 +201,9 @@ def _auth(key: str | None) -> list[tuple[str, str]]:
 class _SubmitSession:
     """One ``submit`` call: a source of batches, the unacknowledged window, reconnects."""
 
-    def __init__(self, stub, trajectories, batch_size: int, max_in_flight: int, retry_deadline_s: float):
-        self.stub = stub
+    def __init__(self, client: "StoreClient", trajectories, batch_size: int, max_in_flight: int, retry_deadline_s: float):
+        self.client = client
+        self.stub = client.stub
         self.source = _batches(trajectories, batch_size)
         self.max_in_flight = max_in_flight
         self.retry_deadline_s = retry_deadline_s
@@ -198,6 +217,7 @@ class _SubmitSession:
         while True:
             acked_before = len(self.result.verdicts)
             try:
+                self._wait_ready(last_progress)
                 self._stream(attempt)
                 return self.result
             except grpc.RpcError as exc:
@@ -212,6 +232,15 @@ class _SubmitSession:
                 backoff = min(backoff * 2, 2.0)
                 attempt += 1
                 self.result.reconnects += 1
+
+    def _wait_ready(self, last_progress: float) -> None:
+        """Wait for the channel, but never past the retry deadline (a call on a channel that is
+        down would otherwise wait for it without limit)."""
+        remaining = self.retry_deadline_s - (time.monotonic() - last_progress)
+        try:
+            grpc.channel_ready_future(self.client.channel).result(timeout=max(remaining, 0.01))
+        except grpc.FutureTimeoutError:
+            raise StoreUnavailable(f"store at {self.client.address} not reachable for {self.retry_deadline_s:g} s") from None
 
     def _stream(self, attempt: int) -> None:
         with self.cond:

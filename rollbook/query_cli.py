@@ -94,14 +94,14 @@ def _overlay_unfolded_log(con, path: pathlib.Path) -> None:
         return
     folded = dict(con.execute("SELECT segment, folded_batches FROM _log_state").fetchall())
     batches = [b for seg in wal.list_segments(root) for b in wal.read_segment(root, seg) if b.index >= folded.get(seg, 0)]
-    catalog = con.execute("SELECT current_database()").fetchone()[0]
+    catalog = con.execute("SELECT current_database()").fetchall()[0][0]  # fetchone() would leave the result open
     for kind, table_name in (("trajectories", "trajectories"), ("rejections", "rejections")):
         tables = [getattr(b, kind) for b in batches if getattr(b, kind) is not None]
         if not tables:
             continue
         con.register(f"_unfolded_{kind}", pa.concat_tables(tables))
         con.execute(f'CREATE TEMP VIEW {table_name} AS SELECT * FROM "{catalog}".main.{table_name} '
-                    f"UNION ALL SELECT * FROM _unfolded_{kind}")
+                    f"UNION ALL BY NAME SELECT * FROM _unfolded_{kind}")  # the table has columns the log lacks (status)
     if batches:
         print(f"rollbook query: including {len(batches)} acknowledged batch(es) not yet folded into {path.name}", file=sys.stderr)
 

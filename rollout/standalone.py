@@ -84,7 +84,12 @@ def run_worker(config: WorkerConfig, stop: threading.Event | None = None) -> dic
         while not stop.is_set() and (config.max_rounds == 0 or rounds < config.max_rounds):
             latest = channel.fetch()
             if latest is not None:
-                engine.update_weights(lambda m, s=latest: load_into(m, s), latest.version)
+                try:
+                    engine.update_weights(lambda m, s=latest: load_into(m, s), latest.version)
+                except RuntimeError as exc:  # torn shared-memory copy: the next fetch brings a whole version
+                    log.warning("weight update to version %d failed (%s); fetching again", latest.version, exc)
+                    channel = _reopen(channel, config)
+                    continue
             admitted = gate.try_admit(want, engine.version)
             whole = admitted - admitted % group
             if admitted > whole:
@@ -112,6 +117,12 @@ def _wait_for_channel(config: WorkerConfig, stop: threading.Event):
             if stop.is_set() or time.monotonic() > deadline:
                 raise
             stop.wait(0.2)
+
+
+def _reopen(channel, config: WorkerConfig):
+    """A fresh receiver (its version -1), so the next fetch returns the newest version whole."""
+    channel.close()
+    return open_channel(config.weights)
 
 
 def _first_snapshot(channel, config: WorkerConfig, stop: threading.Event):

@@ -124,9 +124,15 @@ class RolloutWorker:
                                       stop_token_ids=[TOKENIZER.eos_token_id]) for t in tasks]
         results = self.engine.generate(requests)
         per_domain: dict[str, list[float]] = {}
+        errors = 0
         for task, result in zip(tasks, results):
             outcome = score(task, TOKENIZER.decode(result.output_token_ids), self.domains)
-            per_domain.setdefault(task.domain, []).append(outcome.reward if outcome.status == "ok" else 0.0)
+            if outcome.status == "ok":
+                per_domain.setdefault(task.domain, []).append(outcome.reward)
+            else:  # a crashed verifier is not a wrong answer: counted apart, not averaged as 0
+                errors += 1
         out = {f"eval/{d}": sum(v) / len(v) for d, v in per_domain.items()}
-        out["eval/reward"] = sum(sum(v) for v in per_domain.values()) / len(tasks)
+        scored = sum(len(v) for v in per_domain.values())
+        out["eval/reward"] = sum(sum(v) for v in per_domain.values()) / scored if scored else float("nan")
+        out["eval/errors"] = errors
         return out

@@ -57,11 +57,18 @@ class Outcome:
 
 @dataclass
 class _Pending:
-    """One submitted batch waiting for the committer."""
+    """One submitted batch waiting for the committer (its Arrow tables already built)."""
 
     accepted: list[Row]
     rejected: list[tuple[object, str, str]]
+    trajectories: pa.Table | None = None
+    rejections: pa.Table | None = None
     future: Future = field(default_factory=Future)
+
+
+def _concat(tables: list[pa.Table | None]) -> pa.Table | None:
+    present = [t for t in tables if t is not None]
+    return pa.concat_tables(present) if present else None
 
 
 class _Registry:
@@ -87,13 +94,16 @@ class Ledger:
 
     def __init__(self, db_path: str | pathlib.Path, *, ingest_config: IngestConfig | None = None,
                  validator_config: ValidatorConfig | None = None,
-                 fold_interval_s: float = 0.5, max_group_rows: int = 4096, validate: bool = True):
+                 fold_interval_s: float = 0.5, fold_bytes: int = 256 << 20, fold_max_delay_s: float = 10.0,
+                 max_group_rows: int = 4096, validate: bool = True):
         self.db_path = pathlib.Path(db_path)
         self.db_path.parent.mkdir(parents=True, exist_ok=True)
         self.ingest_config = ingest_config or IngestConfig()
         self.validator_config = validator_config or ValidatorConfig()
         self.validate = validate  # False only for benchmarks measuring what validation costs
         self.fold_interval_s = fold_interval_s
+        self.fold_bytes = fold_bytes
+        self.fold_max_delay_s = fold_max_delay_s
         self.max_group_rows = max_group_rows
         self.con = duckdb.connect(str(self.db_path), config=SANDBOX_CONFIG)
         for ddl in DDL:
@@ -107,6 +117,8 @@ class Ledger:
         self.counters = {"duplicates": 0}
         self.wal_root = self.db_path.with_name(self.db_path.name + ".log")
         self._unfolded: list[wal.LogBatch] = []
+        self._unfolded_bytes = 0
+        self._last_commit = time.monotonic()
         self._unfolded_lock = threading.Lock()
         self._recover()
         self._closed_segments: dict[int, int] = {}  # rotated segment -> its number of batches
@@ -121,17 +133,20 @@ class Ledger:
     # ---- public API -----------------------------------------------------------------------------
 
     def submit(self, rows: Sequence[Row]) -> list[Outcome]:
-        """Validate, deduplicate and durably commit one batch; blocks until the group is fsync'd."""
+        """Validate, deduplicate and durably commit one batch; blocks until the group is fsync'd.
+
+        Validation and the Arrow conversion run in the caller's thread, outside every lock, so they
+        overlap other streams' fsyncs; only the id reservation holds the index lock."""
+        verdicts = ingest.check_batch(rows, self.registry, self.ingest_config) if self.validate else [None] * len(rows)
         outcomes: list[Outcome | None] = [None] * len(rows)
         accepted, rejected, waits = [], [], []
         pending = _Pending([], [])
         with self._index_lock:
-            for i, row in enumerate(rows):
+            for i, (row, verdict) in enumerate(zip(rows, verdicts)):
                 tid = row.trajectory_id
                 if tid and (tid in self._seen or tid in self._inflight):
                     waits.append((i, tid, self._inflight.get(tid)))
                     continue
-                verdict = ingest.check(row, self.registry, self.ingest_config) if self.validate else None
                 if verdict is None:
                     accepted.append((i, row))
                     pending.accepted.append(row)
@@ -141,6 +156,13 @@ class Ledger:
                 if tid:
                     self._inflight[tid] = pending.future
         if accepted or rejected:
+            now = time.time()
+            try:
+                pending.trajectories = rows_to_table(pending.accepted, now) if accepted else None
+                pending.rejections = rejections_table(pending.rejected, "ingest", now) if rejected else None
+            except Exception as exc:
+                self._release([pending])
+                raise
             self._commit_q.put(pending)
             pending.future.result()  # raises if the commit failed: the client sees an error, retries
         for i, row in accepted:
@@ -306,26 +328,22 @@ class Ledger:
             self._commit_group(group)
 
     def _commit_group(self, group: list[_Pending]) -> None:
-        now = time.time()
         accepted = [r for p in group for r in p.accepted]
         rejected = [r for p in group for r in p.rejected]
         try:
-            traj = rows_to_table(accepted, now) if accepted else None
-            rej = rejections_table(rejected, "ingest", now) if rejected else None
+            traj = _concat([p.trajectories for p in group])
+            rej = _concat([p.rejections for p in group])
             batch = self.wal.append(traj, rej)
         except Exception as exc:  # nothing was acknowledged: release the ids so retries can land
             log.exception("commit failed")
-            with self._index_lock:
-                for p in group:
-                    for r in p.accepted:
-                        self._inflight.pop(r.trajectory_id, None)
-                    for m, _, _ in p.rejected:
-                        self._inflight.pop(m.trajectory_id, None)
+            self._release(group)
             for p in group:
                 p.future.set_exception(exc)
             return
         with self._unfolded_lock:
             self._unfolded.append(batch)
+            self._unfolded_bytes += batch.nbytes
+            self._last_commit = time.monotonic()
         with self._index_lock:
             for r in accepted:
                 self._seen[r.trajectory_id] = ACCEPTED
@@ -337,17 +355,34 @@ class Ledger:
         for p in group:
             p.future.set_result(None)
 
+    def _release(self, group: list[_Pending]) -> None:
+        with self._index_lock:
+            for p in group:
+                for r in p.accepted:
+                    self._inflight.pop(r.trajectory_id, None)
+                for m, _, _ in p.rejected:
+                    self._inflight.pop(m.trajectory_id, None)
+
     def _fold_loop(self) -> None:
-        while not self._stop.wait(self.fold_interval_s):
-            try:
-                self._fold()
-            except Exception:
-                log.exception("fold failed; will retry")
+        """Fold in large batches: when ingest pauses for ``fold_interval_s``, when the unfolded
+        log exceeds ``fold_bytes``, or at the latest ``fold_max_delay_s`` after the oldest batch.
+        Queries and pulls fold on demand (``flush``), so nothing waits for this loop."""
+        while not self._stop.wait(self.fold_interval_s / 2):
+            with self._unfolded_lock:
+                if not self._unfolded:
+                    continue
+                idle = time.monotonic() - self._last_commit >= self.fold_interval_s
+                due = self._unfolded_bytes >= self.fold_bytes or time.monotonic() - self._unfolded[0].committed_at >= self.fold_max_delay_s
+            if idle or due:
+                try:
+                    self._fold()
+                except Exception:
+                    log.exception("fold failed; will retry")
 
     def _fold(self) -> None:
         with self._db_lock:
             with self._unfolded_lock:
-                batches, self._unfolded = self._unfolded, []
+                batches, self._unfolded, self._unfolded_bytes = self._unfolded, [], 0
             if not batches:
                 return
             try:
@@ -355,6 +390,7 @@ class Ledger:
             except Exception:
                 with self._unfolded_lock:
                     self._unfolded = batches + self._unfolded
+                    self._unfolded_bytes += sum(b.nbytes for b in batches)
                 raise
             with self._transaction() as con:
                 settle.settle(con, self.validator_config, time.time())

@@ -104,7 +104,10 @@ def serve(config: StoreConfig) -> None:
     done = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: done.set())
-    done.wait()
+    # Wait with a timeout: a signal that lands on one of gRPC's threads only wakes a main thread
+    # that polls; a bare wait() can sleep through SIGTERM forever.
+    while not done.wait(0.5):
+        pass
     print("shutting down: draining streams and folding the log", file=sys.stderr, flush=True)
     server.stop(grace=5).wait()
     ledger.close()

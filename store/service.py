@@ -7,6 +7,7 @@ Handlers are registered by hand (``handlers()``) rather than through the generat
 
 from __future__ import annotations
 
+import functools
 import hmac
 import io
 import json
@@ -19,6 +20,7 @@ from typing import Callable, Iterator
 import grpc
 import pyarrow as pa
 from google.protobuf.message import DecodeError
+from google.protobuf.unknown_fields import UnknownFieldSet
 
 from rollbook.store.convert import decode
 from rollbook.store.ledger import Ledger, NotRewardable, Outcome
@@ -42,11 +44,39 @@ class _Malformed:
 def _tolerant(message_type) -> Callable[[bytes], object]:
     def parse(data: bytes):
         try:
-            return message_type.FromString(data)
+            message = message_type.FromString(data)
         except (DecodeError, RuntimeError, ValueError) as exc:
             return _Malformed(f"request does not parse as {message_type.DESCRIPTOR.full_name}: {exc}")
+        wrong = _wrong_wire_type(message)
+        return _Malformed(f"request does not parse as {message_type.DESCRIPTOR.full_name}: {wrong}") if wrong else message
 
     return parse
+
+
+def _wrong_wire_type(message) -> str | None:
+    """A known field sent with the wrong wire type parses as an *unknown* field, leaving the real
+    field unset (a reward would silently vanish); name it. Unknown field numbers stay legal
+    (newer clients may send fields this server does not know)."""
+    descriptor = message.DESCRIPTOR
+    fields = descriptor.fields_by_number
+    for unknown in UnknownFieldSet(message):
+        if unknown.field_number in fields:
+            name = fields[unknown.field_number].full_name
+            return f"field {name} (number {unknown.field_number}) arrived with wire type {unknown.wire_type}"
+    for fd in _message_fields(descriptor):
+        if not fd.is_repeated and not message.HasField(fd.name):
+            continue
+        value = getattr(message, fd.name)
+        for sub in value if fd.is_repeated else [value]:
+            wrong = _wrong_wire_type(sub)
+            if wrong:
+                return wrong
+    return None
+
+
+@functools.cache
+def _message_fields(descriptor) -> tuple:
+    return tuple(fd for fd in descriptor.fields if fd.message_type is not None and not fd.message_type.GetOptions().map_entry)
 
 
 def _check_parsed(request, context: grpc.ServicerContext) -> None:
@@ -75,7 +105,12 @@ class TrajectoryStoreService:
         futures: queue.Queue[Future | BaseException | None] = queue.Queue(maxsize=self.max_inflight_per_stream)
         threading.Thread(target=self._read_stream, args=(request_iterator, futures, context), daemon=True).start()
         while True:
-            item = futures.get()
+            try:
+                item = futures.get(timeout=0.5)
+            except queue.Empty:
+                if context.is_active():
+                    continue
+                return  # the client went away: free this handler thread (committed rows stay committed)
             if item is None:
                 return
             if isinstance(item, _Malformed):

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import os
 import pathlib
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Callable
 
 import pyarrow as pa
@@ -31,6 +32,11 @@ class LogBatch:
     index: int
     trajectories: pa.Table | None
     rejections: pa.Table | None
+    committed_at: float = field(default_factory=time.monotonic)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in (self.trajectories, self.rejections) if t is not None)
 
 
 def _path(root: pathlib.Path, segment: int, kind: str) -> pathlib.Path:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, Sequence
 
 import numpy as np
 from pydantic import BaseModel, Field
@@ -69,6 +69,67 @@ class _RowLike(Protocol):
 def check(row: _RowLike, registry: Registry, config: IngestConfig) -> Verdict:
     """The first broken rule for this trajectory, or ``None``."""
     return _structure(row, config) or _evidence(row, config) or _against_registry(row, registry)
+
+
+def check_batch(rows: Sequence[_RowLike], registry: Registry, config: IngestConfig) -> list[Verdict]:
+    """``check`` for a whole batch, vectorised: every rule runs once over the batch's concatenated
+    arrays; only rows that some rule flags go through ``check`` for their exact code and detail.
+    Same verdicts as ``[check(r, ...) for r in rows]``, at a fraction of the cost."""
+    suspect = _suspects(rows, registry, config)
+    return [check(row, registry, config) if bad else None for row, bad in zip(rows, suspect)]
+
+
+def _suspects(rows: Sequence[_RowLike], registry: Registry, config: IngestConfig) -> np.ndarray:
+    """True for rows that may break a rule (a superset of the rejected rows)."""
+    n = len(rows)
+    n_tok = np.fromiter((len(r.tokens) for r in rows), np.int64, n)
+    n_lp = np.fromiter((len(r.logprobs) for r in rows), np.int64, n)
+    n_v = np.fromiter((len(r.versions) for r in rows), np.int64, n)
+    suspect = (n_tok == 0) | (n_lp != n_tok) | (n_v != n_tok) | (n_tok > config.max_output_tokens)
+    suspect |= np.fromiter((_scalar_suspect(r, registry, config) for r in rows), bool, n)
+    ok = np.flatnonzero(~suspect)
+    if len(ok) == 0:
+        return suspect
+    sel = [rows[i] for i in ok]
+    starts = np.concatenate([[0], np.cumsum(n_tok[ok])[:-1]])
+    lp = np.concatenate([r.logprobs for r in sel])
+    tok = np.concatenate([r.tokens for r in sel])
+    ver = np.concatenate([r.versions for r in sel])
+    bad_lp = ~np.isfinite(lp) | (lp > config.positive_logprob_tolerance)
+    for sentinel in config.sentinel_logprobs:
+        bad_lp |= lp == np.float32(sentinel)
+    step_down = np.zeros(len(ver), bool)
+    step_down[1:] = np.diff(ver) < 0
+    step_down[starts] = False  # a new row may start lower than the previous one ended
+    bad = np.logical_or.reduceat(bad_lp | step_down | (tok < 0) | (ver < 0), starts)
+    top_tok = np.maximum.reduceat(tok, starts)
+    vocab = np.fromiter((registry.vocab_size(r.msg.model_id) or 0 for r in sel), np.int64, len(sel))
+    lo, hi = _version_ranges(sel, registry)
+    bad |= (top_tok >= vocab) | (np.minimum.reduceat(ver, starts) < lo) | (np.maximum.reduceat(ver, starts) > hi)
+    suspect[ok] = bad
+    return suspect
+
+
+def _scalar_suspect(r: _RowLike, registry: Registry, config: IngestConfig) -> bool:
+    m = r.msg
+    ids = (m.trajectory_id, m.session_id, m.group_id, m.request_id, m.model_id)
+    return (not m.trajectory_id or max(map(len, ids)) > config.max_id_length or len(r.prompt) > config.max_prompt_tokens
+            or (len(r.prompt) > 0 and (int(r.prompt.min()) < 0 or int(r.prompt.max()) >= (registry.vocab_size(m.model_id) or 0)))
+            or (config.require_sampling_params and not (m.HasField("temperature") and m.HasField("top_p")))
+            or (m.HasField("reward") and not math.isfinite(m.reward)))
+
+
+def _version_ranges(rows: Sequence[_RowLike], registry: Registry) -> tuple[np.ndarray, np.ndarray]:
+    """Per row, the published range [lo, hi] when the model's versions are contiguous (so any
+    version inside is published); otherwise an empty range, which sends the row to ``check``."""
+    ranges: dict[str, tuple[int, int]] = {}
+    for model_id in {r.msg.model_id for r in rows}:
+        v = registry.published_versions(model_id).versions
+        contiguous = len(v) > 0 and int(v[-1]) - int(v[0]) + 1 == len(v)
+        ranges[model_id] = (int(v[0]), int(v[-1])) if contiguous else (1, 0)
+    lo = np.fromiter((ranges[r.msg.model_id][0] for r in rows), np.int64, len(rows))
+    hi = np.fromiter((ranges[r.msg.model_id][1] for r in rows), np.int64, len(rows))
+    return lo, hi
 
 
 def _structure(row: _RowLike, config: IngestConfig) -> Verdict:

@@ -172,8 +172,12 @@ def ack_lease(con: duckdb.DuckDBPyConnection, lease_id: str, now: float) -> int:
         trained = con.execute(
             """SELECT count(*) FROM trajectories WHERE status IN ('trained') AND trajectory_id IN
                (SELECT trajectory_id FROM leases WHERE lease_id = ?)""", [lease_id]).fetchone()[0]
-        if taken or trained:
-            raise LeaseError(f"lease {lease_id} expired and its rows went to another lease; do not train on it")
+        (gone,) = con.execute(  # rejected since it expired (e.g. STALE): such a row never also trains
+            """SELECT count(*) FROM leases WHERE lease_id = ? AND trajectory_id NOT IN
+               (SELECT trajectory_id FROM trajectories)""", [lease_id]).fetchone()
+        if taken or trained or gone:
+            raise LeaseError(f"lease {lease_id} expired and its rows went to another lease or to rejections; "
+                             "do not train on it")
     con.execute("UPDATE leases SET acked_at = ?, expired_at = NULL WHERE lease_id = ?", [now, lease_id])
     con.execute(
         "UPDATE trajectories SET status = 'trained' WHERE trajectory_id IN (SELECT trajectory_id FROM leases WHERE lease_id = ?)",

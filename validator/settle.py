@@ -69,24 +69,32 @@ def settle(con: duckdb.DuckDBPyConnection, config: ValidatorConfig, now: float) 
 
 
 def _retry_orphans(con: duckdb.DuckDBPyConnection, now: float) -> int:
-    # Rank the attempts of every request that has a pending attempt: an attempt already served wins
-    # (it cannot be taken back), then a consumed one, then the latest created_at.
-    return reject_rows(
-        con,
-        """WITH touched AS (SELECT DISTINCT request_id FROM trajectories WHERE status = 'pending' AND request_id <> ''),
+    # Rank the attempts of every request that has a pending attempt: an attempt already served
+    # (leased or trained) wins, since it cannot be taken back; then a consumed one, then the latest
+    # created_at. A `ready` attempt is not served yet, so a consumed attempt arriving later replaces it.
+    con.execute(
+        f"""CREATE OR REPLACE TEMP TABLE _orphans AS
+           WITH touched AS (SELECT DISTINCT request_id FROM trajectories WHERE status = 'pending' AND request_id <> ''),
            ranked AS (
-             SELECT trajectory_id, status, attempt, request_id,
+             SELECT trajectory_id, group_id, status, attempt, request_id,
                     row_number() OVER w AS rk, first_value(trajectory_id) OVER w AS kept,
                     first_value(consumed) OVER w AS kept_consumed
              FROM trajectories JOIN touched USING (request_id)
-             WINDOW w AS (PARTITION BY request_id ORDER BY (status <> 'pending') DESC, consumed DESC,
+             WINDOW w AS (PARTITION BY request_id ORDER BY (status IN ('leased', 'trained')) DESC, consumed DESC,
                           created_at DESC, trajectory_id DESC))
-           SELECT trajectory_id,
+           SELECT trajectory_id, status, {GROUP_KEY} AS gkey,
                   'attempt ' || attempt || ' of request ' || request_id || ' is not the one kept: ' || kept ||
                   CASE WHEN kept_consumed THEN ' (consumed by the caller)' ELSE ' (latest created_at, none marked consumed)' END AS detail
-           FROM ranked WHERE rk > 1 AND status = 'pending'""",
-        Reason.RETRY_ORPHAN, "group", now,
+           FROM ranked WHERE rk > 1 AND status IN ('pending', 'ready')"""
     )
+    # a ready group that loses a member to its replacement attempt waits again until that one is rewarded
+    con.execute(
+        f"""UPDATE trajectories SET status = 'pending'
+            WHERE status = 'ready' AND {GROUP_KEY} IN (SELECT gkey FROM _orphans WHERE status = 'ready')"""
+    )
+    n = reject_rows(con, "SELECT trajectory_id, detail FROM _orphans", Reason.RETRY_ORPHAN, "group", now)
+    con.execute("DROP TABLE _orphans")
+    return n
 
 
 _GROUP_STATE = f"""

@@ -1,0 +1,191 @@
+"""Task domains with verifiable rewards, and the character tokenizer one model shares across them.
+
+    from rollbook.rollout.tasks import DOMAINS, TOKENIZER, make_tasks, score
+    tasks = make_tasks(DOMAINS["arithmetic"], "train", num_tasks=256, seed=0)
+    prompt_ids = TOKENIZER.encode(tasks[0].prompt, add_bos=True)      # "<bos>12+34="
+    outcome = score(tasks[0], TOKENIZER.decode(output_token_ids))      # RewardOutcome(status="ok", reward=1.0)
+
+Domains (the ``domain`` tag travels with every trajectory):
+- ``arithmetic``: ``"12+34="`` -> ``"46"`` (two operands of up to ``num_digits`` digits).
+- ``reverse``: ``"rev:abcd="`` -> ``"dcba"``.
+
+A model answers with the answer's characters followed by ``<eos>`` (pass ``TOKENIZER.eos_token_id``
+as a stop token). Splits are disjoint by construction: a problem belongs to ``heldout`` or ``train``
+by a stable hash of its prompt, whatever the seed, so no seed or size can leak an evaluation problem
+into training. A verifier that raises is an ``error`` outcome, counted apart and never a 0.0 reward.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import string
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
+Split = Literal["train", "heldout"]
+HELDOUT_BUCKETS = 10  # one problem in this many (by prompt hash) is held out
+
+
+class CharTokenizer:
+    """One token per character; ids 0, 1, 2 are ``<pad>``, ``<bos>``, ``<eos>``."""
+
+    def __init__(self, chars: str) -> None:
+        if len(set(chars)) != len(chars):
+            raise ValueError("tokenizer characters must be distinct")
+        self.tokens = [PAD, BOS, EOS, *chars]
+        self._ids = {ch: i for i, ch in enumerate(self.tokens) if len(ch) == 1}
+        self.pad_token_id, self.bos_token_id, self.eos_token_id = 0, 1, 2
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.tokens)
+
+    def encode(self, text: str, *, add_bos: bool = False, add_eos: bool = False) -> list[int]:
+        unknown = sorted(set(text) - self._ids.keys())
+        if unknown:
+            raise ValueError(f"characters not in the vocabulary: {unknown!r}")
+        ids = [self._ids[ch] for ch in text]
+        return [self.bos_token_id] * add_bos + ids + [self.eos_token_id] * add_eos
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """The text up to the first ``<eos>``, without ``<pad>``/``<bos>``."""
+        chars = []
+        for i in ids:
+            if i == self.eos_token_id:
+                break
+            if i not in (self.pad_token_id, self.bos_token_id):
+                chars.append(self.tokens[i])
+        return "".join(chars)
+
+
+TOKENIZER = CharTokenizer(string.digits + string.ascii_lowercase + "+-*=:;,.?! ")
+
+
+@dataclass(frozen=True)
+class Task:
+    """One problem. ``task_id`` is stable: the same prompt always has the same id."""
+
+    task_id: str
+    domain: str
+    prompt: str
+    answer: str
+
+
+@dataclass(frozen=True)
+class RewardOutcome:
+    """``status="ok"``: ``reward`` is a float. ``status="error"``: the verifier raised, ``reward`` is None
+    and ``error`` says why; such a sample has no reward and must not train as a 0.0."""
+
+    status: Literal["ok", "error"]
+    reward: float | None
+    error: str = ""
+
+
+class TaskDomain(Protocol):
+    """A family of problems with a verifier."""
+
+    name: str
+
+    def sample(self, rng: random.Random) -> tuple[str, str]:
+        """One random ``(prompt, answer)``."""
+        ...
+
+    def verify(self, task: Task, completion: str) -> float:
+        """The reward of ``completion`` (decoded text, no special tokens): 1.0 correct, 0.0 wrong."""
+        ...
+
+
+@dataclass(frozen=True)
+class ArithmeticDomain:
+    """Addition of two non-negative integers below ``10**num_digits``."""
+
+    num_digits: int = 2
+    name: str = "arithmetic"
+
+    def sample(self, rng: random.Random) -> tuple[str, str]:
+        a, b = (rng.randrange(10**self.num_digits) for _ in range(2))
+        return f"{a}+{b}=", str(a + b)
+
+    def verify(self, task: Task, completion: str) -> float:
+        return float(completion.strip() == task.answer)
+
+
+@dataclass(frozen=True)
+class ReverseDomain:
+    """Reverse a lowercase string of ``min_len`` to ``max_len`` letters from ``alphabet``."""
+
+    min_len: int = 3
+    max_len: int = 6
+    alphabet: str = "abcdefghij"
+    name: str = "reverse"
+
+    def sample(self, rng: random.Random) -> tuple[str, str]:
+        text = "".join(rng.choice(self.alphabet) for _ in range(rng.randint(self.min_len, self.max_len)))
+        return f"rev:{text}=", text[::-1]
+
+    def verify(self, task: Task, completion: str) -> float:
+        return float(completion.strip() == task.answer)
+
+
+DOMAINS: dict[str, TaskDomain] = {d.name: d for d in (ArithmeticDomain(), ReverseDomain())}
+
+
+def split_of(prompt: str) -> Split:
+    """The split a prompt belongs to, from a stable hash (independent of seeds and process)."""
+    bucket = int.from_bytes(hashlib.blake2b(prompt.encode(), digest_size=8).digest(), "big") % HELDOUT_BUCKETS
+    return "heldout" if bucket == 0 else "train"
+
+
+def make_tasks(
+    domain: TaskDomain, split: Split, num_tasks: int, seed: int, *, allow_fewer: bool = False
+) -> list[Task]:
+    """``num_tasks`` distinct problems of ``split``, drawn deterministically from ``seed``; with
+    ``allow_fewer``, a small domain returns all the problems it found instead of raising."""
+    if split not in ("train", "heldout"):
+        raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
+    rng = random.Random(f"{domain.name}/{seed}")
+    tasks: dict[str, Task] = {}
+    for _ in range(100 * num_tasks + 1000):
+        if len(tasks) == num_tasks:
+            return list(tasks.values())
+        prompt, answer = domain.sample(rng)
+        if prompt not in tasks and split_of(prompt) == split:
+            task_id = f"{domain.name}/{hashlib.blake2b(prompt.encode(), digest_size=6).hexdigest()}"
+            tasks[prompt] = Task(task_id=task_id, domain=domain.name, prompt=prompt, answer=answer)
+    if allow_fewer and tasks:
+        return list(tasks.values())
+    raise ValueError(f"domain {domain.name!r} has fewer than {num_tasks} distinct {split} problems; lower num_tasks")
+
+
+def score(task: Task, completion: str, domains: Mapping[str, TaskDomain] = DOMAINS) -> RewardOutcome:
+    """Run the task's verifier; a verifier that raises gives an ``error`` outcome, not a reward."""
+    if task.domain not in domains:
+        raise ValueError(f"unknown domain {task.domain!r}; known: {sorted(domains)}")
+    try:
+        reward = float(domains[task.domain].verify(task, completion))
+    except Exception as exc:  # a crashed verifier is not a wrong answer
+        return RewardOutcome(status="error", reward=None, error=f"{type(exc).__name__}: {exc}")
+    return RewardOutcome(status="ok", reward=reward)
+
+
+@dataclass
+class RewardTally:
+    """Counts outcomes; the mean reward is over ``ok`` outcomes only."""
+
+    num_ok: int = 0
+    num_error: int = 0
+    reward_sum: float = 0.0
+
+    def add(self, outcome: RewardOutcome) -> None:
+        if outcome.status == "ok":
+            self.num_ok += 1
+            self.reward_sum += outcome.reward  # type: ignore[operator]
+        else:
+            self.num_error += 1
+
+    def metrics(self) -> dict[str, float]:
+        mean = self.reward_sum / self.num_ok if self.num_ok else float("nan")
+        return {"reward/num_ok": self.num_ok, "reward/num_error": self.num_error, "reward/mean": mean}
