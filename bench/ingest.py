@@ -19,6 +19,10 @@ tokens per second:
   use; in memory, not durable.
 - ``rollbook_over_ray`` (target >= 1.5), ``rollbook_over_ceiling``, ``validation_cost``
   (``1 - rollbook / novalidate``).
+- ``pull_tok_s``: after the validated run, every stored row leased through ``PullBatch`` (whole
+  groups, 512 samples a batch, normalized, acked), beside ``duckdb_scan_tok_s``, the same rows and
+  columns read straight from the DuckDB file into Arrow once the store has stopped (the raw limit),
+  and ``pull_over_scan``.
 
 Timing runs from the moment every client has its records built and its connection open (a
 barrier) to the last acknowledgement; server start, ``ray.init`` and record generation are not
@@ -53,6 +57,7 @@ import numpy as np
 from rollbook.v1 import rollbook_pb2 as pb
 
 SYSTEMS = ("rollbook", "rollbook_novalidate", "arrow_ipc_fsync", "ray_queue")
+PULL_RESULTS: dict[str, Any] = {}  # pull_tok_s / duckdb_scan_tok_s, from the last validated run
 MODEL_ID = "bench-model"
 VOCAB_SIZE = 151_936
 VERSIONS = (0, 1, 2, 3)
@@ -84,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     samples = {name: runners[name]() if name in systems else None for name in SYSTEMS}
     tok_s = {name: float(np.median(v)) if v else None for name, v in samples.items()}
     report = summarize(tok_s, args)
+    if "rollbook" in systems:
+        report.update(PULL_RESULTS)
     if args.json:
         print(json.dumps(report), flush=True)
     else:
@@ -140,7 +147,8 @@ def make_trajectories(num: int, num_tokens: int, *, worker: int, run: str) -> li
     return [
         pb.Trajectory(
             trajectory_id=f"{run}-w{worker}-{i}", session_id=f"{run}-w{worker}-s{i}",
-            group_id=f"{run}-w{worker}-g{i // GROUP_SIZE}", group_size=GROUP_SIZE,
+            group_id=f"{run}-w{worker}-g{i // GROUP_SIZE}",
+            group_size=min(GROUP_SIZE, num - i // GROUP_SIZE * GROUP_SIZE),  # the last group may be short
             request_id=f"{run}-w{worker}-r{i}", consumed=True, task_id=f"task-{i // GROUP_SIZE}",
             domain="math", model_id=MODEL_ID, prompt_token_ids=prompts[i].tolist(),
             output_token_ids=tokens[i].tolist(), output_logprobs=logprobs[i].tolist(),
@@ -170,6 +178,8 @@ def run_rollbook(args: argparse.Namespace, counts: list[int], run: str, *, valid
             raise RuntimeError(f"{label}: store holds {stats.accepted} trajectories / {stats.accepted_tokens} tokens, "
                                f"expected {sum(counts)} / {tokens}")
         _progress(f"{label}: counters checked")
+        if validate:
+            PULL_RESULTS["pull_tok_s"] = round(measure_pull(client, tokens))
         if _probe_validates(client, run) != validate:
             if validate:
                 raise RuntimeError("the store accepted a NaN log-prob in the validated run")
@@ -203,6 +213,9 @@ def running_store(work_dir: str | None, label: str, *, novalidate: bool) -> Iter
             server.send_signal(signal.SIGTERM)
             server.wait(timeout=120)
             _progress(f"{label}: store stopped")
+        if not novalidate and server.returncode == 0:
+            PULL_RESULTS["duckdb_scan_tok_s"] = round(measure_duckdb_scan(pathlib.Path(tmp) / "rollbook.duckdb"))
+            PULL_RESULTS["pull_over_scan"] = round(PULL_RESULTS["pull_tok_s"] / PULL_RESULTS["duckdb_scan_tok_s"], 3)
 
 
 def start_store(db: pathlib.Path, env: dict[str, str]) -> tuple[subprocess.Popen, str]:
@@ -234,6 +247,43 @@ def _rollbook_client(worker: int, num: int, address: str, num_tokens: int, run: 
         raise RuntimeError(f"worker {worker}: {result.accepted}/{num} ACCEPTED, {result.duplicates} duplicates, "
                            f"rejected by reason {result.rejected_by_reason()}")
     results.put((t0, t1, cpu))
+
+
+def measure_pull(client, tokens: int) -> float:
+    """Lease every stored row through ``PullBatch`` (whole groups, 512 samples a batch) and ack it:
+    validated, normalized, leased tokens per second."""
+    t0, pulled, step = time.perf_counter(), 0, 0
+    while True:
+        batch = client.pull_batch(trainer_id="bench", trainer_version=VERSIONS[-1], max_staleness=len(VERSIONS),
+                                  num_samples=512, step=step, model_id=MODEL_ID)
+        if batch.num_rows == 0:
+            break
+        pulled += int(pa_list_lengths(batch.table.column("output_token_ids")))
+        client.ack_batch(batch.lease_id, "bench")
+        step += 1
+    seconds = time.perf_counter() - t0
+    if pulled != tokens:
+        raise RuntimeError(f"pulled {pulled} tokens, stored {tokens}")
+    return _report("pull", pulled, seconds, f"{step} batches")
+
+
+def pa_list_lengths(column) -> int:
+    import pyarrow.compute as pc
+
+    return pc.sum(pc.list_value_length(column)).as_py() or 0
+
+
+def measure_duckdb_scan(db: pathlib.Path) -> float:
+    """The same rows and columns read straight from the DuckDB file into Arrow: the raw limit."""
+    import duckdb
+
+    con = duckdb.connect(str(db), read_only=True)
+    t0 = time.perf_counter()
+    table = con.sql("SELECT trajectory_id, group_id, domain, prompt_token_ids, output_token_ids, output_logprobs, "
+                    "output_versions, original_reward, reward FROM trajectories").to_arrow_table()
+    seconds = time.perf_counter() - t0
+    con.close()
+    return _report("duckdb_scan", int(pa_list_lengths(table.column("output_token_ids"))), seconds)
 
 
 def _probe_validates(client, run: str) -> bool:

@@ -39,20 +39,6 @@ _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, gr
 STATUS_NAMES = {pb.Verdict.ACCEPTED: "ACCEPTED", pb.Verdict.DUPLICATE: "DUPLICATE", pb.Verdict.REJECTED: "REJECTED"}
 
 
-class StoreUnavailable(grpc.RpcError):
-    """The store stayed unreachable for the whole retry deadline."""
-
-    def __init__(self, message: str):
-        super().__init__(message)
-        self.message = message
-
-    def code(self) -> grpc.StatusCode:
-        return grpc.StatusCode.UNAVAILABLE
-
-    def details(self) -> str:
-        return self.message
-
-
 @dataclass
 class SubmitResult:
     """Verdicts of one ``submit`` call, by trajectory id (the last verdict received wins)."""
@@ -217,7 +203,6 @@ class _SubmitSession:
         while True:
             acked_before = len(self.result.verdicts)
             try:
-                self._wait_ready(last_progress)
                 self._stream(attempt)
                 return self.result
             except grpc.RpcError as exc:
@@ -233,21 +218,13 @@ class _SubmitSession:
                 attempt += 1
                 self.result.reconnects += 1
 
-    def _wait_ready(self, last_progress: float) -> None:
-        """Wait for the channel, but never past the retry deadline (a call on a channel that is
-        down would otherwise wait for it without limit)."""
-        remaining = self.retry_deadline_s - (time.monotonic() - last_progress)
-        try:
-            grpc.channel_ready_future(self.client.channel).result(timeout=max(remaining, 0.01))
-        except grpc.FutureTimeoutError:
-            raise StoreUnavailable(f"store at {self.client.address} not reachable for {self.retry_deadline_s:g} s") from None
-
     def _stream(self, attempt: int) -> None:
         with self.cond:
             self.attempt = attempt
             resend = list(self.unacked)
         self.result.resent_batches += len(resend)
-        responses = self.stub.Submit(self._requests(attempt, resend), wait_for_ready=True)
+        # fail fast while the store is down (UNAVAILABLE), so the retry loop's deadline applies
+        responses = self.stub.Submit(self._requests(attempt, resend), wait_for_ready=False)
         try:
             for response in responses:
                 with self.cond:

@@ -74,7 +74,7 @@ def _via_file(path: pathlib.Path, args: argparse.Namespace) -> pa.Table | None:
         _overlay_unfolded_log(con, path)
         limits = QueryLimits(max_rows=args.max_rows or 100_000, timeout_s=args.timeout or 30.0)
         batches, truncated = [], False
-        for batch, cut in run_query(con.cursor(), args.sql, limits):
+        for batch, cut in run_query(con, args.sql, limits):  # not a cursor: the overlay views are per connection
             batches.append(batch)
             truncated = truncated or cut
         table = pa.Table.from_batches(batches)

@@ -1,18 +1,23 @@
 """The read-only SQL sandbox behind ``Query`` and ``rollbook query``.
 
-Four fences, each enough on its own for the common attacks:
+Five fences, each enough on its own for the common attacks:
 1. exactly one statement, and its type must be SELECT (which covers WITH, FROM-first, VALUES,
    DESCRIBE, SHOW and SUMMARIZE) or EXPLAIN: DDL, DML, COPY, ATTACH, INSTALL/LOAD, SET, PRAGMA and
    CALL are refused before execution;
-2. the statement runs inside a ``READ ONLY`` transaction, so even a SELECT with a side effect
+2. its syntax tree (``json_serialize_sql``) names no file-reading function (``read_*``, ``glob``,
+   ``*_scan``, ...) and no table that is not a plain identifier (``FROM 'some/file'``): DuckDB lets
+   even a locked-down database read its own files, so these are refused by name;
+3. the statement runs inside a ``READ ONLY`` transaction, so even a SELECT with a side effect
    (``nextval``) cannot write;
-3. the database is opened with external access disabled and its configuration locked
+4. the database is opened with external access disabled and its configuration locked
    (``SANDBOX_CONFIG``): no file reads or writes, no extensions, no ATTACH, no SET;
-4. a per-query timeout (the cursor is interrupted) and a row cap.
+5. a per-query timeout (the cursor is interrupted) and a row cap.
 """
 
 from __future__ import annotations
 
+import json
+import re
 import threading
 from dataclasses import dataclass
 from typing import Iterator
@@ -56,6 +61,31 @@ def check_statement(con: duckdb.DuckDBPyConnection, sql: str) -> None:
             f"{kind.name} statements are not allowed: the SQL endpoint is read-only "
             "(SELECT, WITH, DESCRIBE, SHOW, SUMMARIZE, EXPLAIN)"
         )
+    query = _EXPLAIN.sub("", sql, count=1) if kind == duckdb.StatementType.EXPLAIN else sql
+    tree = json.loads(con.execute("SELECT json_serialize_sql(?)", [query]).fetchone()[0])
+    if tree.get("error"):
+        raise QueryError(f"cannot analyse the statement: {tree.get('error_message', 'unknown error')}")
+    _check_tree(tree)
+
+
+_EXPLAIN = re.compile(r"^\s*EXPLAIN(\s+ANALY[SZ]E)?\s+", re.IGNORECASE)
+_FILE_FUNCTION = re.compile(r"^(read_\w+|glob|sniff_csv|parquet_\w+|\w+_scan|iceberg_\w+|delta_\w+|query_table)$", re.IGNORECASE)
+_IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def _check_tree(node) -> None:
+    """Refuse file-reading functions and file-path table references anywhere in the tree."""
+    if isinstance(node, dict):
+        name = node.get("function_name")
+        if isinstance(name, str) and _FILE_FUNCTION.match(name):
+            raise QueryError(f"function {name}() is not allowed: the SQL endpoint reads only the ledger's tables")
+        if node.get("type") == "BASE_TABLE" and not _IDENTIFIER.match(str(node.get("table_name", ""))):
+            raise QueryError(f"table reference {node.get('table_name')!r} is not allowed: only the ledger's tables can be read")
+        for value in node.values():
+            _check_tree(value)
+    elif isinstance(node, list):
+        for value in node:
+            _check_tree(value)
 
 
 def run_query(cursor: duckdb.DuckDBPyConnection, sql: str, limits: QueryLimits) -> Iterator[tuple[pa.RecordBatch, bool]]:

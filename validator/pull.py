@@ -81,11 +81,15 @@ def lease_batch(con: duckdb.DuckDBPyConnection, req: PullRequest, config: Valida
     table = rows.drop_columns(["gkey"]).append_column("reward", pa.array(norm_values, pa.float64()))
     table = table.append_column("advantage", pa.array(norm_values, pa.float32()))
     _record_lease(con, table, lease_id, req, now)
+    table = table.drop_columns(["row_id"])
     return Batch(lease_id, table, _batch_stats(con, table, raw, norm_values, req, events))
 
 
 def _pick_groups(con: duckdb.DuckDBPyConnection, req: PullRequest) -> pa.Table:
-    """Whole ready groups, oldest first, up to num_groups or num_samples (at least one group)."""
+    """Whole ready groups, oldest first, up to num_groups or num_samples (at least one group).
+
+    Two phases, because carrying list columns through a join or a sort costs far more than
+    reading them: pick row ids on the light columns, then fetch the heavy ones by ``rowid``."""
     model_filter = "AND model_id = $model" if req.model_id else ""
     # a prefix of the groups in age order: up to n groups, or while the running row count fits in
     # n samples (the first group always, so a group larger than n is not stuck forever)
@@ -93,32 +97,40 @@ def _pick_groups(con: duckdb.DuckDBPyConnection, req: PullRequest) -> pa.Table:
     params: dict = {"n": req.num_groups or req.num_samples}
     if req.model_id:
         params["model"] = req.model_id
-    return con.sql(
+    picked = con.sql(
         f"""WITH ready AS (
-              SELECT *, {GROUP_KEY} AS gkey FROM trajectories WHERE status = 'ready' {model_filter}),
+              SELECT rowid AS row_id, trajectory_id, received_at, {GROUP_KEY} AS gkey
+              FROM trajectories WHERE status = 'ready' {model_filter}),
             g AS (SELECT gkey, count(*) AS n, min(received_at) AS first_at FROM ready GROUP BY gkey),
             ordered AS (
               SELECT gkey, row_number() OVER (ORDER BY first_at, gkey) AS rank,
                      sum(n) OVER (ORDER BY first_at, gkey) AS upto
               FROM g)
-            SELECT {', '.join('r.' + c for c in BATCH_COLUMNS)}, r.gkey
-            FROM ready r JOIN ordered g USING (gkey)
-            WHERE {limit}
-            ORDER BY g.rank, r.trajectory_id""",
+            SELECT r.row_id, r.gkey FROM ready r JOIN ordered g USING (gkey)
+            WHERE {limit} ORDER BY g.rank, r.trajectory_id""",
         params=params,
     ).to_arrow_table()
+    con.register("_picked", picked)
+    rows = con.sql(f"SELECT rowid AS row_id, {', '.join(BATCH_COLUMNS)} FROM trajectories "
+                   "WHERE rowid IN (SELECT row_id FROM _picked)").to_arrow_table()
+    con.unregister("_picked")
+    # back into the picked order (groups together, oldest first)
+    position = {r: i for i, r in enumerate(picked.column("row_id").to_pylist())}
+    order = np.argsort([position[r] for r in rows.column("row_id").to_pylist()])
+    return rows.take(pa.array(order)).append_column("gkey", picked.column("gkey"))
 
 
 def _record_lease(con: duckdb.DuckDBPyConnection, table: pa.Table, lease_id: str, req: PullRequest, now: float) -> None:
-    ids = pa.table({"trajectory_id": table.column("trajectory_id"), "reward": table.column("reward")})
-    con.register("_leased", ids)
+    leased = pa.table({"row_id": table.column("row_id"), "trajectory_id": table.column("trajectory_id"),
+                       "reward": table.column("reward")})
+    con.register("_leased", leased)
     con.execute(
         """INSERT INTO leases SELECT ?, trajectory_id, ?, ?, ?, ?, ?, NULL, NULL FROM _leased""",
         [lease_id, req.trainer_id, req.step, req.trainer_version, now, now + req.lease_seconds],
     )
     con.execute(
         """UPDATE trajectories SET status = 'leased', reward = _leased.reward
-           FROM _leased WHERE trajectories.trajectory_id = _leased.trajectory_id"""
+           FROM _leased WHERE trajectories.rowid = _leased.row_id"""
     )
     con.unregister("_leased")
 
@@ -156,8 +168,9 @@ def ledger_token_stats(con: duckdb.DuckDBPyConnection) -> dict:
 
 
 def ack_lease(con: duckdb.DuckDBPyConnection, lease_id: str, now: float) -> int:
-    """Mark a lease's rows trained. Idempotent; an expired lease whose rows were not re-leased is
-    still accepted (the trainer checkpointed it), otherwise ``LeaseError``."""
+    """Mark a lease's rows trained. Idempotent; an expired lease whose rows were neither re-leased
+    nor rejected since (e.g. ``STALE``) is still accepted (the trainer checkpointed it), otherwise
+    ``LeaseError``."""
     rows = con.execute(
         "SELECT count(*), count(acked_at), count(expired_at) FROM leases WHERE lease_id = ?", [lease_id]).fetchone()
     total, acked, expired = (int(x) for x in rows)

@@ -62,6 +62,9 @@ def reject_rows(con: duckdb.DuckDBPyConnection, select_sql: str, reason: Reason,
 
 def settle(con: duckdb.DuckDBPyConnection, config: ValidatorConfig, now: float) -> dict[str, int]:
     """Resolve retry orphans, then promote complete groups to ``ready``; returns counts."""
+    (pending,) = con.execute("SELECT count(*) FROM trajectories WHERE status = 'pending'").fetchone()
+    if pending == 0:
+        return {"retry_orphans": 0, "incomplete_groups": 0, "ready": 0}
     counts = {"retry_orphans": _retry_orphans(con, now)}
     counts["incomplete_groups"] = _incomplete_groups(con, config, now)
     counts["ready"] = _promote_ready(con, config, now)
@@ -156,9 +159,11 @@ def _promote_ready(con: duckdb.DuckDBPyConnection, config: ValidatorConfig, now:
 
 def expire_leases(con: duckdb.DuckDBPyConnection, now: float) -> int:
     """Unacked leases past ``expires_at`` are expired; their rows return to ``ready``."""
-    con.execute(
+    (expired,) = con.execute(
         "UPDATE leases SET expired_at = ? WHERE acked_at IS NULL AND expired_at IS NULL AND expires_at < ?", [now, now]
-    )
+    ).fetchone()
+    if expired == 0:
+        return 0
     (n,) = con.execute(
         """UPDATE trajectories SET status = 'ready'
            WHERE status = 'leased' AND trajectory_id NOT IN (

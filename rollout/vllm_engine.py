@@ -1,0 +1,93 @@
+"""A vLLM engine behind ``GenerationEngine`` (GPU clusters; optional extra ``rollbook[vllm]``).
+
+vLLM is imported only when a ``VllmEngine`` is built, so nothing else in rollbook needs it to
+install, run or test. Its tests are marked ``gpu`` and skip on machines without CUDA or vllm.
+
+Evidence it records, as the native engine does:
+- ``output_logprobs``: the sampled token's log-probability as vLLM reports it with
+  ``logprobs=0`` and ``logprobs_mode="processed_logprobs"`` (after temperature and top-k/top-p,
+  i.e. the distribution actually sampled from). Older vLLM versions without ``logprobs_mode`` report
+  raw log-probs; the store's evidence rules still apply (sentinels such as -9999.0 are rejected).
+- ``output_versions``: vLLM finishes a request under the weights it started with in this adapter
+  (``update_weights`` waits for in-flight ``generate`` calls, then loads), so every token of a
+  result carries the version resident when the call was admitted.
+
+Not exercised on this project's CPU machines; the ``gpu``-marked test runs it where vllm exists.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from rollbook.rollout.engine import GenerationRequest, GenerationResult, Weights
+
+
+class VllmEngine:
+    def __init__(self, model_path: str, *, version: int = 0, **llm_kwargs: Any):
+        try:
+            from vllm import LLM
+        except ImportError as exc:  # pragma: no cover - depends on the machine
+            raise ImportError("VllmEngine needs vllm: pip install 'rollbook[vllm]' on a CUDA machine") from exc
+        self._llm = LLM(model=model_path, **llm_kwargs)
+        self._version = version
+        self._admit = threading.Condition()
+        self._paused = False
+        self._in_flight = 0
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def pause(self) -> None:
+        with self._admit:
+            self._paused = True
+
+    def resume(self) -> None:
+        with self._admit:
+            self._paused = False
+            self._admit.notify_all()
+
+    def generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
+        from vllm import SamplingParams, TokensPrompt
+
+        with self._admit:
+            self._admit.wait_for(lambda: not self._paused)
+            self._in_flight += 1
+            version = self._version
+        try:
+            params = [SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k if r.top_k > 0 else -1,
+                                     max_tokens=r.max_new_tokens, stop_token_ids=list(r.stop_token_ids), logprobs=0)
+                      for r in requests]
+            outputs = self._llm.generate([TokensPrompt(prompt_token_ids=list(r.prompt_token_ids)) for r in requests],
+                                         params, use_tqdm=False)
+            return [_result(r, o.outputs[0], version) for r, o in zip(requests, outputs)]
+        finally:
+            with self._admit:
+                self._in_flight -= 1
+                self._admit.notify_all()
+
+    def update_weights(self, weights: Weights, version: int) -> None:
+        if version <= self._version:
+            raise ValueError(f"version must increase: {version} <= {self._version}")
+        if callable(weights):
+            raise TypeError("VllmEngine takes a state dict (name -> tensor), not a callable")
+        self.pause()
+        try:
+            with self._admit:
+                self._admit.wait_for(lambda: self._in_flight == 0)
+            model = self._llm.llm_engine.model_executor.driver_worker.model_runner.model
+            model.load_weights(weights.items())
+            self._version = version
+        finally:
+            self.resume()
+
+
+def _result(request: GenerationRequest, completion, version: int) -> GenerationResult:
+    tokens = list(completion.token_ids)
+    logprobs = [float(step[token].logprob) for step, token in zip(completion.logprobs, tokens)]
+    return GenerationResult(
+        request_id=request.request_id, prompt_token_ids=list(request.prompt_token_ids), output_token_ids=tokens,
+        output_logprobs=logprobs, output_versions=[version] * len(tokens),
+        finish_reason="stop" if completion.finish_reason == "stop" else "length",
+        temperature=request.temperature, top_p=request.top_p, top_k=request.top_k)

@@ -1,0 +1,43 @@
+"""Weight channels: move policy weights from the trainer to rollout workers.
+
+- ``shm``: one host; the trainer writes a double-buffered file in /dev/shm, workers map it (zero copy).
+- ``network``: any hosts; a gRPC stream of full copies or deltas against the previous version.
+
+Both ends are protocols in ``base`` (``WeightPublisher``, ``WeightChannel``); see DESIGN.md
+"Rollout and placement". Benchmark: ``python bench/weights.py --json``.
+"""
+
+from rollbook.rollout.weights.base import (
+    ChecksumMismatch,
+    Layout,
+    TornSnapshot,
+    WeightChannel,
+    WeightPublisher,
+    WeightSnapshot,
+    checksum,
+    load_into,
+)
+from rollbook.rollout.weights.network import (
+    NetworkPublisher,
+    NetworkReceiver,
+    WeightStreamConfig,
+    create_weight_server,
+)
+from rollbook.rollout.weights.shm import SharedMemoryPublisher, SharedMemoryReceiver
+
+__all__ = [
+    "ChecksumMismatch",
+    "Layout",
+    "NetworkPublisher",
+    "NetworkReceiver",
+    "SharedMemoryPublisher",
+    "SharedMemoryReceiver",
+    "TornSnapshot",
+    "WeightChannel",
+    "WeightPublisher",
+    "WeightSnapshot",
+    "WeightStreamConfig",
+    "checksum",
+    "create_weight_server",
+    "load_into",
+]

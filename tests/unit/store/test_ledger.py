@@ -1,0 +1,182 @@
+"""The ledger: idempotency within and across batches, and recovery of log batches that were
+acknowledged but not folded when the process died (replayed exactly once).
+
+Run: ``python -m pytest tests/unit/store/test_ledger.py -q``.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+import threading
+
+import pytest
+
+from rollbook.store import wal
+from rollbook.store.convert import decode, trajectory_from_dict
+from rollbook.store.ledger import ACCEPTED, DUPLICATE, REJECTED, Ledger
+
+MODEL = "m"
+
+
+def row(tid: str, n: int = 4, **fields):
+    t = dict(trajectory_id=tid, model_id=MODEL, output_token_ids=list(range(n)), output_logprobs=[-1.0] * n,
+             output_versions=[0] * n, temperature=1.0, top_p=1.0)
+    t.update(fields)
+    return decode(trajectory_from_dict(t))
+
+
+def open_ledger(db: pathlib.Path) -> Ledger:
+    ledger = Ledger(db, fold_interval_s=3600)  # no background folds: tests fold explicitly
+    ledger.register_model(MODEL, 100)
+    ledger.publish_version(MODEL, 0, "c0")
+    return ledger
+
+
+def ids(ledger: Ledger) -> list[str]:
+    ledger.flush()
+    cur = ledger.cursor()
+    try:
+        return [t for (t,) in cur.execute("SELECT trajectory_id FROM trajectories ORDER BY trajectory_id").fetchall()]
+    finally:
+        cur.close()
+
+
+@pytest.fixture
+def ledger(tmp_path):
+    led = open_ledger(tmp_path / "l.duckdb")
+    yield led
+    led.close()
+
+
+def test_duplicates_within_one_batch_are_stored_once(ledger):
+    out = ledger.submit([row("a"), row("b"), row("a"), row("a")])
+    assert [o.status for o in out] == [ACCEPTED, ACCEPTED, DUPLICATE, DUPLICATE]
+    assert ids(ledger) == ["a", "b"]
+    assert ledger.counters["duplicates"] == 2
+
+
+def test_duplicates_across_batches_are_stored_once_folded_or_not(ledger):
+    assert [o.status for o in ledger.submit([row("a"), row("b")])] == [ACCEPTED, ACCEPTED]
+    assert [o.status for o in ledger.submit([row("b"), row("c")])] == [DUPLICATE, ACCEPTED]  # b not folded yet
+    ledger.flush()
+    assert [o.status for o in ledger.submit([row("a"), row("c"), row("d")])] == [DUPLICATE, DUPLICATE, ACCEPTED]
+    assert ids(ledger) == ["a", "b", "c", "d"]
+
+
+def test_a_rejected_id_is_not_accepted_later_and_says_so(ledger):
+    [first] = ledger.submit([row("x", output_logprobs=[float("nan")] * 4)])
+    [again] = ledger.submit([row("x")])
+    assert (first.status, first.reason) == (REJECTED, "NONFINITE_LOGPROB")
+    assert again.status == DUPLICATE and "REJECTED" in again.detail
+    assert ids(ledger) == []
+
+
+def test_empty_ids_are_each_rejected_and_never_deduplicated(ledger):
+    out = ledger.submit([row(""), row("")])
+    assert [(o.status, o.reason) for o in out] == [(REJECTED, "MISSING_ID")] * 2
+    ledger.flush()
+    assert ledger.stats()["rejected_by_reason"] == {"MISSING_ID": 2}
+
+
+def test_concurrent_submits_of_the_same_ids_store_each_once(ledger):
+    results: list[list[str]] = []
+    barrier = threading.Barrier(4)
+
+    def worker():
+        barrier.wait()
+        results.append([o.status for o in ledger.submit([row(f"t{i}") for i in range(50)])])
+
+    threads = [threading.Thread(target=worker) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    per_id = list(zip(*results))
+    assert all(sorted(s) == [ACCEPTED, DUPLICATE, DUPLICATE, DUPLICATE] for s in per_id)
+    assert ids(ledger) == sorted(f"t{i}" for i in range(50))
+
+
+# ---- recovery --------------------------------------------------------------------------------
+
+CRASHING_WRITER = textwrap.dedent("""
+    import os, sys
+    from rollbook.store.convert import decode, trajectory_from_dict
+    from rollbook.store.ledger import Ledger
+
+    def row(tid, n=4):
+        return decode(trajectory_from_dict(dict(trajectory_id=tid, model_id="m", output_token_ids=list(range(n)),
+            output_logprobs=[-1.0] * n, output_versions=[0] * n, temperature=1.0, top_p=1.0)))
+
+    ledger = Ledger(sys.argv[1], fold_interval_s=3600)
+    ledger.register_model("m", 100)
+    ledger.publish_version("m", 0, "c0")
+    folded, unfolded = int(sys.argv[2]), int(sys.argv[3])
+    for b in range(folded):
+        ledger.submit([row(f"r{b:02d}-{i}") for i in range(10)])
+    ledger.flush()
+    for b in range(folded, folded + unfolded):
+        ledger.submit([row(f"r{b:02d}-{i}") for i in range(10)] + [row(f"bad{b:02d}", n=0)])
+    os._exit(0)  # acknowledged, never folded, never closed
+""")
+
+
+def crash_after(db: pathlib.Path, *, folded: int, unfolded: int) -> None:
+    done = subprocess.run([sys.executable, "-c", CRASHING_WRITER, str(db), str(folded), str(unfolded)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+
+
+def table_counts(ledger: Ledger) -> tuple[int, int, int]:
+    cur = ledger.cursor()
+    try:
+        return cur.execute("SELECT (SELECT count(*) FROM trajectories), (SELECT count(DISTINCT trajectory_id) "
+                           "FROM trajectories), (SELECT count(*) FROM rejections)").fetchall()[0]
+    finally:
+        cur.close()
+
+
+def test_recovery_replays_unfolded_log_batches_exactly_once(tmp_path):
+    db = tmp_path / "l.duckdb"
+    crash_after(db, folded=3, unfolded=4)
+    root = db.with_name(db.name + ".log")
+    # the log still holds all 7 groups: 3 already in DuckDB (past the watermark) and 4 only here
+    assert sum(len(wal.read_segment(root, s)) for s in wal.list_segments(root)) == 7
+    ledger = Ledger(db, fold_interval_s=3600)
+    try:
+        assert table_counts(ledger) == (70, 70, 4)
+        assert ledger.registry.vocab_size(MODEL) == 100
+        out = ledger.submit([row("r00-0"), row("r06-9"), row("bad06"), row("new")])
+        assert [o.status for o in out] == [DUPLICATE, DUPLICATE, DUPLICATE, ACCEPTED]
+    finally:
+        ledger.close()
+    ledger = Ledger(db, fold_interval_s=3600)  # a second open replays nothing again
+    try:
+        assert table_counts(ledger) == (71, 71, 4)
+    finally:
+        ledger.close()
+
+
+def test_recovery_after_a_torn_tail_keeps_the_complete_batches_and_writes_a_new_segment(tmp_path):
+    db = tmp_path / "l.duckdb"
+    crash_after(db, folded=0, unfolded=3)
+    root = db.with_name(db.name + ".log")
+    [segment] = wal.list_segments(root)
+    path = root / f"{segment:08d}.traj.arrow"
+    os.truncate(path, path.stat().st_size - 10)  # the last group's batch is torn
+    ledger = Ledger(db, fold_interval_s=3600)
+    try:
+        assert table_counts(ledger) == (20, 20, 2)
+        # the torn group was never complete on disk, so its ids are free; they land in a new segment
+        assert [o.status for o in ledger.submit([row("r02-0"), row("r00-0")])] == [ACCEPTED, DUPLICATE]
+        assert ledger.wal.segment > segment
+    finally:
+        ledger.close()
+    ledger = Ledger(db, fold_interval_s=3600)
+    try:
+        assert table_counts(ledger) == (21, 21, 2)
+    finally:
+        ledger.close()

@@ -1,0 +1,235 @@
+"""Group- and pull-time rules on an in-memory DuckDB with the ledger's DDL: retry orphans, group
+readiness under each incomplete-group policy, lease expiry, staleness, and lease acks.
+
+Time is explicit (``now``), so nothing here sleeps. The gRPC path is covered by
+``tests/integration/test_validator_rules.py``; this file pins the edge cases.
+
+Run: python -m pytest tests/unit/validator/test_settle.py -q
+"""
+
+from __future__ import annotations
+
+import duckdb
+import pyarrow as pa
+import pytest
+
+from rollbook.store.convert import decode, rows_to_table, trajectory_from_dict
+from rollbook.store.schema import DDL
+from rollbook.validator.pull import LeaseError, PullRequest, UnknownLease, ack_lease, lease_batch
+from rollbook.validator.settle import ValidatorConfig, expire_leases, reject_stale, settle
+
+T0 = 1000.0  # received_at of the first insert; `now` values below are relative to it
+
+
+@pytest.fixture
+def con():
+    c = duckdb.connect()
+    for ddl in DDL:
+        c.execute(ddl)
+    yield c
+    c.close()
+
+
+def traj(tid: str, **fields) -> dict:
+    t = {"trajectory_id": tid, "session_id": f"s-{tid}", "group_id": "", "group_size": 1, "request_id": f"r-{tid}",
+         "consumed": True, "model_id": "m", "prompt_token_ids": [1], "output_token_ids": [2, 3],
+         "output_logprobs": [-0.1, -0.2], "output_versions": [0, 0], "temperature": 1.0, "top_p": 1.0,
+         "reward": 1.0, "created_at": T0}
+    t.update(fields)
+    return t
+
+
+def insert(con, *trajs: dict, at: float = T0) -> None:
+    table = rows_to_table([decode(trajectory_from_dict(t)) for t in trajs], at)
+    con.register("_in", table)
+    con.execute("INSERT INTO trajectories BY NAME SELECT * FROM _in")
+    con.unregister("_in")
+
+
+def status(con) -> dict[str, str]:
+    return dict(con.execute("SELECT trajectory_id, status FROM trajectories").fetchall())
+
+
+def rejected(con) -> dict[str, str]:
+    return dict(con.execute("SELECT trajectory_id, reason FROM rejections").fetchall())
+
+
+def pull(con, *, now: float, version: int = 0, eta: int = 10, n: int = 100, lease_s: float = 5.0,
+         config: ValidatorConfig | None = None):
+    req = PullRequest(trainer_id="t", trainer_version=version, max_staleness=eta, num_samples=n, num_groups=0,
+                      step=0, model_id="m", lease_seconds=lease_s)
+    return lease_batch(con, req, config or ValidatorConfig(), now)
+
+
+def served(batch) -> list[str]:
+    return sorted(batch.table.column("trajectory_id").to_pylist()) if batch.table.num_rows else []
+
+
+# ---- retry orphans ---------------------------------------------------------------------------
+
+
+def test_consumed_attempt_beats_a_later_unconsumed_one(con):
+    insert(con, traj("a0", request_id="r", attempt=0, consumed=True, created_at=1.0),
+           traj("a1", request_id="r", attempt=1, consumed=False, created_at=2.0))
+    assert settle(con, ValidatorConfig(), T0)["retry_orphans"] == 1
+    assert rejected(con) == {"a1": "RETRY_ORPHAN"} and status(con) == {"a0": "ready"}
+
+
+def test_without_a_consumed_attempt_the_latest_created_at_is_kept(con):
+    insert(con, *[traj(f"a{k}", request_id="r", attempt=k, consumed=False, created_at=float(c))
+                  for k, c in enumerate([3, 9, 5])])
+    settle(con, ValidatorConfig(), T0)
+    assert rejected(con) == {"a0": "RETRY_ORPHAN", "a2": "RETRY_ORPHAN"} and status(con) == {"a1": "ready"}
+
+
+def test_empty_request_id_never_makes_orphans(con):
+    insert(con, traj("x", request_id=""), traj("y", request_id=""))
+    settle(con, ValidatorConfig(), T0)
+    assert rejected(con) == {} and status(con) == {"x": "ready", "y": "ready"}
+
+
+def test_an_attempt_already_served_beats_a_consumed_one_arriving_later(con):
+    insert(con, traj("a0", request_id="r", consumed=False))
+    assert served(pull(con, now=T0)) == ["a0"]
+    insert(con, traj("a1", request_id="r", attempt=1, consumed=True), at=T0 + 1)
+    settle(con, ValidatorConfig(), T0 + 1)
+    assert rejected(con) == {"a1": "RETRY_ORPHAN"} and status(con) == {"a0": "leased"}
+
+
+def test_a_ready_unconsumed_attempt_is_replaced_and_its_group_waits_for_the_replacement(con):
+    # a group of two became ready with member b's unconsumed attempt; b's consumed attempt arrives
+    # later without a reward: the old attempt is an orphan and a must not be served alone
+    insert(con, traj("a", group_id="g", group_size=2), traj("b0", group_id="g", group_size=2, request_id="rb",
+                                                               consumed=False))
+    settle(con, ValidatorConfig(), T0)
+    assert status(con) == {"a": "ready", "b0": "ready"}
+    insert(con, traj("b1", group_id="g", group_size=2, request_id="rb", attempt=1, reward=None), at=T0 + 1)
+    assert served(pull(con, now=T0 + 1)) == []
+    assert rejected(con) == {"b0": "RETRY_ORPHAN"} and status(con) == {"a": "pending", "b1": "pending"}
+    con.execute("UPDATE trajectories SET original_reward = 0.0, reward = 0.0 WHERE trajectory_id = 'b1'")
+    assert served(pull(con, now=T0 + 2)) == ["a", "b1"]
+
+
+# ---- group readiness and the incomplete-group policies -------------------------------------------
+
+
+def test_group_is_ready_only_when_every_member_is_in_and_rewarded(con):
+    insert(con, traj("g0", group_id="g", group_size=3), traj("g1", group_id="g", group_size=3, reward=None))
+    settle(con, ValidatorConfig(), T0)
+    assert set(status(con).values()) == {"pending"}
+    insert(con, traj("g2", group_id="g", group_size=3))
+    con.execute("UPDATE trajectories SET original_reward = 0.0 WHERE trajectory_id = 'g1'")
+    assert settle(con, ValidatorConfig(), T0)["ready"] == 3
+    assert con.execute("SELECT group_id, expected_size, num_members, status FROM groups").fetchall() == [("g", 3, 3, "ready")]
+
+
+def test_group_size_zero_is_a_group_of_one(con):
+    insert(con, traj("z", group_id="g", group_size=0))
+    settle(con, ValidatorConfig(), T0)
+    assert status(con) == {"z": "ready"}
+
+
+def test_wait_policy_rejects_a_short_group_only_after_the_timeout(con):
+    cfg = ValidatorConfig(incomplete_group_policy="wait", group_timeout_s=10)
+    insert(con, traj("w0", group_id="g", group_size=2))
+    assert settle(con, cfg, T0 + 9)["incomplete_groups"] == 0
+    assert settle(con, cfg, T0 + 11)["incomplete_groups"] == 1
+    assert rejected(con) == {"w0": "INCOMPLETE_GROUP"}
+
+
+def test_drop_policy_waits_for_the_present_members_rewards_then_rejects(con):
+    cfg = ValidatorConfig(incomplete_group_policy="drop")
+    insert(con, traj("d0", group_id="g", group_size=3), traj("d1", group_id="g", group_size=3, reward=None))
+    assert settle(con, cfg, T0)["incomplete_groups"] == 0
+    con.execute("UPDATE trajectories SET original_reward = 1.0 WHERE trajectory_id = 'd1'")
+    assert settle(con, cfg, T0)["incomplete_groups"] == 2
+    assert rejected(con) == {"d0": "INCOMPLETE_GROUP", "d1": "INCOMPLETE_GROUP"}
+
+
+def test_keep_policy_serves_the_rewarded_members_after_the_timeout(con):
+    cfg = ValidatorConfig(incomplete_group_policy="keep", group_timeout_s=10)
+    insert(con, traj("k0", group_id="g", group_size=4, reward=1.0), traj("k1", group_id="g", group_size=4, reward=0.0),
+           traj("k2", group_id="g", group_size=4, reward=None))
+    assert settle(con, cfg, T0 + 5) == {"retry_orphans": 0, "incomplete_groups": 0, "ready": 0}
+    assert settle(con, cfg, T0 + 11) == {"retry_orphans": 0, "incomplete_groups": 1, "ready": 2}
+    assert rejected(con) == {"k2": "INCOMPLETE_GROUP"} and status(con) == {"k0": "ready", "k1": "ready"}
+
+
+# ---- leases, staleness, acks ------------------------------------------------------------------
+
+
+def test_pull_serves_whole_groups_oldest_first_within_num_samples(con):
+    insert(con, *[traj(f"old{i}", group_id="old", group_size=3) for i in range(3)], at=T0)
+    insert(con, *[traj(f"new{i}", group_id="new", group_size=3) for i in range(3)], at=T0 + 1)
+    assert served(pull(con, now=T0 + 2, n=4)) == ["old0", "old1", "old2"]  # the next group would exceed 4
+    assert served(pull(con, now=T0 + 2, n=1)) == ["new0", "new1", "new2"]  # a first group larger than n still goes
+
+
+def test_expired_lease_returns_its_rows_and_an_acked_one_does_not(con):
+    insert(con, traj("e"), traj("f"))
+    first = pull(con, now=T0, n=1, lease_s=5)
+    second = pull(con, now=T0, n=1, lease_s=5)
+    ack_lease(con, second.lease_id, T0 + 1)
+    assert expire_leases(con, T0 + 6) == 1
+    assert status(con) == {served(first)[0]: "ready", served(second)[0]: "trained"}
+    (expired,) = con.execute("SELECT count(*) FROM leases WHERE lease_id = ? AND expired_at IS NOT NULL",
+                             [first.lease_id]).fetchone()
+    assert expired == 1
+
+
+def test_staleness_bound_is_inclusive_and_filtered_by_model(con):
+    insert(con, traj("v0", output_versions=[0, 1]), traj("v1", output_versions=[1, 1]),
+           traj("other", model_id="other", output_versions=[0, 0]))
+    assert reject_stale(con, "m", trainer_version=2, max_staleness=1, now=T0) == 1
+    assert rejected(con) == {"v0": "STALE"}
+    assert "other" in status(con)
+
+
+def test_ack_is_idempotent_and_an_unknown_lease_is_refused(con):
+    insert(con, traj("a"))
+    batch = pull(con, now=T0)
+    assert ack_lease(con, batch.lease_id, T0 + 1) == 1
+    assert ack_lease(con, batch.lease_id, T0 + 2) == 1
+    assert con.execute("SELECT acked_at FROM leases").fetchall() == [(T0 + 1,)]
+    with pytest.raises(UnknownLease):
+        ack_lease(con, "no-such-lease", T0)
+
+
+def test_late_ack_of_an_expired_lease_is_accepted_while_its_rows_are_still_free(con):
+    insert(con, traj("a"))
+    batch = pull(con, now=T0, lease_s=1)
+    assert expire_leases(con, T0 + 5) == 1  # expired, its row back to ready, but not leased again
+    assert ack_lease(con, batch.lease_id, T0 + 6) == 1
+    assert status(con) == {"a": "trained"}
+
+
+def test_late_ack_is_refused_once_the_rows_went_to_another_lease(con):
+    insert(con, traj("a"))
+    dead = pull(con, now=T0, lease_s=1)
+    alive = pull(con, now=T0 + 5)
+    assert served(alive) == ["a"]
+    with pytest.raises(LeaseError):
+        ack_lease(con, dead.lease_id, T0 + 6)
+    ack_lease(con, alive.lease_id, T0 + 6)
+    assert con.execute("SELECT lease_id FROM leases WHERE acked_at IS NOT NULL").fetchall() == [(alive.lease_id,)]
+
+
+def test_late_ack_is_refused_once_the_rows_were_rejected_as_stale(con):
+    insert(con, traj("a"))
+    dead = pull(con, now=T0, lease_s=1)
+    assert served(pull(con, now=T0 + 5, version=20, eta=1)) == []  # expires the lease, then a is STALE
+    assert rejected(con) == {"a": "STALE"}
+    with pytest.raises(LeaseError):
+        ack_lease(con, dead.lease_id, T0 + 6)  # a row in `rejections` never also trains
+    assert con.execute("SELECT count(acked_at) FROM leases").fetchone() == (0,)
+
+
+def test_served_rows_carry_normalized_reward_and_keep_original_reward(con):
+    insert(con, traj("p", group_id="g", group_size=2, reward=1.0), traj("q", group_id="g", group_size=2, reward=0.0))
+    batch = pull(con, now=T0)
+    got = {r["trajectory_id"]: (r["original_reward"], r["reward"]) for r in batch.table.to_pylist()}
+    assert got["p"][0] == 1.0 and got["q"][0] == 0.0
+    assert got["p"][1] == pytest.approx(1.0, abs=1e-3) and got["q"][1] == pytest.approx(-1.0, abs=1e-3)
+    stored = dict(con.execute("SELECT trajectory_id, reward FROM trajectories").fetchall())
+    assert stored == {k: v[1] for k, v in got.items()}
+    assert isinstance(batch.table, pa.Table)
