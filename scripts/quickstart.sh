@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Quick start, command 1: install, then run the main job on the embedded default
-# (a DuckDB ledger in runs/quickstart/). Extra arguments go to `rollbook demo`.
+# Quick start, command 1: install, then run the main job on the embedded default: store, rollout
+# and trainer on one machine, ledger in runs/quickstart/rollbook.duckdb. Extra arguments go to
+# `rollbook run` (e.g. --num_steps 10, or --placement separated).
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh" train
-exec .venv/bin/rollbook demo --run-dir runs/quickstart "$@"
+exec .venv/bin/rollbook run --config configs/quickstart.toml "$@"

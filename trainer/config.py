@@ -75,8 +75,6 @@ class TrainerConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> "TrainerConfig":
-        if self.loss.distill_coef > 0 and not self.teachers:
-            raise ValueError("loss.distill_coef > 0 needs at least one [[teachers]] entry (or set distill_coef = 0)")
         if self.teachers and self.loss.distill_coef == 0:
             warnings.warn("teachers are configured but loss.distill_coef = 0: they will not be used", stacklevel=2)
         if self.teacher_routing == "domain" and len(self.teachers) > 1 and any(t.domain is None for t in self.teachers):

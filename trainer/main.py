@@ -15,11 +15,13 @@ def train(config: TrainerConfig) -> list[dict]:
     import torch
 
     from rollbook.trainer.loop import Trainer
-    from rollbook.trainer.setup import build_student
+    from rollbook.trainer.setup import build_student, build_teachers
 
+    if config.loss.distill_coef > 0 and not config.teachers:
+        raise ValueError("loss.distill_coef > 0 needs at least one [[teachers]] entry (or set loss.distill_coef = 0)")
     torch.set_num_threads(2)
     with StoreClient(config.server, trainer_key=config.trainer_key) as client:
-        trainer = Trainer(config, client, model=build_student(config.model))
+        trainer = Trainer(config, client, model=build_student(config.model), teacher=build_teachers(config))
         history = trainer.run()
     log.info("done: %d steps, version %d", trainer.state.step, trainer.state.version)
     return history

@@ -23,7 +23,7 @@ def build_student(m, *, seed: int | None = None):
 
 def build_models(config):
     """``(student, teacher_scorer_or_None)`` for a ``RunConfig``."""
-    from rollbook.trainer.teachers import DomainRouter, LocalTeacher, MixtureRouter
+    from rollbook.trainer.teachers import LocalTeacher
 
     m = config.trainer.model
     run_dir = pathlib.Path(config.run_dir)
@@ -41,14 +41,25 @@ def build_models(config):
                                     batch_size=ws.batch_size, lr=ws.lr, seed=ws.seed)
     if config.trainer.loss.distill_coef == 0:
         return student, None
-    scorers = [(LocalTeacher(load_model(t.path)), t) for t in config.trainer.teachers]
+    extra = []
     if ws.teacher_steps:
         teacher = cached_warm_start(run_dir / "teacher", fresh(m.seed + 1), tasks, steps=ws.teacher_steps,
                                     batch_size=ws.batch_size, lr=ws.lr, seed=ws.seed + 1)
-        scorers.append((LocalTeacher(teacher), None))
+        extra.append(LocalTeacher(teacher))
+    return student, build_teachers(config.trainer, extra)
+
+
+def build_teachers(config, extra: list | None = None):
+    """The teacher scorer of a ``TrainerConfig`` (``[[teachers]]`` plus ``extra`` scorers that serve
+    every domain), routed by ``teacher_routing``; None without teachers."""
+    from rollbook.trainer.teachers import DomainRouter, LocalTeacher, MixtureRouter
+
+    scorers = [(LocalTeacher(load_model(t.path)), t) for t in config.teachers] + [(s, None) for s in extra or []]
+    if not scorers or config.loss.distill_coef == 0:
+        return None
     if len(scorers) == 1:
-        return student, scorers[0][0]
-    if config.trainer.teacher_routing == "mixture":
-        return student, MixtureRouter([s for s, _ in scorers], [t.weight if t else 1.0 for s, t in scorers])
-    return student, DomainRouter({t.domain: s for s, t in scorers if t and t.domain},
-                                 default=next((s for s, t in scorers if t is None or t.domain is None), None))
+        return scorers[0][0]
+    if config.teacher_routing == "mixture":
+        return MixtureRouter([s for s, _ in scorers], [t.weight if t else 1.0 for s, t in scorers])
+    return DomainRouter({t.domain: s for s, t in scorers if t and t.domain},
+                        default=next((s for s, t in scorers if t is None or t.domain is None), None))

@@ -1,0 +1,174 @@
+"""Trainer step overhead: a decoupled-PPO + MOPD step on packed tokens against a bare SFT-style step.
+
+    python bench/trainer.py --json          # one JSON line; under a minute on 2 idle CPU cores
+
+Both steps run on the same model, the same packed micro-batches (same block-diagonal mask and
+position ids) and the same AdamW optimizer, alternating in one run:
+
+- ``step``: per micro-batch ``packed_logprobs`` (forward with grad), ``decoupled_ppo_loss`` +
+  ``mopd_loss`` through ``combined_loss``, backward; then one AdamW step. The proximal and teacher
+  log-probs are inputs, computed before the step.
+- ``bare``: per micro-batch the model's logits, ``cross_entropy`` on the output tokens, backward;
+  then the same AdamW step.
+
+``step_over_bare`` is the overhead of the RL machinery (target <= 1.15). The two forward-only passes
+a step needs are reported apart: ``proximal_recompute_s`` (the trainer's own no-grad forward, which
+``trainer/proximal.py``'s log-linear approximation avoids) and ``teacher_score_s`` (two teachers,
+domain routing: each scores only its half of the sequences). Times are medians over ``--repeats``
+after one warm-up of each, measurements interleaved so that load from other processes hits all
+alike; ``step_over_bare_cpu`` is the same ratio in process CPU time, steadier on a shared machine.
+The default (8192 tokens in 8 micro-batches of 1024) runs in under a minute on 2 idle cores. On an
+oversubscribed machine two threads mostly wait for each other; ``--num-threads 1`` is then the
+steadier measurement. Attention uses a dense block-diagonal mask, so
+its cost grows with ``--max-tokens`` squared, not with the sequence lengths.
+A benchmark, not a test: it asserts nothing about time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", action="store_true", help="print one JSON line instead of a summary")
+    parser.add_argument("--num-sequences", type=int, default=32, help="sequences per optimizer step")
+    parser.add_argument("--prompt-len", type=int, default=32, help="prompt tokens per sequence")
+    parser.add_argument("--output-len", type=int, default=224, help="output tokens per sequence")
+    parser.add_argument("--max-tokens", type=int, default=1024, help="tokens per packed micro-batch")
+    parser.add_argument("--hidden-size", type=int, default=256, help="width of the tiny Llama")
+    parser.add_argument("--num-layers", type=int, default=4, help="depth of the tiny Llama")
+    parser.add_argument("--vocab-size", type=int, default=64, help="vocabulary of the tiny Llama")
+    parser.add_argument("--repeats", type=int, default=3, help="timed repeats of each measurement (median)")
+    parser.add_argument("--num-threads", type=int, default=2, help="torch CPU threads")
+    args = parser.parse_args()
+    if args.prompt_len < 1 or args.output_len < 1 or args.repeats < 1:
+        parser.error("--prompt-len, --output-len and --repeats must be >= 1")
+    if args.prompt_len + args.output_len > args.max_tokens:
+        parser.error("--max-tokens must hold one sequence (--prompt-len + --output-len)")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    import torch
+
+    from rollbook.models import TinyModelSpec, build_tiny_model
+    from rollbook.trainer.packing import packed_logprobs
+    from rollbook.trainer.teachers import DomainRouter, LocalTeacher
+
+    torch.set_num_threads(args.num_threads)
+    spec = TinyModelSpec(
+        vocab_size=args.vocab_size,
+        hidden_size=args.hidden_size,
+        num_layers=args.num_layers,
+        intermediate_size=2 * args.hidden_size,
+        max_position_embeddings=args.prompt_len + args.output_len,
+    )
+    model = build_tiny_model(spec, seed=0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    teachers = {name: LocalTeacher(build_tiny_model(spec, seed=seed)) for name, seed in (("a", 1), ("b", 2))}
+    teacher = DomainRouter(teachers)
+    batches, domains = make_batches(args, torch)
+
+    proximal = [None] * len(batches)
+    teacher_logp = [None] * len(batches)
+
+    def recompute_proximal() -> None:
+        with torch.no_grad():
+            proximal[:] = [packed_logprobs(model, b, b.temperature) for b in batches]
+
+    def score_teachers() -> None:
+        teacher_logp[:] = [teacher.score(b, d) for b, d in zip(batches, domains)]
+
+    # in a real step's order: the step consumes the proximal and teacher log-probs just computed
+    runs = {"proximal": recompute_proximal, "teacher": score_teachers,
+            "step": lambda: rl_step(model, optimizer, batches, proximal, teacher_logp),
+            "bare": lambda: bare_step(model, optimizer, batches)}
+    timings = {name: [] for name in runs}
+    cpu_times = {name: [] for name in runs}
+    for repeat in range(args.repeats + 1):  # repeat 0 is the warm-up
+        for name, run in runs.items():
+            start, start_cpu = time.perf_counter(), time.process_time()
+            run()
+            if repeat:
+                timings[name].append(time.perf_counter() - start)
+                cpu_times[name].append(time.process_time() - start_cpu)
+    median = {name: statistics.median(t) for name, t in timings.items()}
+    report = {
+        "bench": "trainer",
+        "tokens_per_step": sum(b.num_tokens for b in batches),
+        "output_tokens_per_step": sum(b.num_output_tokens for b in batches),
+        "num_micro_batches": len(batches),
+        "hidden_size": args.hidden_size,
+        "num_layers": args.num_layers,
+        "vocab_size": args.vocab_size,
+        "num_threads": args.num_threads,
+        "repeats": args.repeats,
+        "step_s": round(median["step"], 3),
+        "bare_s": round(median["bare"], 3),
+        "step_over_bare": round(median["step"] / median["bare"], 3),
+        "step_over_bare_cpu": round(statistics.median(cpu_times["step"]) / statistics.median(cpu_times["bare"]), 3),
+        "proximal_recompute_s": round(median["proximal"], 3),
+        "teacher_score_s": round(median["teacher"], 3),
+        "step_tokens_per_s": round(sum(b.num_tokens for b in batches) / median["step"], 1),
+    }
+    if args.json:
+        print(json.dumps(report))
+    else:
+        for key, value in report.items():
+            print(f"{key:>24}: {value}")
+
+
+def make_batches(args: argparse.Namespace, torch):
+    """Random prompts and outputs with engine-like evidence (behavior log-probs near the model's)."""
+    from rollbook.trainer.packing import pack_sequences
+
+    gen = torch.Generator().manual_seed(0)
+    n = args.num_sequences
+    prompts = torch.randint(0, args.vocab_size, (n, args.prompt_len), generator=gen).tolist()
+    outputs = torch.randint(0, args.vocab_size, (n, args.output_len), generator=gen).tolist()
+    behavior = (-torch.rand(n, args.output_len, generator=gen) * 4 - 2).tolist()  # ~ log(1/64) +- 2
+    advantages = torch.randn(n, generator=gen).tolist()
+    batches = pack_sequences(prompts, outputs, max_tokens=args.max_tokens, behavior_logprobs=behavior,
+                             advantages=advantages, temperatures=[1.0] * n)
+    domains = [["a" if i % 2 == 0 else "b" for i in b.sequence_ids.tolist()] for b in batches]
+    return batches, domains
+
+
+def rl_step(model, optimizer, batches, proximal, teacher_logp) -> None:
+    from rollbook.trainer.losses import combined_loss, decoupled_ppo_loss, mopd_loss
+    from rollbook.trainer.packing import packed_logprobs
+
+    total = sum(b.num_output_tokens for b in batches)
+    for b, prox, teach in zip(batches, proximal, teacher_logp):
+        logp = packed_logprobs(model, b, b.temperature)
+        common = (logp, prox, b.behavior_logprobs)
+        rl = decoupled_ppo_loss(*common, b.advantages, b.loss_mask, eps_clip=0.2, behavior_weight_cap=5.0)
+        distill = mopd_loss(*common, teach, b.loss_mask, adv_clip=5.0, behavior_weight_cap=5.0)
+        loss, _ = combined_loss(rl, distill, rl_coef=1.0, distill_coef=1.0)
+        (loss * (b.num_output_tokens / total)).backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def bare_step(model, optimizer, batches) -> None:
+    import torch.nn.functional as F
+
+    from rollbook.trainer.packing import block_causal_mask
+
+    total = sum(b.num_output_tokens for b in batches)
+    for b in batches:
+        mask = block_causal_mask(b.cu_seqlens)
+        logits = model(input_ids=b.input_ids, attention_mask=mask, position_ids=b.position_ids, use_cache=False).logits
+        loss = F.cross_entropy(logits[0, b.output_index].float(), b.output_token_ids, reduction="sum") / total
+        loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+if __name__ == "__main__":
+    main()

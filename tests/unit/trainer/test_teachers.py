@@ -1,0 +1,102 @@
+"""Unit tests of rollbook.trainer.teachers: the local teacher and domain / mixture routing.
+
+Run: python -m pytest tests/unit/trainer/test_teachers.py -q
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from rollbook.models import TinyModelSpec, build_tiny_model
+from rollbook.trainer.packing import PackedBatch, pack_sequences, packed_logprobs
+from rollbook.trainer.teachers import DomainRouter, LocalTeacher, MixtureRouter, TeacherScorer
+
+PROMPTS = [[1, 5], [1, 9, 4], [1], [1, 7]]
+OUTPUTS = [[6, 2], [3], [8, 8, 2], [5]]
+
+
+class ConstantTeacher:
+    """Gives every token the same log-prob and records the sequences it was asked about."""
+
+    def __init__(self, logprob: float) -> None:
+        self.logprob = logprob
+        self.calls: list[list[int]] = []
+
+    def score(self, packed: PackedBatch, domains) -> torch.Tensor:
+        self.calls.append(packed.sequence_ids.tolist())
+        return torch.full((packed.num_output_tokens,), self.logprob)
+
+
+@pytest.fixture
+def packed():
+    [batch] = pack_sequences(PROMPTS, OUTPUTS)
+    return batch  # output tokens per sequence: 2, 1, 3, 1
+
+
+def test_domain_router_sends_each_sequence_to_its_domains_teacher_only():
+    math_t, rev_t = ConstantTeacher(-1.0), ConstantTeacher(-2.0)
+    router = DomainRouter({"math": math_t, "rev": rev_t})
+    [batch] = pack_sequences(PROMPTS, OUTPUTS)
+    got = router.score(batch, ["rev", "math", "rev", "math"])
+    assert got.tolist() == [-2.0, -2.0, -1.0, -2.0, -2.0, -2.0, -1.0]
+    assert math_t.calls == [[1, 3]] and rev_t.calls == [[0, 2]]
+
+
+def test_domain_router_uses_the_default_for_unknown_domains(packed):
+    router = DomainRouter({"math": ConstantTeacher(-1.0)}, default=ConstantTeacher(-3.0))
+    got = router.score(packed, ["math", "poetry", "math", "math"])
+    assert got.tolist() == [-1.0, -1.0, -3.0, -1.0, -1.0, -1.0, -1.0]
+
+
+def test_domain_router_one_teacher_for_all_scores_the_batch_unrepacked(packed):
+    teacher = ConstantTeacher(-1.0)
+    DomainRouter({"math": teacher}).score(packed, ["math"] * 4)
+    assert teacher.calls == [[0, 1, 2, 3]]
+
+
+def test_domain_router_unknown_domain_without_default_is_a_value_error_naming_it(packed):
+    teacher = ConstantTeacher(-1.0)
+    with pytest.raises(ValueError, match="'poetry'"):
+        DomainRouter({"math": teacher}).score(packed, ["math", "poetry", "math", "math"])
+    assert teacher.calls == []  # checked before any teacher runs
+
+
+def test_routers_need_one_domain_per_sequence(packed):
+    with pytest.raises(ValueError, match="3 domains for 4 sequences"):
+        DomainRouter({"math": ConstantTeacher(-1.0)}).score(packed, ["math"] * 3)
+
+
+def test_mixture_router_is_the_log_of_the_weighted_mixture(packed):
+    # w = [1, 3] -> [0.25, 0.75]; log(0.25 * e^-1 + 0.75 * e^-2) per token
+    router = MixtureRouter([ConstantTeacher(-1.0), ConstantTeacher(-2.0)], [1.0, 3.0])
+    want = math.log(0.25 * math.exp(-1.0) + 0.75 * math.exp(-2.0))
+    torch.testing.assert_close(router.score(packed, ["x"] * 4), torch.full((7,), want), atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("weights", [[1.0], [1.0, 0.0], [1.0, float("inf")]])
+def test_mixture_router_rejects_bad_weights(weights):
+    with pytest.raises(ValueError, match="weight"):
+        MixtureRouter([ConstantTeacher(-1.0), ConstantTeacher(-2.0)], weights)
+
+
+def test_local_teacher_scores_without_grad_like_packed_logprobs(packed):
+    model = build_tiny_model(TinyModelSpec(vocab_size=16), seed=1)
+    teacher = LocalTeacher(model, temperature=2.0)
+    assert isinstance(teacher, TeacherScorer)
+    got = teacher.score(packed, ["x"] * 4)
+    assert not got.requires_grad and got.shape == (7,)
+    with torch.no_grad():
+        want = packed_logprobs(model, packed, 2.0)
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+def test_domain_routing_of_local_teachers_matches_each_teacher_on_the_whole_batch(packed):
+    a = LocalTeacher(build_tiny_model(TinyModelSpec(vocab_size=16), seed=1))
+    b = LocalTeacher(build_tiny_model(TinyModelSpec(vocab_size=16), seed=2))
+    got = DomainRouter({"a": a, "b": b}).score(packed, ["a", "b", "b", "a"])
+    from_a, from_b = a.score(packed, ["a"] * 4), b.score(packed, ["b"] * 4)
+    is_b = torch.tensor([False, False, True, True, True, True, False])
+    torch.testing.assert_close(got, torch.where(is_b, from_b, from_a), atol=1e-5, rtol=0)
