@@ -434,7 +434,7 @@ def _py_spy(pid: int, directory: str, label: str) -> subprocess.Popen:
     out = pathlib.Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     py_spy = pathlib.Path(sys.executable).with_name("py-spy")
-    return subprocess.Popen([str(py_spy), "record", "--pid", str(pid), "--rate", "100", "--threads", "--gil",
+    return subprocess.Popen([str(py_spy), "record", "--pid", str(pid), "--rate", "1000", "--threads", "--gil",
                              "--format", "raw", "--output", str(out / f"server-{label}.txt")],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 

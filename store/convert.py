@@ -22,19 +22,17 @@ class Row:
     """One decoded trajectory: the message plus its token arrays as numpy."""
 
     msg: pb.Trajectory
+    trajectory_id: str
     prompt: np.ndarray  # int32 [P]
     tokens: np.ndarray  # int32 [T]
     logprobs: np.ndarray  # float32 [T] (when valid)
     versions: np.ndarray  # int64 [T] (when valid)
 
-    @property
-    def trajectory_id(self) -> str:
-        return self.msg.trajectory_id
-
 
 def decode(msg: pb.Trajectory) -> Row:
     return Row(
         msg=msg,
+        trajectory_id=msg.trajectory_id,
         prompt=np.asarray(msg.prompt_token_ids, dtype=np.int32),
         tokens=np.asarray(msg.output_token_ids, dtype=np.int32),
         logprobs=np.asarray(msg.output_logprobs, dtype=np.float32),
@@ -58,6 +56,9 @@ def rows_to_table(rows: Sequence[Row], received_at: float) -> pa.Table:
     """Accepted rows -> one Arrow table (``original_reward`` = the reward as submitted)."""
     msgs = [r.msg for r in rows]
     rewards = [_optional(m, "reward") for m in msgs]
+    prompt = _list_array([r.prompt for r in rows], pa.int32())
+    versions = _list_array([r.versions for r in rows], pa.int64())
+    flat_versions = versions.values.to_numpy()  # every accepted row has >= 1 version
     cols = {
         "trajectory_id": [m.trajectory_id for m in msgs],
         "session_id": [m.session_id for m in msgs],
@@ -69,14 +70,14 @@ def rows_to_table(rows: Sequence[Row], received_at: float) -> pa.Table:
         "task_id": [m.task_id for m in msgs],
         "domain": [m.domain for m in msgs],
         "model_id": [m.model_id for m in msgs],
-        "prompt_token_ids": _list_array([r.prompt for r in rows], pa.int32()),
+        "prompt_token_ids": prompt,
         "output_token_ids": _list_array([r.tokens for r in rows], pa.int32()),
         "output_logprobs": _list_array([r.logprobs for r in rows], pa.float32()),
-        "output_versions": _list_array([r.versions for r in rows], pa.int64()),
-        "num_prompt_tokens": [len(r.prompt) for r in rows],
-        "num_output_tokens": [len(r.tokens) for r in rows],
-        "min_version": [int(r.versions.min()) for r in rows],
-        "max_version": [int(r.versions.max()) for r in rows],
+        "output_versions": versions,
+        "num_prompt_tokens": np.diff(prompt.offsets.to_numpy()),
+        "num_output_tokens": np.diff(versions.offsets.to_numpy()),
+        "min_version": np.minimum.reduceat(flat_versions, versions.offsets.to_numpy()[:-1]),
+        "max_version": np.maximum.reduceat(flat_versions, versions.offsets.to_numpy()[:-1]),
         "temperature": [_optional(m, "temperature") for m in msgs],
         "top_p": [_optional(m, "top_p") for m in msgs],
         "top_k": [_optional(m, "top_k") for m in msgs],

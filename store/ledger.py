@@ -66,10 +66,6 @@ class _Pending:
     future: Future = field(default_factory=Future)
 
 
-def _concat(tables: list[pa.Table | None]) -> pa.Table | None:
-    present = [t for t in tables if t is not None]
-    return pa.concat_tables(present) if present else None
-
 
 class _Registry:
     """In-memory view of `models` and `policy_versions` (the tables are the source of truth)."""
@@ -331,9 +327,8 @@ class Ledger:
         accepted = [r for p in group for r in p.accepted]
         rejected = [r for p in group for r in p.rejected]
         try:
-            traj = _concat([p.trajectories for p in group])
-            rej = _concat([p.rejections for p in group])
-            batch = self.wal.append(traj, rej)
+            batch = self.wal.append([p.trajectories for p in group if p.trajectories is not None],
+                                    [p.rejections for p in group if p.rejections is not None])
         except Exception as exc:  # nothing was acknowledged: release the ids so retries can land
             log.exception("commit failed")
             self._release(group)

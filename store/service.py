@@ -47,10 +47,21 @@ def _tolerant(message_type) -> Callable[[bytes], object]:
             message = message_type.FromString(data)
         except (DecodeError, RuntimeError, ValueError) as exc:
             return _Malformed(f"request does not parse as {message_type.DESCRIPTOR.full_name}: {exc}")
-        wrong = _wrong_wire_type(message)
+        if not _has_unknown_fields(message):  # the common case, checked in C
+            return message
+        wrong = _wrong_wire_type(message_type.FromString(data))
         return _Malformed(f"request does not parse as {message_type.DESCRIPTOR.full_name}: {wrong}") if wrong else message
 
     return parse
+
+
+def _has_unknown_fields(message) -> bool:
+    """Whether any (nested) unknown field was kept: discarding them changes the serialized size.
+    Discarding is harmless here (the store keeps no unknown fields); a request that had some is
+    parsed again from its bytes for the precise check."""
+    before = message.ByteSize()
+    message.DiscardUnknownFields()
+    return message.ByteSize() != before
 
 
 def _wrong_wire_type(message) -> str | None:

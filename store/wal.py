@@ -1,8 +1,9 @@
 """The write-ahead log: fsync'd Arrow IPC segments that make a ``Submit`` durable.
 
-Each group commit appends one record batch of trajectories and/or one of rejections to the open
-segment pair (``NNNNNNNN.traj.arrow`` / ``NNNNNNNN.rej.arrow``, Arrow IPC stream format) and fsyncs
-before any verdict is sent. The ledger later folds the batches into DuckDB and records, in the same
+Each group commit appends the record batches of its trajectories and of its rejections to the open
+segment pair (``NNNNNNNN.traj.arrow`` / ``NNNNNNNN.rej.arrow``, Arrow IPC stream format), closes the
+commit in both files with an empty marker batch (custom metadata ``rollbook.commit_end``), and
+fsyncs before any verdict is sent. A commit counts only when both files hold its marker. The ledger later folds the batches into DuckDB and records, in the same
 DuckDB transaction, how many batches of each segment it has folded (``_log_state``); a segment that
 is fully folded and closed is deleted. After a kill -9 the tail of the last segment may be torn: the
 reader stops at the last complete batch (nothing after it was ever acknowledged) and a new segment
@@ -47,10 +48,18 @@ class _SegmentFile:
     def __init__(self, path: pathlib.Path, schema: pa.Schema):
         self.file = open(path, "wb")
         self.writer = pa.ipc.new_stream(self.file, schema)
+        self.marker = pa.RecordBatch.from_pylist([], schema=schema)
 
-    def append(self, batch: pa.RecordBatch) -> None:
-        self.writer.write_batch(batch)
+    def append(self, tables: list[pa.Table]) -> int:
+        """Write the tables' batches (no copy) and the commit-end marker; returns bytes written."""
+        written = 0
+        for table in tables:
+            for batch in table.to_batches():
+                self.writer.write_batch(batch)
+                written += batch.nbytes
+        self.writer.write_batch(self.marker, custom_metadata=_COMMIT_END)
         self.file.flush()
+        return written
 
     def sync(self) -> None:
         os.fsync(self.file.fileno())
@@ -78,16 +87,13 @@ class WriteAheadLog:
         self.bytes = 0
         _fsync_dir(self.root)
 
-    def append(self, trajectories: pa.Table | None, rejections: pa.Table | None) -> LogBatch:
-        """Write one group durably. Every group writes a batch to both files (possibly empty) so
-        that batch ``index`` means the same commit in both."""
-        for kind, table in (("traj", trajectories), ("rej", rejections)):
-            one = _one_batch(table, KINDS[kind])
-            self.files[kind].append(one)
-            self.bytes += one.nbytes
+    def append(self, trajectories: list[pa.Table], rejections: list[pa.Table]) -> LogBatch:
+        """Write one group durably: commit ``index`` of this segment, closed by a marker in both
+        files (so a commit torn in either file is ignored on replay)."""
+        self.bytes += self.files["traj"].append(trajectories) + self.files["rej"].append(rejections)
         for f in self.files.values():
             f.sync()
-        batch = LogBatch(self.segment, self.index, trajectories, rejections)
+        batch = LogBatch(self.segment, self.index, _concat(trajectories), _concat(rejections))
         self.index += 1
         if self.bytes >= self.segment_bytes:
             self.rotate()
@@ -112,12 +118,9 @@ def list_segments(root: pathlib.Path) -> list[int]:
 
 def read_segment(root: pathlib.Path, segment: int) -> list[LogBatch]:
     """The complete commit groups of a segment (a torn tail is ignored)."""
-    per_kind = {kind: _read_batches(_path(root, segment, kind)) for kind in KINDS}
+    per_kind = {kind: _read_commits(_path(root, segment, kind), KINDS[kind]) for kind in KINDS}
     n = min(len(per_kind["traj"]), len(per_kind["rej"]))
-    return [
-        LogBatch(segment, i, _nonempty(per_kind["traj"][i]), _nonempty(per_kind["rej"][i]))
-        for i in range(n)
-    ]
+    return [LogBatch(segment, i, per_kind["traj"][i], per_kind["rej"][i]) for i in range(n)]
 
 
 def remove_segment(root: pathlib.Path, segment: int) -> None:
@@ -125,32 +128,36 @@ def remove_segment(root: pathlib.Path, segment: int) -> None:
         _path(root, segment, kind).unlink(missing_ok=True)
 
 
-def _nonempty(batch: pa.RecordBatch) -> pa.Table | None:
-    return pa.Table.from_batches([batch]) if batch.num_rows else None
+_COMMIT_END = {"rollbook.commit_end": "1"}
 
 
-def _read_batches(path: pathlib.Path) -> list[pa.RecordBatch]:
-    """All complete record batches of one IPC stream file, stopping quietly at a torn tail."""
+def _concat(tables: list[pa.Table]) -> pa.Table | None:
+    present = [t for t in tables if t is not None and t.num_rows]
+    return pa.concat_tables(present) if present else None
+
+
+def _read_commits(path: pathlib.Path, schema: pa.Schema) -> list[pa.Table | None]:
+    """Each complete commit of one IPC stream file as a table (None when it held no rows),
+    stopping quietly at a torn tail: a commit without its end marker never happened."""
     if not path.exists():
         return []
-    out: list[pa.RecordBatch] = []
+    commits: list[pa.Table | None] = []
+    current: list[pa.RecordBatch] = []
     try:
         reader = pa.ipc.open_stream(pa.BufferReader(path.read_bytes()))
         while True:
             try:
-                out.append(reader.read_next_batch())
+                batch, metadata = reader.read_next_batch_with_custom_metadata()
             except StopIteration:
                 break
+            if metadata is not None and metadata.get(b"rollbook.commit_end") == b"1":
+                commits.append(pa.Table.from_batches(current, schema=schema) if current else None)
+                current = []
+            elif batch.num_rows:
+                current.append(batch)
     except (pa.ArrowInvalid, OSError, EOFError):
-        pass  # torn tail after a crash: everything before it is intact
-    return out
-
-
-def _one_batch(table: pa.Table | None, schema: pa.Schema) -> pa.RecordBatch:
-    """Exactly one record batch per kind and commit, so batch indexes agree across both files."""
-    if table is None or table.num_rows == 0:
-        return pa.RecordBatch.from_pylist([], schema=schema)
-    return table.combine_chunks().to_batches(max_chunksize=table.num_rows)[0]
+        pass  # torn tail after a crash: every commit before it is intact
+    return commits
 
 
 def _fsync_dir(path: pathlib.Path) -> None:

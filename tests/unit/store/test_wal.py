@@ -43,7 +43,7 @@ def _write_three(root: pathlib.Path) -> tuple[wal.WriteAheadLog, dict[str, list[
     sizes: dict[str, list[int]] = {"traj": [], "rej": []}
     groups = [(["a0", "a1"], ["r0"]), (["b0"], None), (["c0", "c1", "c2"], ["r1", "r2"])]
     for trajs, rejs in groups:
-        log.append(_traj_table(trajs), _rej_table(rejs) if rejs else None)
+        log.append([_traj_table(trajs)], [_rej_table(rejs)] if rejs else [])
         for kind in sizes:
             sizes[kind].append((root / f"00000001.{kind}.arrow").stat().st_size)
     return log, sizes
@@ -96,7 +96,7 @@ def test_rotation_starts_a_new_segment_and_reports_the_closed_ones(tmp_path):
     rotated: list[tuple[int, int]] = []
     log = wal.WriteAheadLog(tmp_path, first_segment=5, segment_bytes=1, on_rotate=lambda s, n: rotated.append((s, n)))
     for i in range(3):
-        batch = log.append(_traj_table([f"t{i}"]), None)
+        batch = log.append([_traj_table([f"t{i}"])], [])
         assert (batch.segment, batch.index) == (5 + i, 0)
     log.close()
     assert rotated == [(5, 1), (6, 1), (7, 1)]
