@@ -1,9 +1,10 @@
 """The ledger: one DuckDB file plus its write-ahead log, with group commit and the idempotency index.
 
-Write path: ``Ledger.submit(rows)`` validates each row (``rollbook.validator.ingest``), reserves its
-``trajectory_id`` in the idempotency index, and hands the batch to the committer thread, which
-gathers every batch waiting from all streams into one fsync'd log append (group commit). Only then
-are verdicts returned. A folder thread moves committed batches into the DuckDB tables in large
+Write path: ``Ledger.submit(rows)`` validates the batch (``rollbook.validator.ingest``) and builds
+its Arrow tables in the caller's thread, reserves the ``trajectory_id``s in the idempotency index,
+and joins a group commit: the first caller to take the commit lock writes every batch waiting from
+all streams in one fsync'd log append, and the others find theirs done (no hand-off to a committer
+thread). Only then are verdicts returned. A folder thread moves committed batches into the DuckDB tables in large
 inserts, off the acknowledgement path; ``flush()`` folds everything now (queries call it first so
 they see every acknowledged row). On open, whatever the log holds that DuckDB does not is replayed.
 
@@ -17,7 +18,6 @@ import contextlib
 import logging
 import math
 import pathlib
-import queue
 import threading
 import time
 from concurrent.futures import Future
@@ -91,7 +91,7 @@ class Ledger:
     def __init__(self, db_path: str | pathlib.Path, *, ingest_config: IngestConfig | None = None,
                  validator_config: ValidatorConfig | None = None,
                  fold_interval_s: float = 0.5, fold_bytes: int = 256 << 20, fold_max_delay_s: float = 10.0,
-                 max_group_rows: int = 4096, validate: bool = True):
+                 validate: bool = True):
         self.db_path = pathlib.Path(db_path)
         self.db_path.parent.mkdir(parents=True, exist_ok=True)
         self.ingest_config = ingest_config or IngestConfig()
@@ -100,7 +100,6 @@ class Ledger:
         self.fold_interval_s = fold_interval_s
         self.fold_bytes = fold_bytes
         self.fold_max_delay_s = fold_max_delay_s
-        self.max_group_rows = max_group_rows
         self.con = duckdb.connect(str(self.db_path), config=SANDBOX_CONFIG)
         for ddl in DDL:
             self.con.execute(ddl)
@@ -119,11 +118,11 @@ class Ledger:
         self._recover()
         self._closed_segments: dict[int, int] = {}  # rotated segment -> its number of batches
         self.wal = wal.WriteAheadLog(self.wal_root, first_segment=self._next_segment, on_rotate=self._on_rotate)
-        self._commit_q: queue.Queue[_Pending | None] = queue.Queue()
+        self._waiting: list[_Pending] = []  # submitted, not yet written (guarded by _waiting_lock)
+        self._waiting_lock = threading.Lock()
+        self._commit_lock = threading.Lock()  # held by the thread writing the current group
         self._stop = threading.Event()
-        self._committer = threading.Thread(target=self._commit_loop, name="rollbook-committer", daemon=True)
         self._folder = threading.Thread(target=self._fold_loop, name="rollbook-folder", daemon=True)
-        self._committer.start()
         self._folder.start()
 
     # ---- public API -----------------------------------------------------------------------------
@@ -156,10 +155,10 @@ class Ledger:
             try:
                 pending.trajectories = rows_to_table(pending.accepted, now) if accepted else None
                 pending.rejections = rejections_table(pending.rejected, "ingest", now) if rejected else None
-            except Exception as exc:
+            except Exception:
                 self._release([pending])
                 raise
-            self._commit_q.put(pending)
+            self._group_commit(pending)
             pending.future.result()  # raises if the commit failed: the client sees an error, retries
         for i, row in accepted:
             outcomes[i] = Outcome(row.trajectory_id, ACCEPTED)
@@ -286,8 +285,6 @@ class Ledger:
 
     def close(self) -> None:
         self._stop.set()
-        self._commit_q.put(None)
-        self._committer.join()
         self._folder.join()
         self._fold()
         self.wal.close()
@@ -304,23 +301,16 @@ class Ledger:
             first = self._seen.get(tid, ACCEPTED)
         return Outcome(tid, DUPLICATE, "", f"trajectory_id already stored (first verdict: {first}); nothing stored twice")
 
-    def _commit_loop(self) -> None:
-        while True:
-            first = self._commit_q.get()
-            if first is None:
-                return
-            group = [first]
-            rows = len(first.accepted) + len(first.rejected)
-            while rows < self.max_group_rows:
-                try:
-                    nxt = self._commit_q.get_nowait()
-                except queue.Empty:
-                    break
-                if nxt is None:
-                    self._commit_q.put(None)
-                    break
-                group.append(nxt)
-                rows += len(nxt.accepted) + len(nxt.rejected)
+    def _group_commit(self, pending: _Pending) -> None:
+        """Leader/follower group commit: whoever takes the commit lock writes every batch waiting
+        (its own and other streams') in one fsync'd append; the others find theirs done."""
+        with self._waiting_lock:
+            self._waiting.append(pending)
+        with self._commit_lock:
+            if pending.future.done():
+                return  # a previous leader committed it
+            with self._waiting_lock:
+                group, self._waiting = self._waiting, []
             self._commit_group(group)
 
     def _commit_group(self, group: list[_Pending]) -> None:

@@ -97,9 +97,6 @@ def create_server(config: StoreConfig, ledger: Ledger | None = None) -> tuple[gr
 
 
 def serve(config: StoreConfig) -> None:
-    # Many threads hand batches to each other (stream reader, validation, committer, responder);
-    # Python's default 5 ms GIL switch interval makes every hand-off wait behind a busy thread.
-    sys.setswitchinterval(float(os.environ.get("ROLLBOOK_SWITCH_INTERVAL", "0.0005")))
     server, port, ledger = create_server(config)
     server.start()
     print(f"listening on {config.host}:{port}", flush=True)

@@ -12,9 +12,6 @@ import hmac
 import io
 import json
 import logging
-import queue
-import threading
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Iterator
 
 import grpc
@@ -101,62 +98,27 @@ def _verdict(o: Outcome) -> pb.Verdict:
 
 class TrajectoryStoreService:
     def __init__(self, ledger: Ledger, *, admin_key: str | None, trainer_key: str | None,
-                 query_limits: QueryLimits, max_inflight_per_stream: int = 8):
+                 query_limits: QueryLimits):
         self.ledger = ledger
         self.admin_key = admin_key
         self.trainer_key = trainer_key
         self.query_limits = query_limits
-        self.max_inflight_per_stream = max_inflight_per_stream
-        self._pool = ThreadPoolExecutor(max_workers=64, thread_name_prefix="rollbook-submit")
 
     # ---- Submit ---------------------------------------------------------------------------------
 
     def Submit(self, request_iterator: Iterator, context: grpc.ServicerContext):
-        """Pipelined: a reader thread hands each batch to the ledger; responses go back in order."""
-        futures: queue.Queue[Future | BaseException | None] = queue.Queue(maxsize=self.max_inflight_per_stream)
-        threading.Thread(target=self._read_stream, args=(request_iterator, futures, context), daemon=True).start()
-        while True:
+        """Each batch is validated, committed (group commit across streams) and answered in this
+        handler thread, in order. Clients keep several batches in flight; gRPC buffers them.
+        (Handing batches between reader, worker and responder threads cost more than it overlapped.)"""
+        for request in request_iterator:
+            if isinstance(request, _Malformed):
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.error)
             try:
-                item = futures.get(timeout=0.5)
-            except queue.Empty:
-                if context.is_active():
-                    continue
-                return  # the client went away: free this handler thread (committed rows stay committed)
-            if item is None:
-                return
-            if isinstance(item, _Malformed):
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, item.error)
-            try:
-                outcomes = item.result()
+                outcomes = self.ledger.submit([decode(t) for t in request.trajectories])
             except Exception as exc:  # commit failed: nothing in this batch was acknowledged
                 log.exception("submit failed")
                 context.abort(grpc.StatusCode.UNAVAILABLE, f"commit failed, retry: {exc}")
             yield pb.SubmitResponse(verdicts=[_verdict(o) for o in outcomes])
-
-    def _read_stream(self, request_iterator: Iterator, futures: queue.Queue, context) -> None:
-        def put(item) -> bool:
-            while context.is_active():
-                try:
-                    futures.put(item, timeout=0.5)
-                    return True
-                except queue.Full:
-                    continue
-            return False
-
-        try:
-            for request in request_iterator:
-                if isinstance(request, _Malformed):
-                    put(request)
-                    return
-                rows = [decode(t) for t in request.trajectories]
-                if not put(self._pool.submit(self.ledger.submit, rows)):
-                    return
-        except grpc.RpcError:
-            pass  # the client went away; whatever was committed stays committed
-        except Exception:
-            log.exception("reading a Submit stream failed")
-        finally:
-            put(None)
 
     # ---- control --------------------------------------------------------------------------------
 
