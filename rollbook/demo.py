@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import argparse
 import pathlib
-import subprocess
-import sys
+import secrets
 import time
 import uuid
 
@@ -19,6 +18,7 @@ import numpy as np
 
 from rollbook.client import StoreClient
 from rollbook.query_cli import format_table
+from rollbook.run import StoreProcess
 
 QUESTIONS = [
     ("Accepted evidence by domain",
@@ -76,26 +76,14 @@ def generate_workload(num: int, *, model_id: str, seed: int = 0, bad_every: int 
     return out
 
 
-def start_server(db: pathlib.Path) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "rollbook.cli", "serve", "--db", str(db), "--port", "0", "--log-level", "WARNING"],
-        stdout=subprocess.PIPE, text=True,
-    )
-    line = proc.stdout.readline().strip()
-    if not line.startswith("listening on "):
-        proc.kill()
-        raise RuntimeError(f"store did not start: {line!r}")
-    return proc, line.removeprefix("listening on ")
-
-
 def run_demo(args: argparse.Namespace) -> int:
     run_dir = pathlib.Path(args.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     db = run_dir / "rollbook.duckdb"
-    proc, address = start_server(db)
-    print(f"store: {address}, ledger {db}")
+    store = StoreProcess(db, admin_key=secrets.token_hex(16), trainer_key=secrets.token_hex(16))
+    print(f"store: {store.address}, ledger {db}")
     try:
-        with StoreClient(address) as client:
+        with StoreClient(store.address, admin_key=store.admin_key, trainer_key=store.trainer_key) as client:
             client.register_model("demo-model", vocab_size=64)
             for version in (0, 1, 2):
                 client.publish_version("demo-model", version, checksum=f"demo-{version}")
@@ -111,7 +99,6 @@ def run_demo(args: argparse.Namespace) -> int:
                 print(f"\n== {title}\n   {sql}\n")
                 print(format_table(client.query(sql)))
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+        store.stop()
     print(f"ledger left at {db}; ask it more with:\n  rollbook query --db {db} \"SELECT * FROM trajectories LIMIT 5\"")
     return 0

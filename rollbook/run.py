@@ -49,6 +49,7 @@ class StoreProcess:
     """A ``rollbook serve`` child process on the run directory's ledger."""
 
     def __init__(self, db: pathlib.Path, *, admin_key: str, trainer_key: str, port: int = 0):
+        self.admin_key, self.trainer_key = admin_key, trainer_key
         env = {**os.environ, "ROLLBOOK_ADMIN_KEY": admin_key, "ROLLBOOK_TRAINER_KEY": trainer_key}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "rollbook.cli", "serve", "--db", str(db), "--port", str(port), "--log-level", "WARNING"],

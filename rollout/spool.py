@@ -33,6 +33,7 @@ import zlib
 
 from google.protobuf.message import DecodeError
 
+from rollbook.durable import fsync_dir
 from rollbook.v1 import rollbook_pb2 as pb
 
 log = logging.getLogger("rollbook.rollout")
@@ -164,7 +165,7 @@ class Spool:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-        _fsync_dir(self.directory)
+        fsync_dir(self.directory)
         return path
 
     def _read(self, path: pathlib.Path) -> pb.SubmitRequest | None:
@@ -205,11 +206,3 @@ def _move_aside(path: pathlib.Path, corrupt_dir: pathlib.Path) -> None:
     while target.exists():
         target, n = corrupt_dir / f"{path.name}.{n}", n + 1
     os.replace(path, target)
-
-
-def _fsync_dir(path: pathlib.Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

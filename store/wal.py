@@ -20,6 +20,7 @@ from typing import Callable
 
 import pyarrow as pa
 
+from rollbook.durable import fsync_dir
 from rollbook.store.schema import REJECTION_SCHEMA, TRAJECTORY_SCHEMA
 
 KINDS = {"traj": TRAJECTORY_SCHEMA, "rej": REJECTION_SCHEMA}
@@ -85,7 +86,7 @@ class WriteAheadLog:
         self.files = {kind: _SegmentFile(_path(self.root, self.segment, kind), schema) for kind, schema in KINDS.items()}
         self.index = 0
         self.bytes = 0
-        _fsync_dir(self.root)
+        fsync_dir(self.root)
 
     def append(self, trajectories: list[pa.Table], rejections: list[pa.Table]) -> LogBatch:
         """Write one group durably: commit ``index`` of this segment, closed by a marker in both
@@ -158,11 +159,3 @@ def _read_commits(path: pathlib.Path, schema: pa.Schema) -> list[pa.Table | None
     except (pa.ArrowInvalid, OSError, EOFError):
         pass  # torn tail after a crash: every commit before it is intact
     return commits
-
-
-def _fsync_dir(path: pathlib.Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -20,6 +20,8 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import torch
 
+from rollbook.durable import fsync_dir
+
 
 @dataclass
 class TrainerState:
@@ -43,10 +45,10 @@ def save_checkpoint(run_dir: pathlib.Path, model: torch.nn.Module, optimizer: to
     _fsync_tree(tmp)
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
-    _fsync(root)
+    fsync_dir(root)
     (root / "LATEST.tmp").write_text(final.name)
     os.replace(root / "LATEST.tmp", root / "LATEST")
-    _fsync(root)
+    fsync_dir(root)
     _prune(root, keep=final.name)
     return final
 
@@ -85,12 +87,4 @@ def _fsync_tree(path: pathlib.Path) -> None:
     for p in path.iterdir():
         with open(p, "rb") as f:
             os.fsync(f.fileno())
-    _fsync(path)
-
-
-def _fsync(path: pathlib.Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_dir(path)
