@@ -57,14 +57,13 @@ class Outcome:
 
 @dataclass
 class _Pending:
-    """One submitted batch waiting for the committer (its Arrow tables already built)."""
+    """One submitted batch waiting for its group commit (its Arrow tables already built)."""
 
     accepted: list[Row]
     rejected: list[tuple[object, str, str]]
     trajectories: pa.Table | None = None
     rejections: pa.Table | None = None
     future: Future = field(default_factory=Future)
-
 
 
 class _Registry:
