@@ -27,7 +27,7 @@ from rollbook.durable import fsync_dir
 class TrainerState:
     step: int = 0  # the next step to run
     version: int = 0  # policy version of the current weights
-    consumed_leases: list[str] = field(default_factory=list)  # leases trained into these weights (latest step)
+    consumed_leases: list[str] = field(default_factory=list)  # leases trained since the previous checkpoint (re-acked on restart)
 
 
 def save_checkpoint(run_dir: pathlib.Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: TrainerState) -> pathlib.Path:

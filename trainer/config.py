@@ -70,7 +70,8 @@ class TrainerConfig(BaseModel):
     lease_seconds: float = Field(120.0, gt=0, description="Lease time; an unacked batch returns to the pool after it.")
     poll_interval_s: float = Field(0.2, gt=0, description="Wait between pulls when no batch is ready.")
     max_wait_s: float = Field(600.0, gt=0, description="Give up when no batch arrives for this long.")
-    checkpoint_every: int = Field(1, ge=1, description="Checkpoint every N steps (a batch is acked only once checkpointed).")
+    checkpoint_every: int = Field(1, ge=1, description="Checkpoint every N steps. A batch is acked only once checkpointed, so the "
+                                  "lease time must cover N steps; versions published between checkpoints are redone after a crash.")
     seed: int = Field(0, description="Trainer RNG seed.")
 
     @model_validator(mode="after")

@@ -92,6 +92,7 @@ class Trainer:
         self.run_dir = pathlib.Path(config.run_dir)
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
         self.state = TrainerState()
+        self._unacked: list[str] = []  # leases trained since the last checkpoint
 
     # ---- lifecycle --------------------------------------------------------------------------------
 
@@ -142,10 +143,13 @@ class Trainer:
         stats["perf/tokens_per_s"] = len(rows.behavior) / max(stats["time/step_s"], 1e-9)
         self.client.report_train_step(step=self.state.step, trainer_id=cfg.trainer_id, version=self.state.version + 1,
                                       lease_id=batch.lease_id, started_at=started, finished_at=time.time(), stats=stats)
-        self.state = TrainerState(step=self.state.step + 1, version=self.state.version + 1, consumed_leases=[batch.lease_id])
+        self._unacked.append(batch.lease_id)
+        self.state = TrainerState(step=self.state.step + 1, version=self.state.version + 1, consumed_leases=list(self._unacked))
         if self.state.step % cfg.checkpoint_every == 0 or self.state.step == cfg.num_steps:
             save_checkpoint(self.run_dir, self.model, self.optimizer, self.state)
-            self.client.ack_batch(batch.lease_id, cfg.trainer_id)
+            for lease in self._unacked:  # only now are these batches safe: the weights holding them are on disk
+                self.client.ack_batch(lease, cfg.trainer_id)
+            self._unacked = []
         self._publish()
         stats["step"] = self.state.step - 1
         log.info("step %d  reward %.3f  loss %.4f  clip %.3f  tokens/s %.0f", stats["step"], stats["reward/mean"],
@@ -192,7 +196,7 @@ class Trainer:
             dual_clip=cfg.dual_clip)
         if teacher_logp is None:
             loss, stats = rl
-            return loss * cfg.rl_coef, {**stats, "loss/total": float(loss * cfg.rl_coef)}
+            return loss * cfg.rl_coef, {**stats, "loss/total": float(loss.detach()) * cfg.rl_coef}
         distill = losses.mopd_loss(logp, prox, behav, teacher_logp, mask, adv_clip=cfg.adv_clip,
                                    behavior_weight_cap=cfg.behavior_weight_cap,
                                    behavior_weight_action=cfg.behavior_weight_action)

@@ -34,7 +34,7 @@ def supervised_steps(model: torch.nn.Module, tasks: list[Task], *, steps: int, b
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-        history.append(float(loss))
+        history.append(loss.item())
     return history
 
 

@@ -1,0 +1,70 @@
+"""The trainer loop against a hand-written fake store: acks follow checkpoints, restarts re-ack."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from rollbook.client import PulledBatch
+from rollbook.models import TinyModelSpec, build_tiny_model
+from rollbook.trainer.config import TrainerConfig
+from rollbook.trainer.loop import Trainer
+
+
+class FakeStore:
+    """Serves one 4-sample group per pull and records what the trainer tells it."""
+
+    def __init__(self):
+        self.calls: list[tuple] = []
+        self.leases = 0
+
+    def pull_batch(self, **kw) -> PulledBatch:
+        self.leases += 1
+        rng = np.random.default_rng(self.leases)
+        outputs = [rng.integers(3, 20, 3).tolist() for _ in range(4)]
+        table = pa.table({
+            "prompt_token_ids": [[1, 5]] * 4, "output_token_ids": outputs,
+            "output_logprobs": [[-1.0] * 3] * 4, "output_versions": [[kw["trainer_version"]] * 3] * 4,
+            "advantage": pa.array([1.0, -1.0, 0.5, -0.5], pa.float32()), "temperature": [1.0] * 4,
+            "domain": ["d"] * 4, "original_reward": [1.0, 0.0, 1.0, 0.0], "reward": [1.0, -1.0, 0.5, -0.5],
+            "min_version": [kw["trainer_version"]] * 4,
+        })
+        self.calls.append(("pull", kw["step"]))
+        return PulledBatch(f"lease-{self.leases}", table, {})
+
+    def report_train_step(self, **kw):
+        self.calls.append(("report", kw["step"]))
+
+    def ack_batch(self, lease_id, trainer_id=""):
+        self.calls.append(("ack", lease_id))
+        return 4
+
+    def publish_version(self, model_id, version, checksum=""):
+        self.calls.append(("publish", version))
+        return version
+
+
+def _trainer(tmp_path, store, **overrides) -> Trainer:
+    config = TrainerConfig(run_dir=str(tmp_path), num_steps=4, num_samples=4, model={"vocab_size": 32}, **overrides)
+    torch.manual_seed(0)
+    return Trainer(config, store, model=build_tiny_model(TinyModelSpec(vocab_size=32)))
+
+
+def test_leases_are_acked_only_at_checkpoints_and_all_of_them(tmp_path):
+    store = FakeStore()
+    _trainer(tmp_path, store, checkpoint_every=2).run()
+    acks = [c for c in store.calls if c[0] == "ack"]
+    assert acks == [("ack", "lease-1"), ("ack", "lease-2"), ("ack", "lease-3"), ("ack", "lease-4")]
+    # lease-1 is acked after step 1's report, never before the step-2 checkpoint
+    assert store.calls.index(("ack", "lease-1")) > store.calls.index(("report", 1))
+    assert [c[1] for c in store.calls if c[0] == "publish"] == [0, 1, 2, 3, 4]
+
+
+def test_a_restarted_trainer_reacks_its_checkpoint_and_republishes_its_version(tmp_path):
+    _trainer(tmp_path, FakeStore()).run()
+    store = FakeStore()
+    trainer = _trainer(tmp_path, store)
+    state = trainer.start()
+    assert (state.step, state.version) == (4, 4)
+    assert store.calls == [("ack", "lease-4"), ("publish", 4)]
