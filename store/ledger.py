@@ -29,10 +29,10 @@ import numpy as np
 import pyarrow as pa
 
 from rollbook.store import wal
-from rollbook.store.convert import Row, rejections_table, rows_to_table
+from rollbook.store.convert import Row
+from rollbook.store.prepare import Prepared, prepare_rows
 from rollbook.store.schema import DDL
 from rollbook.store.sql import SANDBOX_CONFIG
-from rollbook.validator import ingest
 from rollbook.validator import pull, settle
 from rollbook.validator.ingest import IngestConfig, VersionSet
 from rollbook.validator.reasons import Reason
@@ -59,11 +59,19 @@ class Outcome:
 class _Pending:
     """One submitted batch waiting for its group commit (its Arrow tables already built)."""
 
-    accepted: list[Row]
-    rejected: list[tuple[object, str, str]]
+    accepted: list[str]  # trajectory ids
+    rejected: list[str]
     trajectories: pa.Table | None = None
     rejections: pa.Table | None = None
     future: Future = field(default_factory=Future)
+
+
+def _keep(table: pa.Table | None, mask: list[bool]) -> pa.Table | None:
+    """The rows of ``table`` not dropped as duplicates (no copy when all stay)."""
+    if table is None or all(mask):
+        return table
+    kept = table.filter(pa.array(mask))
+    return kept if kept.num_rows else None
 
 
 class _Registry:
@@ -72,6 +80,7 @@ class _Registry:
     def __init__(self) -> None:
         self.vocab: dict[str, int] = {}
         self.versions: dict[str, VersionSet] = {}
+        self.generation = 0  # bumped on every change, so ingest workers know when to refresh
 
     def vocab_size(self, model_id: str) -> int | None:
         return self.vocab.get(model_id)
@@ -82,6 +91,11 @@ class _Registry:
     def add_version(self, model_id: str, version: int) -> None:
         current = self.published_versions(model_id).versions
         self.versions[model_id] = VersionSet(np.union1d(current, np.array([version], dtype=np.int64)))
+        self.generation += 1
+
+    def set_vocab(self, model_id: str, vocab_size: int) -> None:
+        self.vocab[model_id] = vocab_size
+        self.generation += 1
 
 
 class Ledger:
@@ -127,42 +141,37 @@ class Ledger:
     # ---- public API -----------------------------------------------------------------------------
 
     def submit(self, rows: Sequence[Row]) -> list[Outcome]:
-        """Validate, deduplicate and durably commit one batch; blocks until the group is fsync'd.
+        """Validate, deduplicate and durably commit one batch; blocks until the group is fsync'd."""
+        return self.commit(prepare_rows(list(rows), self.registry, self.ingest_config, validate=self.validate, now=time.time()))
 
-        Validation and the Arrow conversion run in the caller's thread, outside every lock, so they
-        overlap other streams' fsyncs; only the id reservation holds the index lock."""
-        verdicts = ingest.check_batch(rows, self.registry, self.ingest_config) if self.validate else [None] * len(rows)
-        outcomes: list[Outcome | None] = [None] * len(rows)
-        accepted, rejected, waits = [], [], []
+    def commit(self, prepared: Prepared) -> list[Outcome]:
+        """Deduplicate a prepared batch and commit it (group commit); blocks until fsync'd.
+
+        Only the id reservation holds the index lock; validation and conversion happened before
+        (in this thread or an ingest worker), overlapping other streams' fsyncs."""
+        outcomes: list[Outcome | None] = [None] * len(prepared.ids)
+        keep_valid, keep_bad, waits = [], [], []
         pending = _Pending([], [])
         with self._index_lock:
-            for i, (row, verdict) in enumerate(zip(rows, verdicts)):
-                tid = row.trajectory_id
-                if tid and (tid in self._seen or tid in self._inflight):
+            for i, (tid, verdict) in enumerate(zip(prepared.ids, prepared.verdicts)):
+                duplicate = bool(tid) and (tid in self._seen or tid in self._inflight)
+                (keep_valid if verdict is None else keep_bad).append(not duplicate)
+                if duplicate:
                     waits.append((i, tid, self._inflight.get(tid)))
                     continue
                 if verdict is None:
-                    accepted.append((i, row))
-                    pending.accepted.append(row)
+                    pending.accepted.append(tid)
+                    outcomes[i] = Outcome(tid, ACCEPTED)
                 else:
-                    rejected.append((i, row, verdict))
-                    pending.rejected.append((row.msg, str(verdict[0]), verdict[1]))
+                    pending.rejected.append(tid)
+                    outcomes[i] = Outcome(tid, REJECTED, verdict[0], verdict[1])
                 if tid:
                     self._inflight[tid] = pending.future
-        if accepted or rejected:
-            now = time.time()
-            try:
-                pending.trajectories = rows_to_table(pending.accepted, now) if accepted else None
-                pending.rejections = rejections_table(pending.rejected, "ingest", now) if rejected else None
-            except Exception:
-                self._release([pending])
-                raise
+        if pending.accepted or pending.rejected:
+            pending.trajectories = _keep(prepared.trajectories, keep_valid)
+            pending.rejections = _keep(prepared.rejections, keep_bad)
             self._group_commit(pending)
             pending.future.result()  # raises if the commit failed: the client sees an error, retries
-        for i, row in accepted:
-            outcomes[i] = Outcome(row.trajectory_id, ACCEPTED)
-        for i, row, (code, detail) in rejected:
-            outcomes[i] = Outcome(row.trajectory_id, REJECTED, str(code), detail)
         for i, tid, fut in waits:
             outcomes[i] = self._duplicate(tid, fut)
         return outcomes  # type: ignore[return-value]
@@ -172,7 +181,7 @@ class Ledger:
             self.con.execute(
                 "INSERT OR REPLACE INTO models VALUES (?, ?, ?)", [model_id, vocab_size, time.time()]
             )
-        self.registry.vocab[model_id] = vocab_size
+        self.registry.set_vocab(model_id, vocab_size)
 
     def publish_version(self, model_id: str, version: int, checksum: str) -> int:
         """Record version ``version`` of ``model_id``; returns the latest published version."""
@@ -313,8 +322,8 @@ class Ledger:
             self._commit_group(group)
 
     def _commit_group(self, group: list[_Pending]) -> None:
-        accepted = [r for p in group for r in p.accepted]
-        rejected = [r for p in group for r in p.rejected]
+        accepted = [tid for p in group for tid in p.accepted]
+        rejected = [tid for p in group for tid in p.rejected]
         try:
             batch = self.wal.append([p.trajectories for p in group if p.trajectories is not None],
                                     [p.rejections for p in group if p.rejections is not None])
@@ -329,23 +338,21 @@ class Ledger:
             self._unfolded_bytes += batch.nbytes
             self._last_commit = time.monotonic()
         with self._index_lock:
-            for r in accepted:
-                self._seen[r.trajectory_id] = ACCEPTED
-                self._inflight.pop(r.trajectory_id, None)
-            for m, _, _ in rejected:
-                if m.trajectory_id:
-                    self._seen.setdefault(m.trajectory_id, REJECTED)
-                    self._inflight.pop(m.trajectory_id, None)
+            for tid in accepted:
+                self._seen[tid] = ACCEPTED
+                self._inflight.pop(tid, None)
+            for tid in rejected:
+                if tid:
+                    self._seen.setdefault(tid, REJECTED)
+                    self._inflight.pop(tid, None)
         for p in group:
             p.future.set_result(None)
 
     def _release(self, group: list[_Pending]) -> None:
         with self._index_lock:
             for p in group:
-                for r in p.accepted:
-                    self._inflight.pop(r.trajectory_id, None)
-                for m, _, _ in p.rejected:
-                    self._inflight.pop(m.trajectory_id, None)
+                for tid in p.accepted + p.rejected:
+                    self._inflight.pop(tid, None)
 
     def _fold_loop(self) -> None:
         """Fold in large batches: when ingest pauses for ``fold_interval_s``, when the unfolded
@@ -427,7 +434,7 @@ class Ledger:
 
     def _load_registry(self) -> None:
         for model_id, vocab in self.con.execute("SELECT model_id, vocab_size FROM models").fetchall():
-            self.registry.vocab[model_id] = int(vocab)
+            self.registry.set_vocab(model_id, int(vocab))
         for model_id, version in self.con.execute("SELECT model_id, version FROM policy_versions").fetchall():
             self.registry.add_version(model_id, int(version))
 

@@ -73,6 +73,7 @@ def is_loopback(host: str) -> bool:
 
 
 def create_server(config: StoreConfig, ledger: Ledger | None = None) -> tuple[grpc.Server, int, Ledger]:
+    """The server (not started), its port and its ledger."""
     ledger = ledger or Ledger(config.db, ingest_config=config.ingest, validator_config=config.validator,
                               validate=config.validate_evidence)
     service = TrajectoryStoreService(
