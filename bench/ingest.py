@@ -80,13 +80,21 @@ def main(argv: list[str] | None = None) -> int:
     run = secrets.token_hex(4)
     _progress(f"ingest bench {run}: {args.num_trajectories} x {args.num_tokens} tokens, "
               f"{args.num_processes} processes, batches of {args.batch_size}, {os.cpu_count()} cpus")
-    runners: dict[str, Callable[[], list[float] | None]] = {
-        "rollbook": lambda: repeat(lambda: run_rollbook(args, counts, run, validate=True), args.repeats),
-        "rollbook_novalidate": lambda: repeat(lambda: run_rollbook(args, counts, run, validate=False), args.repeats),
-        "arrow_ipc_fsync": lambda: repeat(lambda: run_arrow_ipc(args, counts, run), args.repeats),
-        "ray_queue": lambda: run_ray_queue(args, counts, run),  # last: Ray leaves processes behind for a while
+    # one measurement of each system in turn, `repeats` rounds, so that a slow spell of the machine
+    # hits every system alike (Ray runs its repeats last, inside one ray.init)
+    measure: dict[str, Callable[[], float | None]] = {
+        "rollbook": lambda: run_rollbook(args, counts, run, validate=True),
+        "rollbook_novalidate": lambda: run_rollbook(args, counts, run, validate=False),
+        "arrow_ipc_fsync": lambda: run_arrow_ipc(args, counts, run),
     }
-    samples = {name: runners[name]() if name in systems else None for name in SYSTEMS}
+    samples: dict[str, list[float] | None] = {name: [] if name in systems else None for name in SYSTEMS}
+    for _ in range(args.repeats):
+        for name, once in measure.items():
+            if samples[name] is not None:
+                value = once()
+                samples[name] = None if value is None else samples[name] + [value]
+    if "ray_queue" in systems:
+        samples["ray_queue"] = run_ray_queue(args, counts, run)  # last: Ray leaves processes behind for a while
     tok_s = {name: float(np.median(v)) if v else None for name, v in samples.items()}
     report = summarize(tok_s, args)
     if "rollbook" in systems:
@@ -116,17 +124,6 @@ def summarize(tok_s: dict[str, float | None], args: argparse.Namespace) -> dict[
         "repeats": args.repeats,
         "num_cpus": os.cpu_count(),
     }
-
-
-def repeat(measure: Callable[[], float | None], times: int) -> list[float] | None:
-    """``times`` measurements, or None as soon as one says the system is unavailable."""
-    out = []
-    for _ in range(times):
-        value = measure()
-        if value is None:
-            return None
-        out.append(value)
-    return out
 
 
 def split(total: int, parts: int) -> list[int]:

@@ -85,13 +85,14 @@ def _suspects(rows: Sequence[_RowLike], registry: Registry, config: IngestConfig
     n_tok = np.fromiter((len(r.tokens) for r in rows), np.int64, n)
     n_lp = np.fromiter((len(r.logprobs) for r in rows), np.int64, n)
     n_v = np.fromiter((len(r.versions) for r in rows), np.int64, n)
+    n_p = np.fromiter((len(r.prompt) for r in rows), np.int64, n)
     suspect = (n_tok == 0) | (n_lp != n_tok) | (n_v != n_tok) | (n_tok > config.max_output_tokens)
-    suspect |= np.fromiter((_scalar_suspect(r, registry, config) for r in rows), bool, n)
+    suspect |= (n_p > config.max_prompt_tokens) | np.fromiter((_scalar_suspect(r, config) for r in rows), bool, n)
     ok = np.flatnonzero(~suspect)
     if len(ok) == 0:
         return suspect
     sel = [rows[i] for i in ok]
-    starts = np.concatenate([[0], np.cumsum(n_tok[ok])[:-1]])
+    starts = _starts(n_tok[ok])
     lp = np.concatenate([r.logprobs for r in sel])
     tok = np.concatenate([r.tokens for r in sel])
     ver = np.concatenate([r.versions for r in sel])
@@ -102,19 +103,31 @@ def _suspects(rows: Sequence[_RowLike], registry: Registry, config: IngestConfig
     step_down[1:] = np.diff(ver) < 0
     step_down[starts] = False  # a new row may start lower than the previous one ended
     bad = np.logical_or.reduceat(bad_lp | step_down | (tok < 0) | (ver < 0), starts)
-    top_tok = np.maximum.reduceat(tok, starts)
+    top = np.maximum.reduceat(tok, starts)
+    # prompts (may be empty): a -1 appended to each row's prompt keeps every reduceat segment non-empty
+    prompts = np.concatenate([np.append(r.prompt, -1) for r in sel])
+    p_starts = _starts(n_p[ok] + 1)
+    top = np.maximum(top, np.maximum.reduceat(prompts, p_starts))
+    negative = prompts < 0
+    negative[p_starts + n_p[ok]] = False  # the appended -1s
+    bad |= np.logical_or.reduceat(negative, p_starts)
     vocab = np.fromiter((registry.vocab_size(r.msg.model_id) or 0 for r in sel), np.int64, len(sel))
     lo, hi = _version_ranges(sel, registry)
-    bad |= (top_tok >= vocab) | (np.minimum.reduceat(ver, starts) < lo) | (np.maximum.reduceat(ver, starts) > hi)
+    bad |= (top >= vocab) | (np.minimum.reduceat(ver, starts) < lo) | (np.maximum.reduceat(ver, starts) > hi)
     suspect[ok] = bad
     return suspect
 
 
-def _scalar_suspect(r: _RowLike, registry: Registry, config: IngestConfig) -> bool:
+def _starts(lengths: np.ndarray) -> np.ndarray:
+    starts = np.zeros(len(lengths), np.int64)
+    np.cumsum(lengths[:-1], out=starts[1:])
+    return starts
+
+
+def _scalar_suspect(r: _RowLike, config: IngestConfig) -> bool:
     m = r.msg
-    ids = (m.trajectory_id, m.session_id, m.group_id, m.request_id, m.model_id)
-    return (not m.trajectory_id or max(map(len, ids)) > config.max_id_length or len(r.prompt) > config.max_prompt_tokens
-            or (len(r.prompt) > 0 and (int(r.prompt.min()) < 0 or int(r.prompt.max()) >= (registry.vocab_size(m.model_id) or 0)))
+    return (not m.trajectory_id
+            or max(len(m.trajectory_id), len(m.session_id), len(m.group_id), len(m.request_id), len(m.model_id)) > config.max_id_length
             or (config.require_sampling_params and not (m.HasField("temperature") and m.HasField("top_p")))
             or (m.HasField("reward") and not math.isfinite(m.reward)))
 

@@ -153,3 +153,27 @@ def test_check_batch_matches_check_on_random_batches(specs):
         t.update(mutation)
         rows.append(decode(trajectory_from_dict(t)))
     assert ingest.check_batch(rows, REGISTRY, CONFIG) == [ingest.check(r, REGISTRY, CONFIG) for r in rows]
+
+
+def test_check_batch_flags_negative_and_out_of_vocab_prompt_tokens_like_check():
+    """Prompts are checked vectorised with a -1 appended per row; a real -1 must still be caught."""
+    import numpy as np
+
+    from rollbook.store.convert import decode, trajectory_from_dict
+    from rollbook.validator.ingest import IngestConfig, VersionSet, check, check_batch
+
+    class Registry:
+        def vocab_size(self, model_id):
+            return 100
+
+        def published_versions(self, model_id):
+            return VersionSet(np.array([0], dtype=np.int64))
+
+    prompts = [[], [-1], [5, -1], [1, 2], [150], [], [99]]
+    rows = [decode(trajectory_from_dict(dict(
+        trajectory_id=f"p{i}", model_id="m", prompt_token_ids=p, output_token_ids=[1], output_logprobs=[-1.0],
+        output_versions=[0], temperature=1.0, top_p=1.0))) for i, p in enumerate(prompts)]
+    expected = [check(r, Registry(), IngestConfig()) for r in rows]
+    assert check_batch(rows, Registry(), IngestConfig()) == expected
+    assert [v[0] if v else None for v in expected] == [None, "INVALID_TOKEN_ID", "INVALID_TOKEN_ID", None,
+                                                      "TOKEN_OUT_OF_VOCAB", None, None]
