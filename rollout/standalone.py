@@ -126,9 +126,14 @@ def _reopen(channel, config: WorkerConfig):
 
 
 def _first_snapshot(channel, config: WorkerConfig, stop: threading.Event):
+    import grpc
+
     deadline = time.monotonic() + config.first_weights_timeout_s
     while not stop.is_set():
-        snapshot = channel.fetch()
+        try:
+            snapshot = channel.fetch()
+        except grpc.RpcError:  # the trainer's weight server is not up yet
+            snapshot = None
         if snapshot is not None:
             return snapshot
         if time.monotonic() > deadline:

@@ -20,8 +20,23 @@ def train(config: TrainerConfig) -> list[dict]:
     if config.loss.distill_coef > 0 and not config.teachers:
         raise ValueError("loss.distill_coef > 0 needs at least one [[teachers]] entry (or set loss.distill_coef = 0)")
     torch.set_num_threads(2)
-    with StoreClient(config.server, trainer_key=config.trainer_key) as client:
-        trainer = Trainer(config, client, model=build_student(config.model), teacher=build_teachers(config))
-        history = trainer.run()
+    publishers, weight_server = [], None
+    if config.weight_server:
+        from rollbook.rollout.weights.network import NetworkPublisher, create_weight_server
+
+        host, _, port = config.weight_server.rpartition(":")
+        publisher = NetworkPublisher()
+        weight_server, bound = create_weight_server(publisher, host or "127.0.0.1", int(port))
+        weight_server.start()
+        publishers.append(publisher.publish)
+        log.info("serving weights on %s:%d", host or "127.0.0.1", bound)
+    try:
+        with StoreClient(config.server, trainer_key=config.trainer_key) as client:
+            trainer = Trainer(config, client, model=build_student(config.model), teacher=build_teachers(config),
+                              publishers=publishers)
+            history = trainer.run()
+    finally:
+        if weight_server is not None:
+            weight_server.stop(grace=5)
     log.info("done: %d steps, version %d", trainer.state.step, trainer.state.version)
     return history
