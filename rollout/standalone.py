@@ -82,7 +82,7 @@ def run_worker(config: WorkerConfig, stop: threading.Event | None = None) -> dic
     rounds = 0
     with StoreClient(config.server) as client, Submitter(client, Spool(config.spool_dir, max_bytes=config.spool_max_bytes)) as sub:
         while not stop.is_set() and (config.max_rounds == 0 or rounds < config.max_rounds):
-            latest = channel.fetch()
+            latest = _fetch_or_none(channel)
             if latest is not None:
                 try:
                     engine.update_weights(lambda m, s=latest: load_into(m, s), latest.version)
@@ -119,6 +119,18 @@ def _wait_for_channel(config: WorkerConfig, stop: threading.Event):
             stop.wait(0.2)
 
 
+def _fetch_or_none(channel):
+    """The newest version, or None when there is none newer or the weight server is unreachable
+    (generation goes on with the resident weights; the staleness gate bounds how far)."""
+    import grpc
+
+    try:
+        return channel.fetch()
+    except grpc.RpcError as exc:
+        log.warning("weight channel unreachable (%s); keeping version %s", exc.code().name, channel.version)
+        return None
+
+
 def _reopen(channel, config: WorkerConfig):
     """A fresh receiver (its version -1), so the next fetch returns the newest version whole."""
     channel.close()
@@ -126,14 +138,9 @@ def _reopen(channel, config: WorkerConfig):
 
 
 def _first_snapshot(channel, config: WorkerConfig, stop: threading.Event):
-    import grpc
-
     deadline = time.monotonic() + config.first_weights_timeout_s
     while not stop.is_set():
-        try:
-            snapshot = channel.fetch()
-        except grpc.RpcError:  # the trainer's weight server is not up yet
-            snapshot = None
+        snapshot = _fetch_or_none(channel)  # None too while the trainer's weight server is not up
         if snapshot is not None:
             return snapshot
         if time.monotonic() > deadline:
