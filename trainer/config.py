@@ -61,7 +61,8 @@ class TrainerConfig(BaseModel):
     teacher_routing: Literal["domain", "mixture"] = Field("domain", description="How tokens are routed to teachers.")
     weight_server: str | None = Field(
         None, description="HOST:PORT to serve each published version over gRPC (full copies and deltas) for rollout "
-        "workers on other hosts (`rollbook rollout --weights grpc:HOST:PORT`); port 0 picks one (logged). None = off.")
+        "workers on other hosts (`rollbook rollout --weights grpc:HOST:PORT`); port 0 picks one (logged). The weight "
+        "stream is read-only and unauthenticated: bind loopback or a private interface. None = off.")
     num_steps: int = Field(50, ge=1, description="Optimizer steps (each on one pulled batch) before stopping.")
     num_samples: int = Field(64, ge=1, description="Samples per pulled batch (whole groups, so it may be exceeded by one group).")
     num_minibatches: int = Field(1, ge=1, description="Optimizer updates per batch (the batch split by sequences).")
