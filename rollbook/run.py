@@ -48,17 +48,25 @@ SUMMARY_SQL = [
 class StoreProcess:
     """A ``rollbook serve`` child process on the run directory's ledger."""
 
-    def __init__(self, db: pathlib.Path, *, admin_key: str, trainer_key: str, port: int = 0):
+    def __init__(self, db: pathlib.Path, *, admin_key: str, trainer_key: str, port: int = 0,
+                 env: dict[str, str] | None = None):
+        self.db = pathlib.Path(db)
         self.admin_key, self.trainer_key = admin_key, trainer_key
-        env = {**os.environ, "ROLLBOOK_ADMIN_KEY": admin_key, "ROLLBOOK_TRAINER_KEY": trainer_key}
+        env = {**(os.environ if env is None else env), "ROLLBOOK_ADMIN_KEY": admin_key, "ROLLBOOK_TRAINER_KEY": trainer_key}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "rollbook.cli", "serve", "--db", str(db), "--port", str(port), "--log-level", "WARNING"],
             stdout=subprocess.PIPE, text=True, env=env)
         line = self.proc.stdout.readline().strip()
         if not line.startswith("listening on "):
             self.proc.kill()
-            raise RuntimeError(f"store did not start (exit {self.proc.poll()}): {line!r}")
+            raise RuntimeError(f"store did not start (exit {self.proc.wait()}): {line!r}")
         self.address = line.removeprefix("listening on ")
+
+    def client(self, **kwargs):
+        """A ``StoreClient`` holding both keys."""
+        from rollbook.client import StoreClient
+
+        return StoreClient(self.address, admin_key=self.admin_key, trainer_key=self.trainer_key, **kwargs)
 
     def stop(self) -> None:
         if self.proc.poll() is None:

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import os
 import pathlib
-import subprocess
-import sys
 import time
 from typing import Any
 
 import grpc
 
 from rollbook.client import StoreClient
+from rollbook.run import StoreProcess
 from rollbook.store.server import StoreConfig, create_server
 
 ADMIN_KEY = "test-admin-key"
@@ -31,27 +30,12 @@ def child_env(**extra: str) -> dict[str, str]:
     return {**env, **KEY_ENV, **extra}
 
 
-class ServeProcess:
-    """``python -m rollbook.cli serve --db DB --port 0`` with both keys set; ``address`` is HOST:PORT."""
+class ServeProcess(StoreProcess):
+    """``python -m rollbook.cli serve --db DB --port 0`` with both keys set and no other ROLLBOOK_*
+    setting from the caller; ``address`` is HOST:PORT."""
 
     def __init__(self, db: pathlib.Path, *, port: int = 0):
-        self.db = db
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "rollbook.cli", "serve", "--db", str(db), "--port", str(port), "--log-level", "WARNING"],
-            stdout=subprocess.PIPE, text=True, env=child_env())
-        line = self.proc.stdout.readline().strip()
-        if not line.startswith("listening on "):
-            self.proc.kill()
-            raise RuntimeError(f"store did not start (exit {self.proc.wait()}): {line!r}")
-        self.address = line.removeprefix("listening on ")
-
-    def client(self, **kwargs) -> StoreClient:
-        return StoreClient(self.address, admin_key=ADMIN_KEY, trainer_key=TRAINER_KEY, **kwargs)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            self.proc.wait(timeout=60)
+        super().__init__(db, admin_key=ADMIN_KEY, trainer_key=TRAINER_KEY, port=port, env=child_env())
 
 
 class InProcessStore:
