@@ -18,7 +18,6 @@ from rollbook.rollout.engine import NativeEngine
 from rollbook.rollout.tasks import TOKENIZER
 from rollbook.rollout.worker import RolloutConfig, RolloutWorker
 from rollbook.run import StoreProcess
-from rollbook.v1 import rollbook_pb2 as pb
 
 KEYS = {"admin_key": "admin-test-key", "trainer_key": "trainer-test-key"}
 

@@ -11,7 +11,7 @@ import grpc
 import pytest
 import torch
 
-from rollbook.models import TinyModelSpec, build_tiny_model
+from rollbook.models import build_tiny_model
 from rollbook.rollout.weights import (
     ChecksumMismatch,
     NetworkPublisher,
@@ -22,30 +22,7 @@ from rollbook.rollout.weights import (
 )
 from rollbook.rollout.weights.network import WeightServicer, stream_update
 from rollbook.v1 import weights_pb2, weights_pb2_grpc
-
-SPEC = TinyModelSpec(vocab_size=128)
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().contiguous().reshape(-1).view(torch.uint8)
-
-
-def assert_bit_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
-    assert list(got) == list(want)
-    for name in want:
-        assert torch.equal(bits(got[name]), bits(want[name])), name
-
-
-def adamw_step(model: torch.nn.Module, *, train_only: str | None = None, seed: int = 0) -> None:
-    """One AdamW step; with ``train_only``, parameters whose name lacks it are frozen (a sparse delta)."""
-    for name, p in model.named_parameters():
-        p.requires_grad_(train_only is None or train_only in name)
-    torch.manual_seed(seed)
-    ids = torch.randint(0, SPEC.vocab_size, (2, 8))
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3, weight_decay=0.01)
-    model(input_ids=ids, labels=ids).loss.backward()
-    opt.step()
-    model.zero_grad()
+from tests.weight_helpers import SPEC, adamw_step, assert_bit_equal
 
 
 class CorruptingServicer(WeightServicer):

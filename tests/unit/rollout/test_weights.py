@@ -26,31 +26,7 @@ from rollbook.rollout.weights import (
 )
 from rollbook.rollout.weights.base import ALIGN, pack_into, tensor_views
 from rollbook.rollout.weights.delta import apply_delta, compute_delta, delta_from_bytes
-
-SPEC = TinyModelSpec(vocab_size=128)
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    """Raw bytes of a tensor, so -0.0 != 0.0 and NaN payloads compare exactly."""
-    return t.detach().contiguous().reshape(-1).view(torch.uint8)
-
-
-def assert_bit_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
-    assert list(got) == list(want)
-    for name in want:
-        assert got[name].dtype == want[name].dtype and got[name].shape == want[name].shape, name
-        assert torch.equal(bits(got[name]), bits(want[name])), name
-
-
-def adamw_step(model: torch.nn.Module, *, seed: int = 0) -> None:
-    """One AdamW step on a random batch, over the parameters that require grad."""
-    torch.manual_seed(seed)
-    ids = torch.randint(0, SPEC.vocab_size, (2, 8))
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01)
-    model(input_ids=ids, labels=ids).loss.backward()
-    opt.step()
-    opt.zero_grad()
+from tests.weight_helpers import SPEC, adamw_step, assert_bit_equal, bits
 
 
 def pack(state_dict: dict[str, torch.Tensor]) -> tuple[Layout, np.ndarray]:
