@@ -303,12 +303,12 @@ def _arrow_client(worker: int, num: int, directory: str, num_tokens: int, run: s
                   barrier, results) -> None:
     import pyarrow as pa
 
-    from rollbook.store.convert import decode, rows_to_table
+    from rollbook.store.convert import decode_messages, trajectories_table
     from rollbook.store.schema import TRAJECTORY_SCHEMA
 
     msgs = make_trajectories(num, num_tokens, worker=worker, run=run)
     now = time.time()
-    batches = [rows_to_table([decode(m) for m in msgs[i:i + batch_size]], now).combine_chunks().to_batches()[0]
+    batches = [trajectories_table(decode_messages(msgs[i:i + batch_size]), now).combine_chunks().to_batches()[0]
                for i in range(0, num, batch_size)]
     with open(pathlib.Path(directory) / f"worker-{worker}.arrow", "wb") as f:
         writer = pa.ipc.new_stream(f, TRAJECTORY_SCHEMA)

@@ -27,7 +27,7 @@ from typing import Any, Iterable, Iterator, Mapping
 import grpc
 import pyarrow as pa
 
-from rollbook.store.convert import trajectory_from_dict
+from rollbook.store.convert import trajectory_from_dict, varint_bytes
 from rollbook.v1 import rollbook_pb2 as pb
 from rollbook.v1 import rollbook_pb2_grpc as pb_grpc
 
@@ -96,6 +96,10 @@ class StoreClient:
             ("grpc.max_reconnect_backoff_ms", 1000),
         ])
         self.stub = pb_grpc.TrajectoryStoreStub(self.channel)
+        # Submit sends requests already serialized (encode_submit_request), skipping a copy of every
+        # trajectory into a SubmitRequest message
+        self._submit = self.channel.stream_stream("/rollbook.v1.TrajectoryStore/Submit", request_serializer=None,
+                                                  response_deserializer=pb.SubmitResponse.FromString)
 
     def close(self) -> None:
         self.channel.close()
@@ -189,11 +193,11 @@ class _SubmitSession:
 
     def __init__(self, client: "StoreClient", trajectories, batch_size: int, max_in_flight: int, retry_deadline_s: float):
         self.client = client
-        self.stub = client.stub
+        self.submit = client._submit
         self.source = _batches(trajectories, batch_size)
         self.max_in_flight = max_in_flight
         self.retry_deadline_s = retry_deadline_s
-        self.unacked: collections.deque[pb.SubmitRequest] = collections.deque()
+        self.unacked: collections.deque[_WireBatch] = collections.deque()
         self.cond = threading.Condition()
         self.exhausted = False
         self.result = SubmitResult()
@@ -224,13 +228,13 @@ class _SubmitSession:
             resend = list(self.unacked)
         self.result.resent_batches += len(resend)
         # fail fast while the store is down (UNAVAILABLE), so the retry loop's deadline applies
-        responses = self.stub.Submit(self._requests(attempt, resend), wait_for_ready=False)
+        responses = self.submit(self._requests(attempt, resend), wait_for_ready=False)
         try:
             for response in responses:
                 with self.cond:
                     request = self.unacked.popleft()
                     self.cond.notify_all()
-                if len(response.verdicts) != len(request.trajectories):
+                if len(response.verdicts) != request.count:
                     raise RuntimeError("store answered with the wrong number of verdicts")
                 for verdict in response.verdicts:
                     self.result.add(verdict)
@@ -239,8 +243,8 @@ class _SubmitSession:
                 self.attempt = -1  # stop this attempt's request generator
                 self.cond.notify_all()
 
-    def _requests(self, attempt: int, resend: list[pb.SubmitRequest]) -> Iterator[pb.SubmitRequest]:
-        yield from resend
+    def _requests(self, attempt: int, resend: list[_WireBatch]) -> Iterator[bytes]:
+        yield from (batch.payload for batch in resend)
         while True:
             with self.cond:
                 while len(self.unacked) >= self.max_in_flight and self.attempt == attempt:
@@ -255,15 +259,35 @@ class _SubmitSession:
                         self.cond.wait()
                     return
                 self.unacked.append(request)
-            yield request
+            yield request.payload
 
 
-def _batches(trajectories: Iterable, batch_size: int) -> Iterator[pb.SubmitRequest]:
+@dataclass(slots=True)
+class _WireBatch:
+    payload: bytes  # a serialized SubmitRequest
+    count: int  # its trajectories
+
+
+def _batches(trajectories: Iterable, batch_size: int) -> Iterator[_WireBatch]:
     batch: list[pb.Trajectory] = []
     for item in trajectories:
         batch.append(as_trajectory(item))
         if len(batch) == batch_size:
-            yield pb.SubmitRequest(trajectories=batch)
+            yield _WireBatch(encode_submit_request(batch), len(batch))
             batch = []
     if batch:
-        yield pb.SubmitRequest(trajectories=batch)
+        yield _WireBatch(encode_submit_request(batch), len(batch))
+
+
+def encode_submit_request(trajectories: Iterable[pb.Trajectory]) -> bytes:
+    """The bytes of ``SubmitRequest(trajectories=...)``, framed by hand from each trajectory's own
+    serialization (building the message would first copy every trajectory into it)."""
+    parts = []
+    for t in trajectories:
+        data = t.SerializeToString()
+        parts += (_TRAJECTORIES_TAG, varint_bytes(len(data)), data)
+    return b"".join(parts)
+
+
+_TRAJECTORIES_TAG = bytes([pb.SubmitRequest.DESCRIPTOR.fields_by_name["trajectories"].number << 3 | 2])
+

@@ -1,13 +1,18 @@
-"""Protobuf ``Trajectory`` messages -> decoded rows -> one Arrow table in ``TRAJECTORY_SCHEMA``.
+"""Protobuf ``Trajectory`` messages -> a decoded columnar ``Batch`` -> Arrow tables in the store's
+schemas.
 
-This is the single place where the wire contract becomes the storage schema. Repeated fields are
-read with ``np.asarray`` (the protobuf container exposes a buffer), so a 1,000-token trajectory
-costs a few microseconds here.
+This is the single place where the wire contract becomes the storage schema. A ``Batch`` keeps each
+repeated field of the whole batch as one flat numpy array plus row offsets (``Ragged``, Arrow's list
+layout), so validation runs over the batch at once and the Arrow list columns are built from those
+arrays without a copy per row. ``decode_messages`` builds it from parsed messages (``np.asarray`` on
+each repeated container); the store's ``Submit`` path builds it straight from the request bytes
+(``rollbook.store.prepare.decode_request``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -18,15 +23,90 @@ from rollbook.v1 import rollbook_pb2 as pb
 
 
 @dataclass(slots=True)
-class Row:
-    """One decoded trajectory: the message plus its token arrays as numpy."""
+class Ragged:
+    """Variable-length rows as one flat array and ``n + 1`` int64 offsets (row ``i`` is
+    ``values[offsets[i]:offsets[i + 1]]``)."""
 
-    msg: pb.Trajectory
+    values: np.ndarray
+    offsets: np.ndarray
+
+    @classmethod
+    def from_parts(cls, parts: Sequence[np.ndarray], dtype: type) -> "Ragged":
+        offsets = np.zeros(len(parts) + 1, dtype=np.int64)
+        np.cumsum(np.fromiter(map(len, parts), np.int64, len(parts)), out=offsets[1:])
+        values = np.concatenate(parts).astype(dtype, copy=False) if parts else np.zeros(0, dtype)
+        return cls(values, offsets)
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+    def row(self, i: int) -> np.ndarray:
+        return self.values[self.offsets[i]:self.offsets[i + 1]]
+
+    def to_arrow(self, value_type: pa.DataType) -> pa.ListArray:
+        return pa.ListArray.from_arrays(pa.array(self.offsets.astype(np.int32)), pa.array(self.values, type=value_type))
+
+    def reduce(self, ufunc: np.ufunc, empty: Any, dtype: Any = None) -> np.ndarray:
+        """``ufunc`` over each row (``np.maximum``, ``np.logical_or``, ...) in ``dtype`` (default: the
+        values'); ``empty`` for empty rows."""
+        starts, lengths = self.offsets[:-1], self.lengths
+        if len(starts) and lengths.all():
+            return ufunc.reduceat(self.values, starts, dtype=dtype)
+        out = np.full(len(starts), empty, dtype=dtype or self.values.dtype)
+        nonempty = lengths > 0
+        if nonempty.any():  # reduceat over the non-empty rows only: each runs to the next one's start
+            out[nonempty] = ufunc.reduceat(self.values, starts[nonempty], dtype=dtype)
+        return out
+
+
+@dataclass(slots=True)
+class Row:
+    """One decoded trajectory: the message (its scalar fields) plus its token arrays as numpy."""
+
+    msg: Any  # pb.Trajectory, or the store's ingest view of one (same scalar fields)
     trajectory_id: str
     prompt: np.ndarray  # int32 [P]
     tokens: np.ndarray  # int32 [T]
     logprobs: np.ndarray  # float32 [T] (when valid)
     versions: np.ndarray  # int64 [T] (when valid)
+
+
+@dataclass(slots=True)
+class Batch:
+    """One decoded batch: the messages (for their scalar fields) and the four repeated fields."""
+
+    msgs: Sequence[Any]
+    prompt: Ragged  # int32
+    tokens: Ragged  # int32
+    logprobs: Ragged  # float32
+    versions: Ragged  # int64
+    _columns: dict[str, list] = field(default_factory=dict, repr=False)
+
+    def __len__(self) -> int:
+        return len(self.msgs)
+
+    @property
+    def ids(self) -> list[str]:
+        return self.column("trajectory_id")
+
+    def column(self, name: str) -> list:
+        """One scalar field of every row (``None`` where an optional field is unset), read once."""
+        values = self._columns.get(name)
+        if values is None:
+            if name in _OPTIONAL:
+                values = [getattr(m, name) if m.HasField(name) else None for m in self.msgs]
+            else:
+                values = list(map(attrgetter(name), self.msgs))
+            self._columns[name] = values
+        return values
+
+    def row(self, i: int) -> Row:
+        m = self.msgs[i]
+        return Row(m, m.trajectory_id, self.prompt.row(i), self.tokens.row(i), self.logprobs.row(i), self.versions.row(i))
+
+
+_OPTIONAL = frozenset(f.name for f in pb.Trajectory.DESCRIPTOR.fields if f.has_presence)
 
 
 def decode(msg: pb.Trajectory) -> Row:
@@ -40,75 +120,78 @@ def decode(msg: pb.Trajectory) -> Row:
     )
 
 
-def _list_array(parts: Sequence[np.ndarray], value_type: pa.DataType) -> pa.ListArray:
-    lengths = np.fromiter((len(p) for p in parts), dtype=np.int32, count=len(parts))
-    offsets = np.zeros(len(parts) + 1, dtype=np.int32)
-    np.cumsum(lengths, out=offsets[1:])
-    values = np.concatenate(parts) if parts else np.zeros(0, value_type.to_pandas_dtype())
-    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values, type=value_type))
+def decode_messages(msgs: Sequence[pb.Trajectory]) -> Batch:
+    rows = [decode(m) for m in msgs]
+    return Batch(
+        msgs=list(msgs),
+        prompt=Ragged.from_parts([r.prompt for r in rows], np.int32),
+        tokens=Ragged.from_parts([r.tokens for r in rows], np.int32),
+        logprobs=Ragged.from_parts([r.logprobs for r in rows], np.float32),
+        versions=Ragged.from_parts([r.versions for r in rows], np.int64),
+    )
 
 
-def _optional(msg: pb.Trajectory, field: str) -> Any:
-    return getattr(msg, field) if msg.HasField(field) else None
+def trajectories_table(batch: Batch, received_at: float, keep: np.ndarray | None = None) -> pa.Table:
+    """The rows of ``batch`` (those where ``keep`` is True, or all) -> one Arrow table
+    (``original_reward`` = the reward as submitted). Kept rows must have equal-length token, log-prob
+    and version arrays (the evidence rules guarantee it)."""
+    lists = {"prompt_token_ids": batch.prompt.to_arrow(pa.int32()), "output_token_ids": batch.tokens.to_arrow(pa.int32()),
+             "output_logprobs": batch.logprobs.to_arrow(pa.float32()), "output_versions": batch.versions.to_arrow(pa.int64())}
+    if keep is not None and not keep.all():
+        idx = np.flatnonzero(keep)
 
+        def column(name: str) -> list:
+            values = batch.column(name)
+            return [values[i] for i in idx]
 
-def rows_to_table(rows: Sequence[Row], received_at: float) -> pa.Table:
-    """Accepted rows -> one Arrow table (``original_reward`` = the reward as submitted)."""
-    msgs = [r.msg for r in rows]
-    rewards = [_optional(m, "reward") for m in msgs]
-    prompt = _list_array([r.prompt for r in rows], pa.int32())
-    versions = _list_array([r.versions for r in rows], pa.int64())
-    flat_versions = versions.values.to_numpy()  # every accepted row has >= 1 version
-    cols = {
-        "trajectory_id": [m.trajectory_id for m in msgs],
-        "session_id": [m.session_id for m in msgs],
-        "group_id": [m.group_id for m in msgs],
-        "group_size": [m.group_size for m in msgs],
-        "request_id": [m.request_id for m in msgs],
-        "attempt": [m.attempt for m in msgs],
-        "consumed": [m.consumed for m in msgs],
-        "task_id": [m.task_id for m in msgs],
-        "domain": [m.domain for m in msgs],
-        "model_id": [m.model_id for m in msgs],
-        "prompt_token_ids": prompt,
-        "output_token_ids": _list_array([r.tokens for r in rows], pa.int32()),
-        "output_logprobs": _list_array([r.logprobs for r in rows], pa.float32()),
-        "output_versions": versions,
-        "num_prompt_tokens": np.diff(prompt.offsets.to_numpy()),
-        "num_output_tokens": np.diff(versions.offsets.to_numpy()),
-        "min_version": np.minimum.reduceat(flat_versions, versions.offsets.to_numpy()[:-1]),
-        "max_version": np.maximum.reduceat(flat_versions, versions.offsets.to_numpy()[:-1]),
-        "temperature": [_optional(m, "temperature") for m in msgs],
-        "top_p": [_optional(m, "top_p") for m in msgs],
-        "top_k": [_optional(m, "top_k") for m in msgs],
-        "finish_reason": [m.finish_reason for m in msgs],
-        "reward": rewards,
-        "original_reward": rewards,
-        "worker_id": [m.worker_id for m in msgs],
-        "created_at": [m.created_at for m in msgs],
-        "received_at": [received_at] * len(msgs),
-    }
+        lists = {name: array.take(pa.array(idx)) for name, array in lists.items()}
+        versions = Ragged(lists["output_versions"].flatten().to_numpy(),
+                          lists["output_versions"].offsets.to_numpy().astype(np.int64))
+    else:
+        column, versions = batch.column, batch.versions
+    lengths = versions.lengths
+    cols = {name: column(name) for name in _SCALAR_COLUMNS}
+    cols.update(lists)
+    cols.update({
+        "num_prompt_tokens": np.diff(lists["prompt_token_ids"].offsets.to_numpy()),
+        "num_output_tokens": lengths.astype(np.int32),
+        "min_version": pa.array(versions.reduce(np.minimum, 0), mask=lengths == 0),
+        "max_version": pa.array(versions.reduce(np.maximum, 0), mask=lengths == 0),
+        "original_reward": cols["reward"],
+        "received_at": np.full(len(cols["trajectory_id"]), received_at),
+    })
     return pa.Table.from_pydict(cols, schema=TRAJECTORY_SCHEMA)
 
 
-def rejections_table(items: Sequence[tuple[pb.Trajectory, str, str]], stage: str, at: float) -> pa.Table:
-    """(message, reason, detail) triples -> one Arrow table in ``REJECTION_SCHEMA``."""
-    msgs = [m for m, _, _ in items]
-    cols = {
-        "trajectory_id": [m.trajectory_id for m in msgs],
-        "reason": [r for _, r, _ in items],
-        "detail": [d for _, _, d in items],
-        "stage": [stage] * len(items),
-        "session_id": [m.session_id for m in msgs],
-        "group_id": [m.group_id for m in msgs],
-        "request_id": [m.request_id for m in msgs],
-        "model_id": [m.model_id for m in msgs],
-        "domain": [m.domain for m in msgs],
-        "worker_id": [m.worker_id for m in msgs],
-        "num_output_tokens": [len(m.output_token_ids) for m in msgs],
-        "rejected_at": [at] * len(items),
-    }
+# the stored columns that are the message's own scalar fields
+_SCALAR_COLUMNS = [f.name for f in TRAJECTORY_SCHEMA if f.name in pb.Trajectory.DESCRIPTOR.fields_by_name
+                   and not pa.types.is_list(f.type)]
+
+
+def rejections_table(batch: Batch, rejected: Sequence[tuple[int, str, str]], stage: str, at: float) -> pa.Table:
+    """(row index, reason, detail) triples of ``batch`` -> one Arrow table in ``REJECTION_SCHEMA``."""
+    rows = [i for i, _, _ in rejected]
+    num_tokens = batch.tokens.lengths
+    cols = {name: [batch.column(name)[i] for i in rows]
+            for name in ("trajectory_id", "session_id", "group_id", "request_id", "model_id", "domain", "worker_id")}
+    cols.update({
+        "reason": [r for _, r, _ in rejected],
+        "detail": [d for _, _, d in rejected],
+        "stage": [stage] * len(rejected),
+        "num_output_tokens": [int(num_tokens[i]) for i in rows],
+        "rejected_at": [at] * len(rejected),
+    })
     return pa.Table.from_pydict(cols, schema=REJECTION_SCHEMA)
+
+
+def varint_bytes(n: int) -> bytes:
+    """``n >= 0`` as a protobuf base-128 varint."""
+    out = bytearray()
+    while n >= 0x80:
+        out.append(n & 0x7F | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
 
 
 _INT_FIELDS = {"group_size", "attempt", "top_k"}

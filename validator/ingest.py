@@ -16,6 +16,7 @@ from typing import Protocol, Sequence
 import numpy as np
 from pydantic import BaseModel, Field
 
+from rollbook.store.convert import Batch, Ragged
 from rollbook.validator.reasons import Reason
 
 Verdict = tuple[Reason, str] | None
@@ -71,77 +72,74 @@ def check(row: _RowLike, registry: Registry, config: IngestConfig) -> Verdict:
     return _structure(row, config) or _evidence(row, config) or _against_registry(row, registry)
 
 
-def check_batch(rows: Sequence[_RowLike], registry: Registry, config: IngestConfig) -> list[Verdict]:
-    """``check`` for a whole batch, vectorised: every rule runs once over the batch's concatenated
-    arrays; only rows that some rule flags go through ``check`` for their exact code and detail.
-    Same verdicts as ``[check(r, ...) for r in rows]``, at a fraction of the cost."""
-    suspect = _suspects(rows, registry, config)
-    return [check(row, registry, config) if bad else None for row, bad in zip(rows, suspect)]
+def check_batch(batch: Batch, registry: Registry, config: IngestConfig) -> list[Verdict]:
+    """``check`` for a whole decoded batch (``rollbook.store.convert.Batch``), vectorised: every rule
+    runs once over the batch's flat arrays; only rows that some rule flags go through ``check`` for
+    their exact code and detail. Same verdicts as ``[check(batch.row(i), ...) for i in ...]``, at a
+    fraction of the cost."""
+    suspect = _suspects(batch, registry, config)
+    return [check(batch.row(i), registry, config) if bad else None for i, bad in enumerate(suspect)]
 
 
-def _suspects(rows: Sequence[_RowLike], registry: Registry, config: IngestConfig) -> np.ndarray:
+def _suspects(batch: Batch, registry: Registry, config: IngestConfig) -> np.ndarray:
     """True for rows that may break a rule (a superset of the rejected rows)."""
-    n = len(rows)
-    n_tok = np.fromiter((len(r.tokens) for r in rows), np.int64, n)
-    n_lp = np.fromiter((len(r.logprobs) for r in rows), np.int64, n)
-    n_v = np.fromiter((len(r.versions) for r in rows), np.int64, n)
-    n_p = np.fromiter((len(r.prompt) for r in rows), np.int64, n)
-    suspect = (n_tok == 0) | (n_lp != n_tok) | (n_v != n_tok) | (n_tok > config.max_output_tokens)
-    suspect |= (n_p > config.max_prompt_tokens) | np.fromiter((_scalar_suspect(r, config) for r in rows), bool, n)
-    ok = np.flatnonzero(~suspect)
-    if len(ok) == 0:
-        return suspect
-    sel = [rows[i] for i in ok]
-    starts = _starts(n_tok[ok])
-    lp = np.concatenate([r.logprobs for r in sel])
-    tok = np.concatenate([r.tokens for r in sel])
-    ver = np.concatenate([r.versions for r in sel])
+    n_tok, n_p = batch.tokens.lengths, batch.prompt.lengths
+    suspect = (n_tok == 0) | (batch.logprobs.lengths != n_tok) | (batch.versions.lengths != n_tok)
+    suspect |= (n_tok > config.max_output_tokens) | (n_p > config.max_prompt_tokens) | _scalar_suspects(batch, config)
+    # each rule below reads one array with its own offsets, so rows of mismatched lengths cannot shift
+    # the others; their results only matter for rows not already suspect
+    lp = batch.logprobs.values
     bad_lp = ~np.isfinite(lp) | (lp > config.positive_logprob_tolerance)
     for sentinel in config.sentinel_logprobs:
         bad_lp |= lp == np.float32(sentinel)
+    suspect |= _rows(batch.logprobs, bad_lp).reduce(np.logical_or, False)
+    ver = batch.versions.values
     step_down = np.zeros(len(ver), bool)
-    step_down[1:] = np.diff(ver) < 0
-    step_down[starts] = False  # a new row may start lower than the previous one ended
-    bad = np.logical_or.reduceat(bad_lp | step_down | (tok < 0) | (ver < 0), starts)
-    top = np.maximum.reduceat(tok, starts)
-    # prompts (may be empty): a -1 appended to each row's prompt keeps every reduceat segment non-empty
-    prompts = np.concatenate([np.append(r.prompt, -1) for r in sel])
-    p_starts = _starts(n_p[ok] + 1)
-    top = np.maximum(top, np.maximum.reduceat(prompts, p_starts))
-    negative = prompts < 0
-    negative[p_starts + n_p[ok]] = False  # the appended -1s
-    bad |= np.logical_or.reduceat(negative, p_starts)
-    vocab = np.fromiter((registry.vocab_size(r.msg.model_id) or 0 for r in sel), np.int64, len(sel))
-    lo, hi = _version_ranges(sel, registry)
-    bad |= (top >= vocab) | (np.minimum.reduceat(ver, starts) < lo) | (np.maximum.reduceat(ver, starts) > hi)
-    suspect[ok] = bad
+    step_down[1:] = ver[1:] < ver[:-1]
+    starts = batch.versions.offsets[:-1]
+    step_down[starts[starts < len(ver)]] = False  # a row may start lower than the previous one ended
+    suspect |= _rows(batch.versions, step_down | (ver < 0)).reduce(np.logical_or, False)
+    top = np.maximum(batch.tokens.reduce(np.maximum, -1), batch.prompt.reduce(np.maximum, -1))
+    low = np.minimum(batch.tokens.reduce(np.minimum, 0), batch.prompt.reduce(np.minimum, 0))
+    model_ids = batch.column("model_id")
+    vocab = np.fromiter((registry.vocab_size(m) or 0 for m in model_ids), np.int64, len(model_ids))
+    lo, hi = _version_ranges(model_ids, registry)
+    suspect |= (low < 0) | (top >= vocab)
+    suspect |= (batch.versions.reduce(np.minimum, 0) < lo) | (batch.versions.reduce(np.maximum, 0) > hi)
     return suspect
 
 
-def _starts(lengths: np.ndarray) -> np.ndarray:
-    starts = np.zeros(len(lengths), np.int64)
-    np.cumsum(lengths[:-1], out=starts[1:])
-    return starts
+def _rows(like: Ragged, values: np.ndarray) -> Ragged:
+    """``values`` (one per element of ``like``) split into ``like``'s rows."""
+    return Ragged(values, like.offsets)
 
 
-def _scalar_suspect(r: _RowLike, config: IngestConfig) -> bool:
-    m = r.msg
-    return (not m.trajectory_id
-            or max(len(m.trajectory_id), len(m.session_id), len(m.group_id), len(m.request_id), len(m.model_id)) > config.max_id_length
-            or (config.require_sampling_params and not (m.HasField("temperature") and m.HasField("top_p")))
-            or (m.HasField("reward") and not math.isfinite(m.reward)))
+def _scalar_suspects(batch: Batch, config: IngestConfig) -> np.ndarray:
+    """Rows whose scalar fields may break a rule: empty or overlong ids, missing sampling
+    parameters, a non-finite reward."""
+    n = len(batch)
+    suspect = np.zeros(n, bool)
+    for name in ("trajectory_id", "session_id", "group_id", "request_id", "model_id"):
+        lengths = np.fromiter(map(len, batch.column(name)), np.int64, n)
+        suspect |= lengths > config.max_id_length
+        if name == "trajectory_id":
+            suspect |= lengths == 0
+    if config.require_sampling_params:
+        suspect |= np.fromiter((t is None or p is None for t, p in zip(batch.column("temperature"), batch.column("top_p"))), bool, n)
+    rewards = np.array([0.0 if r is None else r for r in batch.column("reward")], dtype=np.float64)
+    return suspect | ~np.isfinite(rewards)
 
 
-def _version_ranges(rows: Sequence[_RowLike], registry: Registry) -> tuple[np.ndarray, np.ndarray]:
+def _version_ranges(model_ids: Sequence[str], registry: Registry) -> tuple[np.ndarray, np.ndarray]:
     """Per row, the published range [lo, hi] when the model's versions are contiguous (so any
     version inside is published); otherwise an empty range, which sends the row to ``check``."""
     ranges: dict[str, tuple[int, int]] = {}
-    for model_id in {r.msg.model_id for r in rows}:
+    for model_id in set(model_ids):
         v = registry.published_versions(model_id).versions
         contiguous = len(v) > 0 and int(v[-1]) - int(v[0]) + 1 == len(v)
         ranges[model_id] = (int(v[0]), int(v[-1])) if contiguous else (1, 0)
-    lo = np.fromiter((ranges[r.msg.model_id][0] for r in rows), np.int64, len(rows))
-    hi = np.fromiter((ranges[r.msg.model_id][1] for r in rows), np.int64, len(rows))
+    lo = np.fromiter((ranges[m][0] for m in model_ids), np.int64, len(model_ids))
+    hi = np.fromiter((ranges[m][1] for m in model_ids), np.int64, len(model_ids))
     return lo, hi
 
 

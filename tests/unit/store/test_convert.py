@@ -1,4 +1,4 @@
-"""Wire contract -> storage schema: ``trajectory_from_dict``, ``decode`` and the Arrow tables.
+"""Wire contract -> storage schema: ``trajectory_from_dict``, ``decode``, the columnar ``Batch`` and the Arrow tables.
 
 Run: ``python -m pytest tests/unit/store/test_convert.py -q``.
 """
@@ -11,7 +11,8 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from rollbook.store.convert import decode, rejections_table, rows_to_table, trajectory_from_dict
+from rollbook.store.convert import (Ragged, decode, decode_messages, rejections_table, trajectories_table,
+                                    trajectory_from_dict, varint_bytes)
 from rollbook.store.schema import REJECTION_SCHEMA, TRAJECTORY_SCHEMA
 from rollbook.v1 import rollbook_pb2 as pb
 
@@ -69,9 +70,39 @@ def test_decode_exposes_the_token_arrays_with_the_schema_dtypes():
     assert row.tokens.tolist() == [1, 2, 3] and row.versions.tolist() == [3, 3, 4]
 
 
-def test_rows_to_table_fills_every_column_of_the_one_schema():
-    rows = [decode(trajectory_from_dict(_dict())), decode(trajectory_from_dict(_dict(trajectory_id="u", reward=None, prompt_token_ids=[])))]
-    table = rows_to_table(rows, received_at=99.0)
+def test_decode_messages_keeps_each_repeated_field_flat_with_row_offsets():
+    batch = decode_messages([trajectory_from_dict(_dict()), trajectory_from_dict(_dict(trajectory_id="u", prompt_token_ids=[]))])
+    assert len(batch) == 2 and batch.ids == ["t", "u"]
+    assert batch.tokens.values.tolist() == [1, 2, 3, 1, 2, 3] and batch.tokens.offsets.tolist() == [0, 3, 6]
+    assert batch.prompt.offsets.tolist() == [0, 2, 2] and batch.prompt.lengths.tolist() == [2, 0]
+    assert (batch.prompt.values.dtype, batch.tokens.values.dtype, batch.logprobs.values.dtype, batch.versions.values.dtype) == (
+        np.int32, np.int32, np.float32, np.int64)
+    row = batch.row(1)
+    assert row.trajectory_id == "u" and row.prompt.tolist() == [] and row.versions.tolist() == [3, 3, 4]
+
+
+def test_ragged_reduce_gives_the_empty_value_for_empty_rows():
+    rows = Ragged(np.array([5, 1, 7, 2]), np.array([0, 2, 2, 2, 4, 4]))
+    assert rows.reduce(np.maximum, -1).tolist() == [5, -1, -1, 7, -1]
+    assert rows.reduce(np.add, 0).tolist() == [6, 0, 0, 9, 0]
+    flags = Ragged(np.array([False, True, False]), np.array([0, 1, 1, 3]))
+    assert flags.reduce(np.logical_or, False).tolist() == [False, False, True]
+    assert flags.reduce(np.add, 0, dtype=np.int64).tolist() == [0, 0, 1]
+    assert Ragged(np.zeros(0), np.zeros(1, np.int64)).reduce(np.maximum, 0).tolist() == []
+
+
+def test_varint_bytes_is_the_protobuf_encoding():
+    for n in (0, 1, 127, 128, 300, 2**31 - 1, 2**40, 2**63):
+        encoded = varint_bytes(n)
+        assert all(b >= 0x80 for b in encoded[:-1]) and encoded[-1] < 0x80
+        assert sum((b & 0x7F) << 7 * i for i, b in enumerate(encoded)) == n
+        holder = pb.Trajectory.FromString(bytes([14 << 3 | 2]) + varint_bytes(len(encoded)) + encoded)  # packed int64
+        assert list(holder.output_versions) == [n if n < 2**63 else n - 2**64]
+
+
+def test_trajectories_table_fills_every_column_of_the_one_schema():
+    batch = decode_messages([trajectory_from_dict(_dict()), trajectory_from_dict(_dict(trajectory_id="u", reward=None, prompt_token_ids=[]))])
+    table = trajectories_table(batch, received_at=99.0)
     assert table.schema == TRAJECTORY_SCHEMA
     got = table.to_pylist()
     assert got[0]["output_logprobs"] == [-0.5, -1.0, -2.0] and got[0]["output_versions"] == [3, 3, 4]
@@ -84,9 +115,21 @@ def test_rows_to_table_fills_every_column_of_the_one_schema():
     assert {r["received_at"] for r in got} == {99.0}
 
 
+def test_trajectories_table_keeps_only_the_rows_asked_for():
+    batch = decode_messages([trajectory_from_dict(_dict(trajectory_id="a")),
+                             trajectory_from_dict(_dict(trajectory_id="bad", output_logprobs=[-1.0])),  # lengths disagree
+                             trajectory_from_dict(_dict(trajectory_id="c", output_token_ids=[9, 9, 9, 9], output_logprobs=[-1.0] * 4,
+                                                        output_versions=[5, 6, 6, 7]))])
+    table = trajectories_table(batch, 1.0, keep=np.array([True, False, True]))
+    got = table.to_pylist()
+    assert [r["trajectory_id"] for r in got] == ["a", "c"]
+    assert got[1]["output_token_ids"] == [9, 9, 9, 9] and got[1]["output_versions"] == [5, 6, 6, 7]
+    assert [(r["num_output_tokens"], r["min_version"], r["max_version"]) for r in got] == [(3, 3, 4), (4, 5, 7)]
+
+
 def test_rejections_table_records_reason_detail_and_size():
-    msg = trajectory_from_dict(_dict(session_id="s", worker_id="w"))
-    table = rejections_table([(msg, "NONFINITE_LOGPROB", "output_logprobs[0] = nan")], "ingest", 5.0)
+    batch = decode_messages([trajectory_from_dict(_dict(trajectory_id="ok")), trajectory_from_dict(_dict(session_id="s", worker_id="w"))])
+    table = rejections_table(batch, [(1, "NONFINITE_LOGPROB", "output_logprobs[0] = nan")], "ingest", 5.0)
     assert table.schema == REJECTION_SCHEMA
     [r] = table.to_pylist()
     assert (r["trajectory_id"], r["reason"], r["detail"], r["stage"]) == ("t", "NONFINITE_LOGPROB", "output_logprobs[0] = nan", "ingest")
@@ -94,5 +137,6 @@ def test_rejections_table_records_reason_detail_and_size():
 
 
 def test_an_empty_batch_builds_an_empty_table():
-    assert rows_to_table([], 0.0).equals(pa.Table.from_pylist([], schema=TRAJECTORY_SCHEMA))
-    assert rejections_table([], "ingest", 0.0).equals(pa.Table.from_pylist([], schema=REJECTION_SCHEMA))
+    empty = decode_messages([])
+    assert trajectories_table(empty, 0.0).equals(pa.Table.from_pylist([], schema=TRAJECTORY_SCHEMA))
+    assert rejections_table(empty, [], "ingest", 0.0).equals(pa.Table.from_pylist([], schema=REJECTION_SCHEMA))

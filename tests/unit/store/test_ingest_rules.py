@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rollbook.store.convert import decode, trajectory_from_dict
+from rollbook.store.convert import decode, decode_messages, trajectory_from_dict
 from rollbook.validator import ingest
 from rollbook.validator.ingest import IngestConfig, VersionSet
 from rollbook.validator.reasons import Reason
@@ -137,8 +137,8 @@ def test_check_batch_matches_check_on_every_case_mixed_with_valid_rows():
     dicts = []
     for i, (_, overrides) in enumerate(CASES.values()):
         dicts += [minimal(trajectory_id=f"ok{i}"), minimal(**overrides)]
-    rows = [decode(trajectory_from_dict(d)) for d in dicts]
-    assert ingest.check_batch(rows, REGISTRY, CONFIG) == [ingest.check(r, REGISTRY, CONFIG) for r in rows]
+    msgs = [trajectory_from_dict(d) for d in dicts]
+    assert ingest.check_batch(decode_messages(msgs), REGISTRY, CONFIG) == [ingest.check(decode(m), REGISTRY, CONFIG) for m in msgs]
 
 
 _mutation = st.sampled_from([{}] * 3 + [o for _, o in CASES.values()])
@@ -147,19 +147,19 @@ _mutation = st.sampled_from([{}] * 3 + [o for _, o in CASES.values()])
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(_mutation, st.integers(1, 8), st.integers(0, 3)), min_size=1, max_size=12))
 def test_check_batch_matches_check_on_random_batches(specs):
-    rows = []
+    msgs = []
     for mutation, n, v in specs:
         t = minimal(output_token_ids=list(range(n)), output_logprobs=[-0.5] * n, output_versions=[v] * n)
         t.update(mutation)
-        rows.append(decode(trajectory_from_dict(t)))
-    assert ingest.check_batch(rows, REGISTRY, CONFIG) == [ingest.check(r, REGISTRY, CONFIG) for r in rows]
+        msgs.append(trajectory_from_dict(t))
+    assert ingest.check_batch(decode_messages(msgs), REGISTRY, CONFIG) == [ingest.check(decode(m), REGISTRY, CONFIG) for m in msgs]
 
 
 def test_check_batch_flags_negative_and_out_of_vocab_prompt_tokens_like_check():
-    """Prompts are checked vectorised with a -1 appended per row; a real -1 must still be caught."""
+    """Prompts (some empty) are checked over the batch's flat prompt array; each row keeps its own verdict."""
     import numpy as np
 
-    from rollbook.store.convert import decode, trajectory_from_dict
+    from rollbook.store.convert import decode, decode_messages, trajectory_from_dict
     from rollbook.validator.ingest import IngestConfig, VersionSet, check, check_batch
 
     class Registry:
@@ -170,10 +170,10 @@ def test_check_batch_flags_negative_and_out_of_vocab_prompt_tokens_like_check():
             return VersionSet(np.array([0], dtype=np.int64))
 
     prompts = [[], [-1], [5, -1], [1, 2], [150], [], [99]]
-    rows = [decode(trajectory_from_dict(dict(
+    msgs = [trajectory_from_dict(dict(
         trajectory_id=f"p{i}", model_id="m", prompt_token_ids=p, output_token_ids=[1], output_logprobs=[-1.0],
-        output_versions=[0], temperature=1.0, top_p=1.0))) for i, p in enumerate(prompts)]
-    expected = [check(r, Registry(), IngestConfig()) for r in rows]
-    assert check_batch(rows, Registry(), IngestConfig()) == expected
+        output_versions=[0], temperature=1.0, top_p=1.0)) for i, p in enumerate(prompts)]
+    expected = [check(decode(m), Registry(), IngestConfig()) for m in msgs]
+    assert check_batch(decode_messages(msgs), Registry(), IngestConfig()) == expected
     assert [v[0] if v else None for v in expected] == [None, "INVALID_TOKEN_ID", "INVALID_TOKEN_ID", None,
                                                       "TOKEN_OUT_OF_VOCAB", None, None]

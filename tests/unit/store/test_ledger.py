@@ -16,7 +16,7 @@ import threading
 import pytest
 
 from rollbook.store import wal
-from rollbook.store.convert import decode, trajectory_from_dict
+from rollbook.store.convert import trajectory_from_dict
 from rollbook.store.ledger import ACCEPTED, DUPLICATE, REJECTED, Ledger
 
 MODEL = "m"
@@ -26,7 +26,7 @@ def row(tid: str, n: int = 4, **fields):
     t = dict(trajectory_id=tid, model_id=MODEL, output_token_ids=list(range(n)), output_logprobs=[-1.0] * n,
              output_versions=[0] * n, temperature=1.0, top_p=1.0)
     t.update(fields)
-    return decode(trajectory_from_dict(t))
+    return trajectory_from_dict(t)
 
 
 def open_ledger(db: pathlib.Path) -> Ledger:
@@ -104,12 +104,12 @@ def test_concurrent_submits_of_the_same_ids_store_each_once(ledger):
 
 CRASHING_WRITER = textwrap.dedent("""
     import os, sys
-    from rollbook.store.convert import decode, trajectory_from_dict
+    from rollbook.store.convert import trajectory_from_dict
     from rollbook.store.ledger import Ledger
 
     def row(tid, n=4):
-        return decode(trajectory_from_dict(dict(trajectory_id=tid, model_id="m", output_token_ids=list(range(n)),
-            output_logprobs=[-1.0] * n, output_versions=[0] * n, temperature=1.0, top_p=1.0)))
+        return trajectory_from_dict(dict(trajectory_id=tid, model_id="m", output_token_ids=list(range(n)),
+            output_logprobs=[-1.0] * n, output_versions=[0] * n, temperature=1.0, top_p=1.0))
 
     ledger = Ledger(sys.argv[1], fold_interval_s=3600)
     ledger.register_model("m", 100)

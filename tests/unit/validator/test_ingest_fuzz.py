@@ -20,7 +20,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rollbook.store.convert import decode
+from rollbook.store.convert import decode, decode_messages
 from rollbook.v1 import rollbook_pb2 as pb
 from rollbook.validator.ingest import IngestConfig, VersionSet, check, check_batch
 from rollbook.validator.reasons import Reason
@@ -202,8 +202,7 @@ def test_check_batch_gives_the_same_verdicts_as_check_row_by_row(data, config):
     ``check`` rejects (nor the reverse), whatever mix of rows shares a batch."""
     registry = data.draw(small_registries(), label="registry")
     msgs = data.draw(st.lists(near_valid_for(registry) | trajectories(), min_size=1, max_size=6), label="batch")
-    rows = [decode(m) for m in msgs]
-    assert check_batch(rows, registry, config) == [check(r, registry, config) for r in rows]
+    assert check_batch(decode_messages(msgs), registry, config) == [check(decode(m), registry, config) for m in msgs]
 
 
 REGISTRY = FakeRegistry(vocab={"tiny": 64}, versions={"tiny": [0, 1, 3]})

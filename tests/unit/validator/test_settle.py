@@ -13,7 +13,7 @@ import duckdb
 import pyarrow as pa
 import pytest
 
-from rollbook.store.convert import decode, rows_to_table, trajectory_from_dict
+from rollbook.store.convert import decode_messages, trajectories_table, trajectory_from_dict
 from rollbook.store.schema import DDL
 from rollbook.validator.pull import LeaseError, PullRequest, UnknownLease, ack_lease, lease_batch
 from rollbook.validator.settle import ValidatorConfig, expire_leases, reject_stale, settle
@@ -40,7 +40,7 @@ def traj(tid: str, **fields) -> dict:
 
 
 def insert(con, *trajs: dict, at: float = T0) -> None:
-    table = rows_to_table([decode(trajectory_from_dict(t)) for t in trajs], at)
+    table = trajectories_table(decode_messages([trajectory_from_dict(t) for t in trajs]), at)
     con.register("_in", table)
     con.execute("INSERT INTO trajectories BY NAME SELECT * FROM _in")
     con.unregister("_in")

@@ -1,0 +1,261 @@
+"""The store's fast reading of ``SubmitRequest`` bytes (``prepare.decode_request``, through
+``ingest_view.proto``) gives exactly what the ordinary parse gives, or the ordinary parse's error,
+with the C varint helper (``store/_varint.c``) and without it.
+
+Run: ``python -m pytest tests/unit/store/test_wire_decode.py -q``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import pathlib
+import struct
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from rollbook.client import encode_submit_request
+from rollbook.store import prepare
+from rollbook.store.convert import Batch, decode_messages, trajectory_from_dict, varint_bytes
+from rollbook.store.prepare import MalformedRequest, decode_request, parse_message
+from rollbook.v1 import ingest_view_pb2 as view_pb
+from rollbook.v1 import rollbook_pb2 as pb
+
+ARRAYS = ("prompt_token_ids", "output_token_ids", "output_logprobs", "output_versions")
+SCALARS = [f.name for f in pb.Trajectory.DESCRIPTOR.fields if f.name not in ARRAYS]
+OPTIONAL = [f.name for f in pb.Trajectory.DESCRIPTOR.fields if f.has_presence]
+
+
+def reference(data: bytes) -> Batch:
+    return decode_messages(parse_message(pb.SubmitRequest, data).trajectories)
+
+
+def assert_same_batch(got: Batch, want: Batch) -> None:
+    assert len(got) == len(want) and got.ids == want.ids
+    for name in ("prompt", "tokens", "logprobs", "versions"):
+        g, w = getattr(got, name), getattr(want, name)
+        assert g.values.dtype == w.values.dtype, name
+        assert g.offsets.tolist() == w.offsets.tolist(), name
+        assert g.values.tobytes() == w.values.tobytes(), name  # bit for bit: NaN payloads, -0.0
+    for a, b in zip(got.msgs, want.msgs):
+        for field in SCALARS:
+            x, y = getattr(a, field), getattr(b, field)
+            assert x == y or (isinstance(x, float) and math.isnan(x) and math.isnan(y)), field
+        for field in OPTIONAL:
+            assert a.HasField(field) == b.HasField(field), field
+
+
+@contextlib.contextmanager
+def without_c_helper():
+    saved, prepare._varint = prepare._varint, None
+    try:
+        yield
+    finally:
+        prepare._varint = saved
+
+
+def assert_decodes_like_the_ordinary_parse(data: bytes) -> None:
+    """With the C helper (when built) and without it."""
+    try:
+        want = reference(data)
+    except MalformedRequest as exc:
+        want, error = None, str(exc)
+    for context in (contextlib.nullcontext(), without_c_helper()):
+        with context:
+            if want is None:
+                with pytest.raises(MalformedRequest) as got:
+                    decode_request(data)
+                assert str(got.value) == error
+            else:
+                assert_same_batch(decode_request(data), want)
+
+
+def traj(**fields) -> pb.Trajectory:
+    d = dict(trajectory_id="t", model_id="m", prompt_token_ids=[1, 200, 70000], output_token_ids=[5, 151935, 0],
+             output_logprobs=[-0.5, -1.0, -2.0], output_versions=[3, 3, 4], temperature=0.7, top_p=1.0)
+    d.update(fields)
+    return trajectory_from_dict(d)
+
+
+def field(number: int, wire_type: int, payload: bytes) -> bytes:
+    return varint_bytes(number << 3 | wire_type) + payload
+
+
+def length_delimited(number: int, payload: bytes) -> bytes:
+    return field(number, 2, varint_bytes(len(payload)) + payload)
+
+
+def request(*trajectories: bytes) -> bytes:
+    return b"".join(length_delimited(1, t) for t in trajectories)
+
+
+# ---- the view mirrors the contract -----------------------------------------------------------------
+
+
+def test_the_view_is_the_trajectory_field_for_field_with_the_packed_arrays_as_bytes():
+    contract, view = pb.Trajectory.DESCRIPTOR, view_pb.TrajectoryView.DESCRIPTOR
+    assert [(f.name, f.number) for f in view.fields] == [(f.name, f.number) for f in contract.fields]
+    for c in contract.fields:
+        v = view.fields_by_name[c.name]
+        if c.name in ARRAYS:
+            assert c.is_repeated and v.is_repeated and v.type == v.TYPE_BYTES, c.name
+        else:
+            assert (v.type, v.is_repeated, v.has_presence) == (c.type, c.is_repeated, c.has_presence), c.name
+    outer = view_pb.SubmitRequestView.DESCRIPTOR.fields
+    assert [(f.name, f.number, f.message_type.full_name) for f in outer] == [("trajectories", 1, "rollbook.v1.TrajectoryView")]
+    assert [f.number for f in pb.SubmitRequest.DESCRIPTOR.fields] == [1]
+
+
+# ---- packed encodings (what every protobuf library writes) ---------------------------------------
+
+
+@pytest.mark.parametrize("fields", [
+    {},
+    dict(prompt_token_ids=[], output_token_ids=[], output_logprobs=[], output_versions=[]),
+    dict(output_token_ids=[-1, -(2**31), 2**31 - 1, 0]),  # negative int32: ten-byte varints
+    dict(output_versions=[0, 2**40, 2**63 - 1], output_token_ids=[1, 2, 3]),
+    dict(output_versions=[-5, 1, 127]),
+    dict(output_token_ids=[0, 1, 127], prompt_token_ids=[127]),  # every byte < 128: the one-byte path
+    dict(output_logprobs=[float("nan"), float("-inf"), -0.0, 3.5e38]),
+    dict(reward=float("nan"), top_k=-1, attempt=7, group_size=4, consumed=True, created_at=1.5e9),
+])
+def test_one_packed_trajectory_decodes_like_the_ordinary_parse(fields):
+    assert_decodes_like_the_ordinary_parse(encode_submit_request([traj(**fields)]))
+
+
+def test_a_batch_with_empty_and_multibyte_rows_keeps_each_row_apart():
+    msgs = [traj(trajectory_id="a"), traj(trajectory_id="b", output_token_ids=[], prompt_token_ids=[]),
+            traj(trajectory_id="c", output_token_ids=[300] * 5, output_versions=[1] * 2), traj(trajectory_id="d")]
+    data = encode_submit_request(msgs)
+    assert_decodes_like_the_ordinary_parse(data)
+    batch = decode_request(data)
+    assert batch.tokens.row(2).tolist() == [300] * 5 and batch.versions.row(2).tolist() == [1, 1]
+    assert batch.tokens.lengths.tolist() == [3, 0, 5, 3]
+
+
+def test_an_empty_request_is_an_empty_batch():
+    assert len(decode_request(b"")) == 0
+    assert_decodes_like_the_ordinary_parse(b"")
+
+
+# ---- encodings the view hands back to the ordinary parse ------------------------------------------
+
+
+def test_unpacked_arrays_are_decoded_by_the_ordinary_parse():
+    unpacked = (field(1, 2, varint_bytes(1) + b"u") + b"".join(field(12, 0, varint_bytes(v)) for v in (5, 300, 7))
+                + b"".join(field(13, 5, struct.pack("<f", -1.0)) for _ in range(3))
+                + b"".join(field(14, 0, varint_bytes(2)) for _ in range(3)))
+    assert_decodes_like_the_ordinary_parse(request(unpacked))
+    assert decode_request(request(unpacked)).tokens.values.tolist() == [5, 300, 7]
+
+
+def test_a_packed_array_sent_in_pieces_is_their_concatenation():
+    pieces = (length_delimited(1, b"p") + length_delimited(12, varint_bytes(1) + varint_bytes(300))
+              + length_delimited(12, varint_bytes(2)) + length_delimited(13, struct.pack("<2f", -1, -2))
+              + length_delimited(13, struct.pack("<f", -3)))
+    assert_decodes_like_the_ordinary_parse(request(pieces))
+    batch = decode_request(request(pieces))
+    assert batch.tokens.values.tolist() == [1, 300, 2] and batch.logprobs.values.tolist() == [-1, -2, -3]
+
+
+def test_unknown_field_numbers_are_still_accepted():
+    newer_client = traj().SerializeToString() + field(99, 0, varint_bytes(1))
+    assert_decodes_like_the_ordinary_parse(request(newer_client))
+
+
+@pytest.mark.parametrize("bad", [
+    length_delimited(12, b"\x80\x80"),  # a varint that never ends
+    length_delimited(12, b"\x81") + length_delimited(1, b"x"),
+    length_delimited(13, b"\x00\x00\x80"),  # 3 bytes of float32
+    length_delimited(12, b"\xff" * 11 + b"\x01"),  # an 12-byte varint
+    field(19, 0, varint_bytes(1)),  # reward (double) sent as a varint
+])
+def test_broken_payloads_get_the_ordinary_parse_error(bad):
+    data = request(traj().SerializeToString() + bad)
+    with pytest.raises(MalformedRequest):
+        reference(data)
+    assert_decodes_like_the_ordinary_parse(data)
+
+
+def test_a_varint_cut_at_the_end_of_one_row_does_not_borrow_the_next_rows_bytes():
+    cut = length_delimited(1, b"a") + length_delimited(12, b"\x81")  # continuation bit set, payload ends
+    data = request(cut, traj(trajectory_id="b").SerializeToString())
+    with pytest.raises(MalformedRequest):
+        decode_request(data)
+
+
+# ---- the C helper ---------------------------------------------------------------------------------
+
+
+def c_decode(encoded: bytes, capacity: int) -> tuple[int, list[int]]:
+    varint = pytest.importorskip("rollbook.store._varint", reason="the C helper is not built here")
+    out = np.zeros(capacity, dtype=np.int64)
+    n = varint.decode(encoded, out)
+    return n, out[:max(n, 0)].tolist()
+
+
+def test_the_c_helper_decodes_varints_like_protobuf():
+    values = [0, 1, 127, 128, 300, 2**31 - 1, 2**40, 2**63 - 1, 2**63, 2**64 - 1]
+    encoded = b"".join(varint_bytes(v) for v in values)
+    assert c_decode(encoded, len(values)) == (len(values), [v - 2**64 if v >= 2**63 else v for v in values])
+    assert c_decode(b"", 0) == (0, [])
+
+
+@pytest.mark.parametrize("encoded, capacity", [
+    (b"\x80", 1),  # cut off
+    (b"\x01\x80\x80", 2),
+    (b"\xff" * 9 + b"\x02", 1),  # bits above 64
+    (b"\xff" * 10 + b"\x01", 1),  # eleven bytes
+    (b"\x01\x02\x03", 2),  # more values than room
+])
+def test_the_c_helper_declines_what_it_cannot_take_exactly(encoded, capacity):
+    assert c_decode(encoded, capacity)[0] == -1
+
+
+def test_the_c_helper_is_built_where_a_compiler_is_available():
+    """The install compiles it (pyproject ext-modules); without it the store is correct but slower."""
+    import shutil
+    import sysconfig
+
+    if shutil.which("cc") is None or not (pathlib.Path(sysconfig.get_paths()["include"]) / "Python.h").exists():
+        pytest.skip("no C compiler or Python headers here")
+    assert prepare._varint is not None, "store/_varint.c was not built: reinstall with pip install -e ."
+
+
+# ---- properties ------------------------------------------------------------------------------------
+
+int32s = st.lists(st.integers(-(2**31), 2**31 - 1), max_size=20)
+int64s = st.lists(st.integers(-(2**63), 2**63 - 1), max_size=20)
+floats = st.lists(st.floats(width=32, allow_nan=True, allow_infinity=True), max_size=20)
+trajectories = st.builds(
+    traj, trajectory_id=st.text(max_size=5), prompt_token_ids=int32s | st.lists(st.integers(0, 127), max_size=20),
+    output_token_ids=int32s | st.lists(st.integers(0, 151_935), max_size=20), output_logprobs=floats,
+    output_versions=int64s | st.lists(st.integers(0, 9), max_size=20),
+    reward=st.none() | st.floats(allow_nan=True), top_k=st.none() | st.integers(-(2**31), 2**31 - 1))
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(trajectories, max_size=6))
+def test_any_batch_decodes_like_the_ordinary_parse(msgs):
+    assert_decodes_like_the_ordinary_parse(encode_submit_request(msgs))
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(trajectories, min_size=1, max_size=3), st.data())
+def test_any_corruption_decodes_like_the_ordinary_parse_or_fails_like_it(msgs, data):
+    raw = bytearray(encode_submit_request(msgs))
+    for _ in range(data.draw(st.integers(1, 4), label="edits")):
+        if not raw:
+            break
+        at = data.draw(st.integers(0, len(raw) - 1), label="at")
+        edit = data.draw(st.sampled_from(["flip", "cut", "insert"]), label="edit")
+        if edit == "flip":
+            raw[at] ^= 1 << data.draw(st.integers(0, 7), label="bit")
+        elif edit == "cut":
+            del raw[at:]
+        else:
+            raw[at:at] = bytes([data.draw(st.integers(0, 255), label="byte")])
+    assert_decodes_like_the_ordinary_parse(bytes(raw))
