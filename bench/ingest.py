@@ -28,6 +28,11 @@ Timing runs from the moment every client has its records built and its connectio
 barrier) to the last acknowledgement; server start, ``ray.init`` and record generation are not
 timed. Runs on a loaded machine are noisy: compare the ratios, which come from the same run.
 
+The store acknowledges after its fsync'd log append and folds the log into DuckDB in the background
+(every 256 MiB, after 10 s, or when ingest pauses), so a default run (6,000 trajectories, ~80 MB)
+measures the acknowledgement path. With ``--num-trajectories 30000`` folds happen during the run
+and compete for the same cores: the sustained rate.
+
     python bench/ingest.py --json                      # one JSON line on stdout, progress on stderr
     python bench/ingest.py --num-trajectories 6000 --num-processes 4 --systems rollbook,ray_queue
     python bench/ingest.py --profile runs/profile      # also py-spy the server (collapsed stacks)
@@ -467,11 +472,11 @@ def _progress(message: str) -> None:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--json", action="store_true", help="print exactly one JSON line on stdout")
-    p.add_argument("--num-trajectories", type=int, default=3000, help="trajectories per system, split over the processes (default: %(default)s)")
+    p.add_argument("--num-trajectories", type=int, default=6000, help="trajectories per system, split over the processes (default: %(default)s)")
     p.add_argument("--num-processes", type=int, default=2, help="client / producer processes (default: %(default)s)")
     p.add_argument("--batch-size", type=int, default=64, help="trajectories per submitted batch, fsync or put (default: %(default)s)")
     p.add_argument("--num-tokens", type=int, default=1000, help="output tokens per trajectory (default: %(default)s)")
-    p.add_argument("--repeats", type=int, default=3, help="measurements per system; the median is reported (default: %(default)s)")
+    p.add_argument("--repeats", type=int, default=5, help="measurements per system; the median is reported (default: %(default)s)")
     p.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated subset of %(default)s")
     p.add_argument("--work-dir", default=None, help="where the temporary run dirs go (default: the system temp dir); fsync cost depends on its disk")
     p.add_argument("--profile", default=None, metavar="DIR", help="py-spy the server during each rollbook run (the last repeat) into DIR/server-*.txt: "
