@@ -49,7 +49,6 @@ class Prepared:
     rejections: pa.Table | None
 
 
-
 def prepare(batch: Batch, registry: Registry, config: IngestConfig, *, validate: bool, now: float) -> Prepared:
     checked = ingest.check_batch(batch, registry, config) if validate else [None] * len(batch)
     verdicts = [None if v is None else (str(v[0]), v[1]) for v in checked]
