@@ -136,6 +136,17 @@ def test_a_batch_with_empty_and_multibyte_rows_keeps_each_row_apart():
     assert batch.tokens.lengths.tolist() == [3, 0, 5, 3]
 
 
+def test_packed_batches_take_the_bulk_path_and_unpacked_ones_the_ordinary_parse(monkeypatch):
+    """Guards the speed, not the results: both paths agree, so only this notices a bulk path that
+    always falls back."""
+    calls = []
+    monkeypatch.setattr(prepare, "parse_message", lambda *args: calls.append(args) or parse_message(*args))
+    decode_request(encode_submit_request([traj(trajectory_id=str(i)) for i in range(8)]))
+    assert calls == []
+    decode_request(request(field(1, 2, varint_bytes(1) + b"u") + field(12, 0, varint_bytes(5))))
+    assert len(calls) == 1
+
+
 def test_an_empty_request_is_an_empty_batch():
     assert len(decode_request(b"")) == 0
     assert_decodes_like_the_ordinary_parse(b"")
