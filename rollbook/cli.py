@@ -39,13 +39,14 @@ def _query(args: argparse.Namespace) -> int:
 def _stats(args: argparse.Namespace) -> int:
     import json
 
-    from google.protobuf.json_format import MessageToDict
-
     from rollbook.client import StoreClient
 
     with StoreClient(args.server) as client:
-        stats = MessageToDict(client.stats(), preserving_proto_field_name=True)
-    stats["stats_json"] = json.loads(stats.get("stats_json", "{}"))
+        response = client.stats()
+    # the fields as plain JSON numbers (protobuf's JSON mapping would write the uint64 counters as strings)
+    stats = {f.name: dict(getattr(response, f.name)) if f.message_type is not None else getattr(response, f.name)
+             for f in response.DESCRIPTOR.fields}
+    stats["stats_json"] = json.loads(response.stats_json or "{}")
     print(json.dumps(stats, indent=2, sort_keys=True))
     return 0
 

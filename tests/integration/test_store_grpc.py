@@ -124,12 +124,13 @@ def test_rollbook_stats_prints_the_servers_counters_as_json(store):
     done = rollbook_cli("stats", "--server", store.address)
     assert done.returncode == 0, done.stderr
     printed = json.loads(done.stdout)
-    # proto3 JSON writes 64-bit counters as strings
-    assert int(printed["accepted"]) == expected.accepted
-    assert int(printed["duplicates"]) == expected.duplicates
-    assert int(printed["rejected"]) == expected.rejected
+    # counters are JSON numbers, not the strings protobuf's JSON mapping writes for uint64
+    assert printed["accepted"] == expected.accepted and isinstance(printed["accepted"], int)
+    assert printed["duplicates"] == expected.duplicates >= 1
+    assert printed["rejected"] == expected.rejected
+    assert printed["accepted_tokens"] == expected.accepted_tokens > 0
     assert printed["stats_json"]["accepted"] == expected.accepted
-    assert {k: int(v) for k, v in printed["rejected_by_reason"].items()} == dict(expected.rejected_by_reason)
+    assert printed["rejected_by_reason"] == dict(expected.rejected_by_reason)
 
 
 # ---- persistence ---------------------------------------------------------------------------------
