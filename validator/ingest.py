@@ -138,23 +138,17 @@ def _scalar_suspects(batch: Batch, config: IngestConfig) -> np.ndarray:
         suspect |= lengths > config.max_id_length
         if name == "trajectory_id":
             suspect |= lengths == 0
-    if config.require_sampling_params:
-        suspect |= np.fromiter((t is None or p is None for t, p in zip(batch.column("temperature"), batch.column("top_p"))), bool, n)
-    temperature, top_p = _floats(batch, "temperature"), _floats(batch, "top_p")
-    with np.errstate(invalid="ignore"):  # NaN compares False: caught by the isfinite terms
-        suspect |= ~np.isfinite(temperature) | (temperature < 0)
-        suspect |= ~np.isfinite(top_p) | (top_p <= 0) | (top_p > 1)
-    top_k = np.fromiter((-1 if k is None else k for k in batch.column("top_k")), np.int64, n)
-    suspect |= top_k < -1
+    # an unset temperature / top_p reads as NaN: a suspect either way (MISSING_ or INVALID_SAMPLING_PARAMS)
+    temperature = np.array(batch.column("temperature"), dtype=np.float64)
+    top_p = np.array(batch.column("top_p"), dtype=np.float64)
+    with np.errstate(invalid="ignore"):  # NaN compares False: the isfinite terms catch it
+        suspect |= ~np.isfinite(temperature) | (temperature < 0) | ~(top_p > 0) | ~(top_p <= 1)
+    with np.errstate(invalid="ignore"):
+        suspect |= np.array(batch.column("top_k"), dtype=np.float64) < -1  # unset: NaN, never below
     rewards = np.fromiter((0.0 if r is None else r for r in batch.column("reward")), np.float64, n)
     suspect |= ~(np.abs(rewards) <= config.max_abs_reward)  # NaN and inf too
     suspect |= ~np.isfinite(np.fromiter(batch.column("created_at"), np.float64, n))
     return suspect | (np.fromiter(batch.column("group_size"), np.int64, n) > config.max_group_size)
-
-
-def _floats(batch: Batch, name: str) -> np.ndarray:
-    """An optional float field of every row; unset reads as 1.0 (valid for every rule but presence)."""
-    return np.fromiter((1.0 if v is None else v for v in batch.column(name)), np.float64, len(batch))
 
 
 def _version_ranges(model_ids: Sequence[str], registry: Registry) -> tuple[np.ndarray, np.ndarray]:
