@@ -170,7 +170,8 @@ def test_pull_without_model_id_is_refused_and_stales_nothing(store):
     model = "any-model-victim"
     _own_model(store, model, versions=(0,))
     store.submit([trajectory(f"victim-{i}", model_id=model, reward=None) for i in range(3)])
-    call = lambda: store.pull_batch(trainer_id="other", trainer_version=100, max_staleness=0, num_samples=10)
+    call = lambda: store.pull_batch(trainer_id="other", trainer_version=100, max_staleness=0, num_samples=10,
+                                    model_id="")  # the proto default, once "any model"
     assert rpc_code(call) == grpc.StatusCode.INVALID_ARGUMENT
     assert rows(store, f"SELECT count(*) AS n FROM rejections WHERE model_id = '{model}'") == [{"n": 0}]
     assert len(ids_in(store, "trajectories", f"model_id = '{model}'")) == 3
