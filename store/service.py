@@ -348,6 +348,7 @@ class AsyncStore:
         self.open_streams += 1
         self.streams_by_host[host] = self.streams_by_host.get(host, 0) + 1
         loop = asyncio.get_running_loop()
+        await context.send_initial_metadata(())  # the stream is admitted (a client may wait for this)
         idle = limits.stream_idle_timeout_s
         try:
             while True:
