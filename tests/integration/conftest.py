@@ -66,7 +66,8 @@ class StoreProcess:
 
     def client(self, **kwargs: Any) -> StoreClient:
         """A client holding every key the store was started with (and its TLS settings)."""
-        return StoreClient(self.address, **{**self.keys, "tls": self.client_tls, **kwargs})
+        given = {k: v for k, v in {**self.keys, "tls": self.client_tls}.items() if v is not None}
+        return StoreClient(self.address, **{**given, **kwargs})
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
