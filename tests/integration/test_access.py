@@ -139,10 +139,11 @@ def test_a_reader_cannot_ack_a_lease_it_read_from_the_leases_table(store):
     with StoreClient(store.address, reader_key=KEYS["reader"]) as reader:
         lease = reader.query(f"SELECT DISTINCT lease_id FROM leases WHERE lease_id = '{batch.lease_id}'").to_pylist()
         assert lease == [{"lease_id": batch.lease_id}]
-        assert rpc_error(lambda: reader.ack_batch(batch.lease_id)).code() == grpc.StatusCode.UNAUTHENTICATED
+        assert rpc_error(lambda: reader.ack_batch(batch.lease_id, "victim")).code() == grpc.StatusCode.UNAUTHENTICATED
     for role in ("reader", "worker"):  # the key the caller holds, sent where the trainer key belongs
         with StoreClient(store.address, trainer_key=KEYS[role]) as caller:
-            assert rpc_error(lambda: caller.ack_batch(batch.lease_id)).code() == grpc.StatusCode.PERMISSION_DENIED
+            err = rpc_error(lambda: caller.ack_batch(batch.lease_id, "victim"))  # even naming the lease's trainer
+            assert err.code() == grpc.StatusCode.PERMISSION_DENIED and "may not call AckBatch" in err.details()
     with store.client() as client:
         assert count(client, "trajectories", "trajectory_id = 'lease-victim' AND status = 'trained'") == 0
         assert client.ack_batch(batch.lease_id, trainer_id="victim") == 1
