@@ -7,6 +7,7 @@ stream over TLS against a real ``rollbook serve``; a plaintext client cannot tal
 from __future__ import annotations
 
 import json
+import shutil
 
 import grpc
 import pytest
@@ -21,6 +22,8 @@ KEYS = {"worker_key": "w0rker-5f3a9c1e7b2d4086", "trainer_key": "tra1ner-8e6d4c2
 
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory):
+    if shutil.which("openssl") is None:
+        pytest.skip("the openssl command makes the test CA; it is not installed")
     return make_test_certificates(tmp_path_factory.mktemp("certs"))
 
 
