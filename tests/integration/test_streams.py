@@ -97,12 +97,20 @@ class StreamCrowd:
         self.thread.join(10)
 
 
-def test_200_idle_streams_and_30_slow_ones_do_not_starve_a_normal_client(tmp_path):
+def _rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) / 1024 for line in f if line.startswith("VmRSS:"))
+
+
+def test_200_idle_streams_and_30_slow_ones_do_not_starve_a_normal_client(tmp_path, capsys):
     store = start_store(tmp_path / "rollbook.duckdb")
     try:
         with store.client(timeout_s=30) as client:
             register(client)
+            client.submit([traj(f"warm-{i}") for i in range(64)])
+            rss_start = _rss_mb(store.proc.pid)
             crowd = StreamCrowd(store.address, idle=200, slow=30)
+            rss_open = _rss_mb(store.proc.pid)
             try:
                 t0 = time.monotonic()
                 result = client.submit([traj(f"normal-{i}", reward=1.0) for i in range(64)], batch_size=16,
@@ -114,8 +122,7 @@ def test_200_idle_streams_and_30_slow_ones_do_not_starve_a_normal_client(tmp_pat
                 assert client.ack_batch(batch.lease_id, trainer_id="normal") == 8
                 assert count(client, "trajectories", "trajectory_id LIKE 'normal-%'") == 64
                 assert client.stats().accepted >= 64
-                print(f"\nnormal client with 200 idle + 30 slow streams open: submit, pull, ack, query, stats "
-                      f"in {time.monotonic() - t0:.2f} s")
+                took = time.monotonic() - t0
                 assert [c for c in crowd.idle_codes() if c is not None] == []  # none of them was dropped meanwhile
             finally:
                 crowd.close()
@@ -124,6 +131,13 @@ def test_200_idle_streams_and_30_slow_ones_do_not_starve_a_normal_client(tmp_pat
             slow_rows = count(client, "trajectories", "trajectory_id LIKE 'slow-%'")
             assert slow_rows == sum(crowd.slow_verdicts)
         assert store.alive
+        time.sleep(1.0)
+        rss_end = _rss_mb(store.proc.pid)
+        with capsys.disabled():
+            print(f"\nnormal client beside 200 idle + 30 slow Submit streams: submit, pull, ack, query, stats in "
+                  f"{took:.2f} s; server RSS {rss_start:.0f} MB before, {rss_open:.0f} MB with the streams open, "
+                  f"{rss_end:.0f} MB after")
+        assert rss_end < rss_start + 150
     finally:
         store.kill()
 
