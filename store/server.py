@@ -195,6 +195,8 @@ def serve(config: StoreConfig) -> None:
     server.start()
     print(f"listening on {config.host}:{port}", flush=True)
     log.info("ledger %s, TLS %s", config.db, "on" if config.tls_cert else "off")
+    if config.tls_cert is None and not is_loopback(config.host):
+        log.warning("--insecure: serving %s without TLS; keys cross the network in clear text", config.host)
     done = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: done.set())
