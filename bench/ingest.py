@@ -336,7 +336,8 @@ def _arrow_client(worker: int, num: int, directory: str, num_tokens: int, run: s
                   barrier, results) -> None:
     import pyarrow as pa
 
-    from rollbook.store.convert import decode_messages, trajectories_table
+    from rollbook.store.tables import trajectories_table
+    from rollbook.trajectories import decode_messages
     from rollbook.store.schema import TRAJECTORY_SCHEMA
 
     msgs = make_trajectories(num, num_tokens, worker=worker, run=run)

@@ -33,7 +33,7 @@ from typing import Any, Iterable, Iterator, Mapping
 import grpc
 import pyarrow as pa
 
-from rollbook.store.convert import trajectory_from_dict, varint_bytes
+from rollbook.trajectories import trajectory_from_dict, varint_bytes
 from rollbook.tls import ClientTLS, channel
 from rollbook.v1 import rollbook_pb2 as pb
 from rollbook.v1 import rollbook_pb2_grpc as pb_grpc

@@ -31,10 +31,10 @@ import numpy as np
 import pyarrow as pa
 
 from rollbook.store import wal
-from rollbook.store.convert import decode_messages
 from rollbook.store.prepare import Prepared, prepare
 from rollbook.store.schema import DDL
 from rollbook.store.sql import SANDBOX_CONFIG
+from rollbook.trajectories import decode_messages
 from rollbook.v1 import rollbook_pb2 as pb
 from rollbook.validator import pull, settle
 from rollbook.validator.ingest import IngestConfig, VersionSet

@@ -22,7 +22,8 @@ import pyarrow as pa
 from google.protobuf.message import DecodeError
 from google.protobuf.unknown_fields import UnknownFieldSet
 
-from rollbook.store.convert import Batch, Ragged, decode_messages, rejections_table, trajectories_table, varint_bytes
+from rollbook.store.tables import rejections_table, trajectories_table
+from rollbook.trajectories import Ragged, TrajectoryColumns, decode_messages, varint_bytes
 from rollbook.v1 import ingest_view_pb2 as view_pb
 from rollbook.v1 import rollbook_pb2 as pb
 from rollbook.validator import ingest
@@ -51,7 +52,7 @@ class Prepared:
     rejections: pa.Table | None
 
 
-def prepare(batch: Batch, registry: Registry, config: IngestConfig, *, validate: bool, now: float) -> Prepared:
+def prepare(batch: TrajectoryColumns, registry: Registry, config: IngestConfig, *, validate: bool, now: float) -> Prepared:
     checked = ingest.check_batch(batch, registry, config) if validate else [None] * len(batch)
     verdicts = [None if v is None else (str(v[0]), v[1]) for v in checked]
     bad = [(i, v[0], v[1]) for i, v in enumerate(verdicts) if v is not None]
@@ -69,8 +70,8 @@ def prepare_bytes(data: bytes, registry: Registry, config: IngestConfig, *, vali
     return prepare(decode_request(data), registry, config, validate=validate, now=now)
 
 
-def decode_request(data: bytes) -> Batch:
-    """A serialized ``SubmitRequest`` -> its decoded ``Batch``; raises ``MalformedRequest``.
+def decode_request(data: bytes) -> TrajectoryColumns:
+    """A serialized ``SubmitRequest`` -> its decoded ``TrajectoryColumns``; raises ``MalformedRequest``.
 
     Returns what ``decode_messages(parse_message(pb.SubmitRequest, data).trajectories)`` returns,
     only faster for the usual, packed encoding (tests/unit/store/test_wire_decode.py)."""
@@ -96,8 +97,8 @@ def _view_has_unknown_fields(view) -> bool:
     return len(UnknownFieldSet(view)) > 0 or any(len(UnknownFieldSet(t)) for t in view.trajectories)
 
 
-def _decode_view(msgs) -> Batch:
-    return Batch(
+def _decode_view(msgs) -> TrajectoryColumns:
+    return TrajectoryColumns(
         msgs=msgs,
         prompt=_varints(msgs, "prompt_token_ids", np.int32),
         tokens=_varints(msgs, "output_token_ids", np.int32),

@@ -1,6 +1,6 @@
 """The one Arrow schema of stored trajectories, and the DuckDB DDL of every ledger table.
 
-The ``.proto`` is the wire contract; ``store.convert`` turns it once into ``TRAJECTORY_SCHEMA``, and
+The ``.proto`` is the wire contract; ``store/tables.py`` turns it once into ``TRAJECTORY_SCHEMA``, and
 everything downstream (the write-ahead log, DuckDB, ``PullBatch``) speaks that schema. Each column's
 meaning and invariant is documented in ``docs/schema.md``; keep the two in step.
 """

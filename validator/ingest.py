@@ -16,7 +16,7 @@ from typing import Protocol, Sequence
 import numpy as np
 from pydantic import BaseModel, Field
 
-from rollbook.store.convert import Batch, Ragged
+from rollbook.trajectories import Ragged, TrajectoryColumns
 from rollbook.validator.reasons import Reason
 
 Verdict = tuple[Reason, str] | None
@@ -85,8 +85,8 @@ def check(row: _RowLike, registry: Registry, config: IngestConfig) -> Verdict:
     return _structure(row, config) or _evidence(row, config) or _against_registry(row, registry)
 
 
-def check_batch(batch: Batch, registry: Registry, config: IngestConfig) -> list[Verdict]:
-    """``check`` for a whole decoded batch (``rollbook.store.convert.Batch``), vectorised: every rule
+def check_batch(batch: TrajectoryColumns, registry: Registry, config: IngestConfig) -> list[Verdict]:
+    """``check`` for a whole decoded batch (``rollbook.trajectories.TrajectoryColumns``), vectorised: every rule
     runs once over the batch's flat arrays; only rows that some rule flags go through ``check`` for
     their exact code and detail. Same verdicts as ``[check(batch.row(i), ...) for i in ...]``, at a
     fraction of the cost."""
@@ -94,7 +94,7 @@ def check_batch(batch: Batch, registry: Registry, config: IngestConfig) -> list[
     return [check(batch.row(i), registry, config) if bad else None for i, bad in enumerate(suspect)]
 
 
-def _suspects(batch: Batch, registry: Registry, config: IngestConfig) -> np.ndarray:
+def _suspects(batch: TrajectoryColumns, registry: Registry, config: IngestConfig) -> np.ndarray:
     """True for rows that may break a rule (a superset of the rejected rows)."""
     n_tok, n_p = batch.tokens.lengths, batch.prompt.lengths
     suspect = (n_tok == 0) | (batch.logprobs.lengths != n_tok) | (batch.versions.lengths != n_tok)
@@ -127,7 +127,7 @@ def _rows(like: Ragged, values: np.ndarray) -> Ragged:
     return Ragged(values, like.offsets)
 
 
-def _scalar_suspects(batch: Batch, config: IngestConfig) -> np.ndarray:
+def _scalar_suspects(batch: TrajectoryColumns, config: IngestConfig) -> np.ndarray:
     """Rows whose scalar fields may break a rule: empty or overlong strings, missing or invalid
     sampling parameters, a non-finite or out-of-range reward, a non-finite created_at, a group_size
     over the limit."""

@@ -157,7 +157,7 @@ def register(client: StoreClient, versions: tuple[int, ...] = (0, 1)) -> None:
 
 def submit_raw(stub: pb_grpc.TrajectoryStoreStub, *batches: list[dict]) -> list[list[pb.Verdict]]:
     """One Submit stream through the generated stub; the verdict lists, one per batch, in order."""
-    from rollbook.store.convert import trajectory_from_dict
+    from rollbook.trajectories import trajectory_from_dict
 
     requests = [pb.SubmitRequest(trajectories=[trajectory_from_dict(t) for t in b]) for b in batches]
     return [list(r.verdicts) for r in stub.Submit(iter(requests), timeout=60)]

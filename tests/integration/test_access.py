@@ -17,7 +17,7 @@ import grpc
 import pytest
 
 from tests.integration.conftest import MODEL, VOCAB, count, rollbook_cli, rpc_error, start_store, traj
-from rollbook.store.convert import trajectory_from_dict
+from rollbook.trajectories import trajectory_from_dict
 from rollbook.v1 import rollbook_pb2 as pb
 from rollbook.v1 import rollbook_pb2_grpc as pb_grpc
 

@@ -13,7 +13,7 @@ import grpc
 import numpy as np
 import pytest
 
-from rollbook.store.convert import trajectory_from_dict
+from rollbook.trajectories import trajectory_from_dict
 from rollbook.v1 import rollbook_pb2 as pb
 from rollbook.v1 import rollbook_pb2_grpc as pb_grpc
 from tests.integration.conftest import count, register, rows, start_store, submit_raw, traj

@@ -17,7 +17,7 @@ import grpc
 import pytest
 
 from rollbook.client import encode_submit_request
-from rollbook.store.convert import trajectory_from_dict, varint_bytes
+from rollbook.trajectories import trajectory_from_dict, varint_bytes
 from rollbook.v1 import rollbook_pb2 as pb
 from rollbook.validator.reasons import Reason
 from rollbook.validator.settle import ValidatorConfig

@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 
 from rollbook.client import encode_submit_request
-from rollbook.store.convert import trajectory_from_dict
+from rollbook.trajectories import trajectory_from_dict
 from rollbook.v1 import rollbook_pb2 as pb
 from rollbook.v1 import rollbook_pb2_grpc as pb_grpc
 from tests.integration.conftest import MODEL, VOCAB, register, rows, start_store, traj

@@ -17,7 +17,7 @@ import grpc
 import pytest
 
 from tests.integration.conftest import count, register, start_store, traj
-from rollbook.store.convert import trajectory_from_dict
+from rollbook.trajectories import trajectory_from_dict
 from rollbook.v1 import rollbook_pb2 as pb
 from rollbook.v1 import rollbook_pb2_grpc as pb_grpc
 

@@ -17,7 +17,7 @@ import pyarrow as pa
 import pytest
 
 from rollbook.store import wal
-from rollbook.store.convert import trajectory_from_dict
+from rollbook.trajectories import trajectory_from_dict
 from rollbook.store.ledger import ACCEPTED, DUPLICATE, REJECTED, Ledger
 
 MODEL = "m"
@@ -134,7 +134,7 @@ def test_concurrent_submits_of_the_same_ids_store_each_once(ledger):
 
 CRASHING_WRITER = textwrap.dedent("""
     import os, sys
-    from rollbook.store.convert import trajectory_from_dict
+    from rollbook.trajectories import trajectory_from_dict
     from rollbook.store.ledger import Ledger
 
     def row(tid, n=4):

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from rollbook.client import encode_submit_request
 from rollbook.store import prepare
-from rollbook.store.convert import Batch, decode_messages, trajectory_from_dict, varint_bytes
+from rollbook.trajectories import TrajectoryColumns, decode_messages, trajectory_from_dict, varint_bytes
 from rollbook.store.prepare import MalformedRequest, decode_request, parse_message
 from rollbook.v1 import ingest_view_pb2 as view_pb
 from rollbook.v1 import rollbook_pb2 as pb
@@ -29,11 +29,11 @@ SCALARS = [f.name for f in pb.Trajectory.DESCRIPTOR.fields if f.name not in ARRA
 OPTIONAL = [f.name for f in pb.Trajectory.DESCRIPTOR.fields if f.has_presence]
 
 
-def reference(data: bytes) -> Batch:
+def reference(data: bytes) -> TrajectoryColumns:
     return decode_messages(parse_message(pb.SubmitRequest, data).trajectories)
 
 
-def assert_same_batch(got: Batch, want: Batch) -> None:
+def assert_same_batch(got: TrajectoryColumns, want: TrajectoryColumns) -> None:
     assert len(got) == len(want) and got.ids == want.ids
     for name in ("prompt", "tokens", "logprobs", "versions"):
         g, w = getattr(got, name), getattr(want, name)

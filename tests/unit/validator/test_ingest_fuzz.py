@@ -20,7 +20,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rollbook.store.convert import decode, decode_messages
+from rollbook.trajectories import decode, decode_messages
 from rollbook.v1 import rollbook_pb2 as pb
 from rollbook.validator.ingest import STRING_FIELDS, IngestConfig, VersionSet, check, check_batch
 from rollbook.validator.reasons import Reason

@@ -13,7 +13,8 @@ import duckdb
 import pyarrow as pa
 import pytest
 
-from rollbook.store.convert import decode_messages, trajectories_table, trajectory_from_dict
+from rollbook.store.tables import trajectories_table
+from rollbook.trajectories import decode_messages, trajectory_from_dict
 from rollbook.store.schema import DDL
 from rollbook.validator.pull import LeaseError, NotLeaseOwner, PullRequest, UnknownLease, ack_lease, lease_batch
 from rollbook.validator.settle import ValidatorConfig, expire_leases, reject_stale, settle

@@ -1,12 +1,15 @@
-"""Protobuf ``Trajectory`` messages -> a decoded columnar ``Batch`` -> Arrow tables in the store's
-schemas.
+"""Trajectories as the wire carries them, and decoded into columns: the data model that the client,
+the validator and the store share (so none of them reaches into another for it).
 
-This is the single place where the wire contract becomes the storage schema. A ``Batch`` keeps each
-repeated field of the whole batch as one flat numpy array plus row offsets (``Ragged``, Arrow's list
-layout), so validation runs over the batch at once and the Arrow list columns are built from those
-arrays without a copy per row. ``decode_messages`` builds it from parsed messages (``np.asarray`` on
-each repeated container); the store's ``Submit`` path builds it straight from the request bytes
-(``rollbook.store.prepare.decode_request``).
+``TrajectoryColumns`` keeps each repeated field of a whole batch as one flat numpy array plus row
+offsets (``Ragged``, Arrow's list layout), so the evidence rules run over the batch at once and the
+store builds its Arrow list columns from those arrays without a copy per row. ``decode_messages``
+builds it from parsed messages (``np.asarray`` on each repeated container); the store's ``Submit``
+path builds it straight from the request bytes (``rollbook.store.prepare.decode_request``).
+``trajectory_from_dict`` and ``varint_bytes`` are the client side: a message from a plain dict, and
+the varint framing of hand-built requests.
+
+Imports nothing of rollbook but the wire stubs (``docs/design.md``, "What each folder may import").
 """
 
 from __future__ import annotations
@@ -18,7 +21,6 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import pyarrow as pa
 
-from rollbook.store.schema import REJECTION_SCHEMA, TRAJECTORY_SCHEMA
 from rollbook.v1 import rollbook_pb2 as pb
 
 
@@ -61,7 +63,7 @@ class Ragged:
 
 
 @dataclass(slots=True)
-class Row:
+class TrajectoryRow:
     """One decoded trajectory: the message (its scalar fields) plus its token arrays as numpy."""
 
     msg: Any  # pb.Trajectory, or the store's ingest view of one (same scalar fields)
@@ -73,8 +75,9 @@ class Row:
 
 
 @dataclass(slots=True)
-class Batch:
-    """One decoded batch: the messages (for their scalar fields) and the four repeated fields."""
+class TrajectoryColumns:
+    """One decoded batch of trajectories: the messages (for their scalar fields) and the four repeated
+    fields as ``Ragged`` columns."""
 
     msgs: Sequence[Any]
     prompt: Ragged  # int32
@@ -101,16 +104,16 @@ class Batch:
             self._columns[name] = values
         return values
 
-    def row(self, i: int) -> Row:
+    def row(self, i: int) -> TrajectoryRow:
         m = self.msgs[i]
-        return Row(m, m.trajectory_id, self.prompt.row(i), self.tokens.row(i), self.logprobs.row(i), self.versions.row(i))
+        return TrajectoryRow(m, m.trajectory_id, self.prompt.row(i), self.tokens.row(i), self.logprobs.row(i), self.versions.row(i))
 
 
 _OPTIONAL = frozenset(f.name for f in pb.Trajectory.DESCRIPTOR.fields if f.has_presence)
 
 
-def decode(msg: pb.Trajectory) -> Row:
-    return Row(
+def decode(msg: pb.Trajectory) -> TrajectoryRow:
+    return TrajectoryRow(
         msg=msg,
         trajectory_id=msg.trajectory_id,
         prompt=np.asarray(msg.prompt_token_ids, dtype=np.int32),
@@ -120,69 +123,15 @@ def decode(msg: pb.Trajectory) -> Row:
     )
 
 
-def decode_messages(msgs: Sequence[pb.Trajectory]) -> Batch:
+def decode_messages(msgs: Sequence[pb.Trajectory]) -> TrajectoryColumns:
     rows = [decode(m) for m in msgs]
-    return Batch(
+    return TrajectoryColumns(
         msgs=list(msgs),
         prompt=Ragged.from_parts([r.prompt for r in rows], np.int32),
         tokens=Ragged.from_parts([r.tokens for r in rows], np.int32),
         logprobs=Ragged.from_parts([r.logprobs for r in rows], np.float32),
         versions=Ragged.from_parts([r.versions for r in rows], np.int64),
     )
-
-
-def trajectories_table(batch: Batch, received_at: float, keep: np.ndarray | None = None) -> pa.Table:
-    """The rows of ``batch`` (those where ``keep`` is True, or all) -> one Arrow table
-    (``original_reward`` = the reward as submitted). Kept rows must have equal-length token, log-prob
-    and version arrays (the evidence rules guarantee it)."""
-    lists = {"prompt_token_ids": batch.prompt.to_arrow(pa.int32()), "output_token_ids": batch.tokens.to_arrow(pa.int32()),
-             "output_logprobs": batch.logprobs.to_arrow(pa.float32()), "output_versions": batch.versions.to_arrow(pa.int64())}
-    if keep is not None and not keep.all():
-        idx = np.flatnonzero(keep)
-
-        def column(name: str) -> list:
-            values = batch.column(name)
-            return [values[i] for i in idx]
-
-        lists = {name: array.take(pa.array(idx)) for name, array in lists.items()}
-        versions = Ragged(lists["output_versions"].flatten().to_numpy(),
-                          lists["output_versions"].offsets.to_numpy().astype(np.int64))
-    else:
-        column, versions = batch.column, batch.versions
-    lengths = versions.lengths
-    cols = {name: column(name) for name in _SCALAR_COLUMNS}
-    cols.update(lists)
-    cols.update({
-        "num_prompt_tokens": np.diff(lists["prompt_token_ids"].offsets.to_numpy()),
-        "num_output_tokens": lengths.astype(np.int32),
-        "min_version": pa.array(versions.reduce(np.minimum, 0), mask=lengths == 0),
-        "max_version": pa.array(versions.reduce(np.maximum, 0), mask=lengths == 0),
-        "original_reward": cols["reward"],
-        "received_at": np.full(len(cols["trajectory_id"]), received_at),
-    })
-    return pa.Table.from_pydict(cols, schema=TRAJECTORY_SCHEMA)
-
-
-# the stored columns that are the message's own scalar fields
-_SCALAR_COLUMNS = [f.name for f in TRAJECTORY_SCHEMA if f.name in pb.Trajectory.DESCRIPTOR.fields_by_name
-                   and not pa.types.is_list(f.type)]
-
-
-def rejections_table(batch: Batch, rejected: Sequence[tuple[int, str, str]], stage: str, at: float) -> pa.Table:
-    """(row index, reason, detail) triples of ``batch`` -> one Arrow table in ``REJECTION_SCHEMA``."""
-    rows = [i for i, _, _ in rejected]
-    num_tokens = batch.tokens.lengths
-    cols = {name: [batch.column(name)[i] for i in rows]
-            for name in ("trajectory_id", "session_id", "group_id", "request_id", "model_id", "domain", "worker_id",
-                         "consumed")}
-    cols.update({
-        "reason": [r for _, r, _ in rejected],
-        "detail": [d for _, _, d in rejected],
-        "stage": [stage] * len(rejected),
-        "num_output_tokens": [int(num_tokens[i]) for i in rows],
-        "rejected_at": [at] * len(rejected),
-    })
-    return pa.Table.from_pydict(cols, schema=REJECTION_SCHEMA)
 
 
 def varint_bytes(n: int) -> bytes:
