@@ -36,7 +36,7 @@ def main() -> None:
 
     from rollbook.models import TinyModelSpec, build_tiny_model
     from rollbook.rollout.engine import GenerationRequest, NativeEngine
-    from rollbook.rollout.tasks import DOMAINS, TOKENIZER, make_tasks
+    from rollbook.tasks import DOMAINS, TOKENIZER, make_tasks
 
     torch.set_num_threads(args.num_threads)
     spec = TinyModelSpec(

@@ -70,8 +70,8 @@ def bench_local(state_dict, repeats: int, *, checksum: bool) -> tuple[dict, dict
     """
     import torch
 
-    from rollbook.rollout.weights import SharedMemoryPublisher, SharedMemoryReceiver
-    from rollbook.rollout.weights.base import Layout, tensor_views
+    from rollbook.weights import SharedMemoryPublisher, SharedMemoryReceiver
+    from rollbook.weights.base import Layout, tensor_views
 
     layout = Layout.from_state_dict(state_dict)
     views = tensor_views(layout, torch.zeros(layout.nbytes, dtype=torch.uint8).numpy())
@@ -107,7 +107,7 @@ def bench_local(state_dict, repeats: int, *, checksum: bool) -> tuple[dict, dict
 
 def bench_network(model, args: argparse.Namespace, *, delta: bool) -> dict:
     """Full: every publish is an anchor. Delta: one sparse AdamW step between untimed publishes."""
-    from rollbook.rollout.weights import NetworkPublisher, NetworkReceiver, WeightStreamConfig, create_weight_server
+    from rollbook.weights import NetworkPublisher, NetworkReceiver, WeightStreamConfig, create_weight_server
 
     config = WeightStreamConfig(chunk_bytes=args.chunk_bytes, anchor_every=1_000_000 if delta else 1)
     publisher = NetworkPublisher(config)

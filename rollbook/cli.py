@@ -111,11 +111,11 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
 def _rollout(args: argparse.Namespace, overrides: list[str]) -> int:
     from rollbook.config import load_config
     from rollbook.logs import setup_logging
-    from rollbook.rollout.standalone import WorkerConfig
+    from rollbook.rollout.main import WorkerConfig
 
     config = load_config(WorkerConfig, args.config, overrides)
     setup_logging(args.log_level)
-    from rollbook.rollout.standalone import run_worker
+    from rollbook.rollout.main import run_worker
 
     run_worker(config)
     return 0

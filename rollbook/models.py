@@ -1,5 +1,7 @@
 """Causal language models for the trainer, the rollout engine and teachers.
 
+``ModelConfig`` and ``build_student`` are shared by the trainer and the rollout worker (both build
+the same student), so they live here, below both (``docs/design.md``, "What each folder may import").
 Models are Hugging Face ``transformers`` causal LMs, either loaded from a local directory or built
 from a tiny config in code; nothing is ever downloaded. torch and transformers are imported lazily so
 that the CLI and the store never pay for them.
@@ -10,8 +12,26 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from pydantic import BaseModel, ConfigDict, Field
+
 if TYPE_CHECKING:  # pragma: no cover
     import torch
+
+
+class ModelConfig(BaseModel):
+    """The student's architecture (or where to load it): built alike by the trainer and by a rollout
+    worker before its first weights arrive."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    path: str | None = Field(None, description="Local directory of a transformers causal LM; None builds a tiny model from the fields below.")
+    vocab_size: int | None = Field(None, ge=2, description="Tiny model: vocabulary size; None = the task tokenizer's (rollbook/tasks.py).")
+    hidden_size: int = Field(64, ge=8, description="Tiny model: hidden size.")
+    num_layers: int = Field(2, ge=1, description="Tiny model: number of decoder layers.")
+    num_heads: int = Field(4, ge=1, description="Tiny model: attention heads.")
+    num_kv_heads: int = Field(2, ge=1, description="Tiny model: key/value heads (grouped-query attention).")
+    intermediate_size: int = Field(128, ge=8, description="Tiny model: MLP width.")
+    seed: int = Field(0, description="Initialisation seed of the tiny model.")
 
 
 @dataclass(frozen=True)
@@ -57,3 +77,16 @@ def load_model(path: str, *, dtype: "torch.dtype | None" = None):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype or torch.float32)
+
+
+def build_student(m: ModelConfig, *, seed: int | None = None):
+    """A model for a ``ModelConfig``: loaded from ``path``, or a fresh tiny one (vocabulary: the task
+    tokenizer's unless set)."""
+    from rollbook.tasks import TOKENIZER
+
+    if m.path:
+        return load_model(m.path)
+    spec = TinyModelSpec(vocab_size=m.vocab_size or TOKENIZER.vocab_size, hidden_size=m.hidden_size,
+                         num_layers=m.num_layers, num_heads=m.num_heads, num_kv_heads=m.num_kv_heads,
+                         intermediate_size=m.intermediate_size)
+    return build_tiny_model(spec, seed=m.seed if seed is None else seed)

@@ -27,7 +27,7 @@ import sys
 import time
 
 from rollbook.config import RunConfig, write_resolved
-from rollbook.rollout.tasks import TOKENIZER
+from rollbook.tasks import TOKENIZER
 
 log = logging.getLogger("rollbook.run")
 
@@ -116,7 +116,7 @@ def run(config: RunConfig) -> dict:
 def _colocated(config: RunConfig, client) -> dict:
     import copy
 
-    from rollbook.trainer.setup import build_models
+    from rollbook.trainer.model_builders import build_models
     from rollbook.rollout.engine import NativeEngine
     from rollbook.rollout.worker import RolloutWorker
     from rollbook.trainer.loop import Trainer

@@ -16,12 +16,12 @@ from rollbook.config import RunConfig
 
 def run_separated(config: RunConfig, client, address: str, keys: dict) -> dict:
     from rollbook.rollout.engine import NativeEngine
-    from rollbook.rollout.standalone import WorkerConfig, write_worker_config
-    from rollbook.rollout.weights.shm import SharedMemoryPublisher
+    from rollbook.rollout.main import WorkerConfig, write_worker_config
+    from rollbook.weights.shm import SharedMemoryPublisher
     from rollbook.rollout.worker import RolloutWorker
     from rollbook.run import MetricsLog, _install
     from rollbook.trainer.loop import Trainer
-    from rollbook.trainer.setup import build_models
+    from rollbook.trainer.model_builders import build_models
 
     run_dir = pathlib.Path(config.run_dir)
     student, teacher = build_models(config)

@@ -9,7 +9,7 @@ Every trajectory carries its group (one per prompt), the per-token log-probs and
 the engine recorded, the sampling parameters, the domain, and the verifier's reward. A verifier
 that raises yields no reward (never 0.0): the sample is submitted without one and counted as an
 error, and the store keeps its group waiting under the incomplete-group policy.
-``run_worker`` is the standalone loop behind ``rollbook rollout`` (weights from a channel, the
+``rollout/main.py`` ``run_worker`` is the loop behind ``rollbook rollout`` (weights from a channel, the
 staleness gate, the spooling submitter).
 """
 
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pydantic import BaseModel, ConfigDict, Field
 
 from rollbook.rollout.engine import GenerationEngine, GenerationRequest
-from rollbook.rollout.tasks import DOMAINS, TOKENIZER, ArithmeticDomain, ReverseDomain, RewardTally, Task, make_tasks, score
+from rollbook.tasks import TOKENIZER, RewardTally, Task, build_domains, make_tasks, score
 from rollbook.v1 import rollbook_pb2 as pb
 
 log = logging.getLogger("rollbook.rollout")
@@ -35,7 +35,7 @@ class RolloutConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    domains: list[str] = Field(default_factory=lambda: ["arithmetic", "reverse"], description="Task domains to sample (see rollout/tasks.py).")
+    domains: list[str] = Field(default_factory=lambda: ["arithmetic", "reverse"], description="Task domains to sample (see rollbook/tasks.py).")
     num_digits: int = Field(2, ge=1, le=6, description="arithmetic: operand digits.")
     reverse_max_len: int = Field(4, ge=1, le=12, description="reverse: longest string.")
     num_train_tasks: int = Field(400, ge=1, description="Training problems per domain.")
@@ -49,15 +49,6 @@ class RolloutConfig(BaseModel):
     max_staleness: int = Field(1, ge=0, description="Staleness gate eta: admit while (eta + version + 1) * batch > accepted + running.")
     seed: int = Field(0, description="Task sampling seed.")
     worker_id: str = Field("worker-0", description="Recorded on every trajectory.")
-
-
-def build_domains(config: RolloutConfig) -> dict:
-    made = {"arithmetic": ArithmeticDomain(num_digits=config.num_digits),
-            "reverse": ReverseDomain(min_len=1, max_len=config.reverse_max_len, alphabet="abcde")}
-    unknown = sorted(set(config.domains) - made.keys() - DOMAINS.keys())
-    if unknown:
-        raise ValueError(f"unknown domains {unknown}; known: {sorted(made)}")
-    return {name: made.get(name, DOMAINS.get(name)) for name in config.domains}
 
 
 @dataclass

@@ -8,18 +8,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-
-class ModelConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    path: str | None = Field(None, description="Local directory of a transformers causal LM; None builds a tiny model from the fields below.")
-    vocab_size: int | None = Field(None, ge=2, description="Tiny model: vocabulary size; None = the task tokenizer's (rollout/tasks.py).")
-    hidden_size: int = Field(64, ge=8, description="Tiny model: hidden size.")
-    num_layers: int = Field(2, ge=1, description="Tiny model: number of decoder layers.")
-    num_heads: int = Field(4, ge=1, description="Tiny model: attention heads.")
-    num_kv_heads: int = Field(2, ge=1, description="Tiny model: key/value heads (grouped-query attention).")
-    intermediate_size: int = Field(128, ge=8, description="Tiny model: MLP width.")
-    seed: int = Field(0, description="Initialisation seed of the tiny model.")
+from rollbook.models import ModelConfig
 
 
 class LossConfig(BaseModel):

@@ -15,14 +15,15 @@ def train(config: TrainerConfig) -> list[dict]:
     import torch
 
     from rollbook.trainer.loop import Trainer
-    from rollbook.trainer.setup import build_student, build_teachers
+    from rollbook.models import build_student
+    from rollbook.trainer.model_builders import build_teachers
 
     if config.loss.distill_coef > 0 and not config.teachers:
         raise ValueError("loss.distill_coef > 0 needs at least one [[teachers]] entry (or set loss.distill_coef = 0)")
     torch.set_num_threads(2)
     publishers, weight_server = [], None
     if config.weight_server:
-        from rollbook.rollout.weights.network import NetworkPublisher, create_weight_server
+        from rollbook.weights.network import NetworkPublisher, create_weight_server
         from rollbook.tls import ServerTLS
 
         host, _, port = config.weight_server.rpartition(":")

@@ -15,7 +15,7 @@ import random
 import torch
 import torch.nn.functional as F
 
-from rollbook.rollout.tasks import TOKENIZER, Task
+from rollbook.tasks import TOKENIZER, Task
 
 log = logging.getLogger("rollbook.trainer")
 

@@ -14,7 +14,7 @@ import duckdb
 import pytest
 
 from rollbook.client import StoreClient
-from rollbook.rollout.tasks import TOKENIZER
+from rollbook.tasks import TOKENIZER
 from rollbook.run import StoreProcess
 
 KEYS = {"admin_key": "admin-net-key", "trainer_key": "trainer-net-key"}

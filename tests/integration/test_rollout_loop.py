@@ -15,7 +15,7 @@ import torch
 from rollbook.client import StoreClient
 from rollbook.models import TinyModelSpec, build_tiny_model
 from rollbook.rollout.engine import NativeEngine
-from rollbook.rollout.tasks import TOKENIZER
+from rollbook.tasks import TOKENIZER
 from rollbook.rollout.worker import RolloutConfig, RolloutWorker
 from rollbook.run import StoreProcess
 

@@ -95,7 +95,7 @@ def test_mutual_tls_refuses_a_client_without_a_certificate(tmp_path, certs):
 @pytest.mark.parametrize("mutual", [False, True], ids=["tls", "mutual-tls"])
 def test_the_weight_stream_over_tls(certs, mutual):
     from rollbook.models import build_tiny_model
-    from rollbook.rollout.weights import NetworkPublisher, NetworkReceiver, create_weight_server
+    from rollbook.weights import NetworkPublisher, NetworkReceiver, create_weight_server
     from tests.weight_helpers import SPEC, assert_bit_equal
 
     model = build_tiny_model(SPEC)

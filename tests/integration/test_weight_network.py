@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from rollbook.models import build_tiny_model
-from rollbook.rollout.weights import (
+from rollbook.weights import (
     ChecksumMismatch,
     NetworkPublisher,
     NetworkReceiver,
@@ -20,7 +20,7 @@ from rollbook.rollout.weights import (
     checksum,
     create_weight_server,
 )
-from rollbook.rollout.weights.network import WeightServicer, stream_update
+from rollbook.weights.network import WeightServicer, stream_update
 from rollbook.v1 import weights_pb2, weights_pb2_grpc
 from tests.weight_helpers import SPEC, adamw_step, assert_bit_equal
 

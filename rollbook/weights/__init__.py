@@ -7,7 +7,7 @@ Both ends are protocols in ``base`` (``WeightPublisher``, ``WeightChannel``); se
 "Rollout, weights and placement". Benchmark: ``python bench/weights.py --json``.
 """
 
-from rollbook.rollout.weights.base import (
+from rollbook.weights.base import (
     ChecksumMismatch,
     Layout,
     TornSnapshot,
@@ -17,13 +17,13 @@ from rollbook.rollout.weights.base import (
     checksum,
     load_into,
 )
-from rollbook.rollout.weights.network import (
+from rollbook.weights.network import (
     NetworkPublisher,
     NetworkReceiver,
     WeightStreamConfig,
     create_weight_server,
 )
-from rollbook.rollout.weights.shm import SharedMemoryPublisher, SharedMemoryReceiver
+from rollbook.weights.shm import SharedMemoryPublisher, SharedMemoryReceiver
 
 __all__ = [
     "ChecksumMismatch",

@@ -1,24 +1,14 @@
-"""Build the student (warm-started, cached in the run dir) and the MOPD teacher(s) a run config asks for."""
+"""Build the models a run trains with: the student (warm-started, cached in the run dir) and the MOPD
+teacher(s) a config asks for. (The bare student, without warm start, is ``rollbook.models.build_student``,
+which the rollout worker uses too.)"""
 
 from __future__ import annotations
 
 import pathlib
 
-from rollbook.models import TinyModelSpec, build_tiny_model, load_model
-from rollbook.rollout.tasks import TOKENIZER
-from rollbook.rollout.worker import build_domains
-from rollbook.rollout.tasks import make_tasks
+from rollbook.models import build_student, load_model
+from rollbook.tasks import build_domains, make_tasks
 from rollbook.trainer.warmstart import cached_warm_start
-
-
-def build_student(m, *, seed: int | None = None):
-    """A model for a ``ModelConfig``: loaded from ``path``, or a fresh tiny one."""
-    if m.path:
-        return load_model(m.path)
-    spec = TinyModelSpec(vocab_size=m.vocab_size or TOKENIZER.vocab_size, hidden_size=m.hidden_size,
-                         num_layers=m.num_layers, num_heads=m.num_heads, num_kv_heads=m.num_kv_heads,
-                         intermediate_size=m.intermediate_size)
-    return build_tiny_model(spec, seed=m.seed if seed is None else seed)
 
 
 def build_models(config):

@@ -31,7 +31,7 @@ import grpc
 import numpy as np
 from pydantic import BaseModel, Field
 
-from rollbook.rollout.weights.base import (
+from rollbook.weights.base import (
     ChecksumMismatch,
     Layout,
     TensorSpec,
@@ -41,7 +41,7 @@ from rollbook.rollout.weights.base import (
     pack_into,
     tensor_views,
 )
-from rollbook.rollout.weights.delta import Delta, apply_delta, compute_delta, delta_from_bytes
+from rollbook.weights.delta import Delta, apply_delta, compute_delta, delta_from_bytes
 from rollbook.v1 import weights_pb2 as pb
 from rollbook.v1 import weights_pb2_grpc
 

@@ -1,4 +1,4 @@
-"""Task domains, the shared character tokenizer and reward outcomes (rollbook.rollout.tasks)."""
+"""Task domains, the shared character tokenizer and reward outcomes (rollbook.tasks)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rollbook.rollout.tasks import (
+from rollbook.tasks import (
     DOMAINS,
     TOKENIZER,
     ArithmeticDomain,

@@ -1,6 +1,6 @@
 """Weight channel pieces on one host: layout and packing, bit-exact deltas, the shared-memory channel.
 
-Run: python -m pytest tests/unit/rollout/test_weights.py -q
+Run: python -m pytest tests/unit/test_weights.py -q
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from rollbook.models import TinyModelSpec, build_tiny_model
-from rollbook.rollout.weights import (
+from rollbook.weights import (
     ChecksumMismatch,
     Layout,
     SharedMemoryPublisher,
@@ -24,8 +24,8 @@ from rollbook.rollout.weights import (
     checksum,
     load_into,
 )
-from rollbook.rollout.weights.base import ALIGN, pack_into, tensor_views
-from rollbook.rollout.weights.delta import apply_delta, compute_delta, delta_from_bytes
+from rollbook.weights.base import ALIGN, pack_into, tensor_views
+from rollbook.weights.delta import apply_delta, compute_delta, delta_from_bytes
 from tests.weight_helpers import SPEC, adamw_step, assert_bit_equal, bits
 
 

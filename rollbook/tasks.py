@@ -1,6 +1,6 @@
 """Task domains with verifiable rewards, and the character tokenizer one model shares across them.
 
-    from rollbook.rollout.tasks import DOMAINS, TOKENIZER, make_tasks, score
+    from rollbook.tasks import DOMAINS, TOKENIZER, make_tasks, score
     tasks = make_tasks(DOMAINS["arithmetic"], "train", num_tasks=256, seed=0)
     prompt_ids = TOKENIZER.encode(tasks[0].prompt, add_bos=True)      # "<bos>12+34="
     outcome = score(tasks[0], TOKENIZER.decode(output_token_ids))      # RewardOutcome(status="ok", reward=1.0)
@@ -131,6 +131,17 @@ class ReverseDomain:
 
 
 DOMAINS: dict[str, TaskDomain] = {d.name: d for d in (ArithmeticDomain(), ReverseDomain())}
+
+
+def build_domains(config) -> dict[str, TaskDomain]:
+    """The domains a ``RolloutConfig`` names (``domains``), shaped by its ``num_digits`` and
+    ``reverse_max_len``; the rollout worker samples them, the trainer's warm start trains on them."""
+    made = {"arithmetic": ArithmeticDomain(num_digits=config.num_digits),
+            "reverse": ReverseDomain(min_len=1, max_len=config.reverse_max_len, alphabet="abcde")}
+    unknown = sorted(set(config.domains) - made.keys() - DOMAINS.keys())
+    if unknown:
+        raise ValueError(f"unknown domains {unknown}; known: {sorted(made)}")
+    return {name: made.get(name, DOMAINS.get(name)) for name in config.domains}
 
 
 def split_of(prompt: str) -> Split:

@@ -23,7 +23,7 @@ publish interval to copy or use its views must check it.
 The ordering argument relies on the CPU not reordering the stores of ``publish`` as seen by another
 core, which holds on x86-64 (TSO); aarch64 offers no such guarantee to Python code.
 
-Run a producer/consumer pair: see tests/unit/rollout/test_weights.py (a spawned process maps it).
+Run a producer/consumer pair: see tests/unit/test_weights.py (a spawned process maps it).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from rollbook.rollout.weights.base import (
+from rollbook.weights.base import (
     CHECKSUM_BYTES,
     ChecksumMismatch,
     Layout,

@@ -21,7 +21,7 @@ import time
 from pydantic import BaseModel, ConfigDict, Field
 
 from rollbook.rollout.worker import RolloutConfig
-from rollbook.trainer.config import ModelConfig
+from rollbook.models import ModelConfig
 
 log = logging.getLogger("rollbook.rollout")
 
@@ -46,11 +46,11 @@ class WorkerConfig(BaseModel):
 def open_channel(spec: str):
     kind, _, where = spec.partition(":")
     if kind == "shm":
-        from rollbook.rollout.weights.shm import SharedMemoryReceiver
+        from rollbook.weights.shm import SharedMemoryReceiver
 
         return SharedMemoryReceiver(where)
     if kind == "grpc":
-        from rollbook.rollout.weights.network import NetworkReceiver
+        from rollbook.weights.network import NetworkReceiver
 
         from rollbook.tls import ClientTLS
 
@@ -66,9 +66,9 @@ def run_worker(config: WorkerConfig, stop: threading.Event | None = None) -> dic
     from rollbook.rollout.gate import StalenessGate
     from rollbook.rollout.spool import Spool
     from rollbook.rollout.submitter import Submitter
-    from rollbook.rollout.weights.base import load_into
+    from rollbook.weights.base import load_into
     from rollbook.rollout.worker import RolloutWorker
-    from rollbook.trainer.setup import build_student
+    from rollbook.models import build_student
 
     torch.set_num_threads(1)
     stop = stop or _stop_on_signals()
