@@ -227,7 +227,7 @@ class _SubmitSession:
         self.source = _batches(trajectories, batch_size)
         self.max_in_flight = max_in_flight
         self.retry_deadline_s = retry_deadline_s
-        self.unacked: collections.deque[_WireBatch] = collections.deque()
+        self.unacked: collections.deque[_EncodedRequest] = collections.deque()
         self.cond = threading.Condition()
         self.exhausted = False
         self.result = SubmitResult()
@@ -274,7 +274,7 @@ class _SubmitSession:
                 self.attempt = -1  # stop this attempt's request generator
                 self.cond.notify_all()
 
-    def _requests(self, attempt: int, resend: list[_WireBatch]) -> Iterator[bytes]:
+    def _requests(self, attempt: int, resend: list[_EncodedRequest]) -> Iterator[bytes]:
         yield from (batch.payload for batch in resend)
         while True:
             with self.cond:
@@ -294,20 +294,20 @@ class _SubmitSession:
 
 
 @dataclass(slots=True)
-class _WireBatch:
+class _EncodedRequest:
     payload: bytes  # a serialized SubmitRequest
     count: int  # its trajectories
 
 
-def _batches(trajectories: Iterable, batch_size: int) -> Iterator[_WireBatch]:
+def _batches(trajectories: Iterable, batch_size: int) -> Iterator[_EncodedRequest]:
     batch: list[pb.Trajectory] = []
     for item in trajectories:
         batch.append(as_trajectory(item))
         if len(batch) == batch_size:
-            yield _WireBatch(encode_submit_request(batch), len(batch))
+            yield _EncodedRequest(encode_submit_request(batch), len(batch))
             batch = []
     if batch:
-        yield _WireBatch(encode_submit_request(batch), len(batch))
+        yield _EncodedRequest(encode_submit_request(batch), len(batch))
 
 
 def encode_submit_request(trajectories: Iterable[pb.Trajectory]) -> bytes:

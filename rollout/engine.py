@@ -359,7 +359,7 @@ class NativeEngine:
     def _generate_batch(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
         import torch
 
-        batch = _Batch(requests, self._pad_token_id, self._device)
+        batch = _DecodeState(requests, self._pad_token_id, self._device)
         cache = None
         step = 0
         while batch.num_live:
@@ -384,7 +384,7 @@ class NativeEngine:
             step += 1
         return batch.results()
 
-    def _forward(self, batch: _Batch, cache: Any) -> tuple[torch.Tensor, Any]:
+    def _forward(self, batch: _DecodeState, cache: Any) -> tuple[torch.Tensor, Any]:
         """Logits ``[live, V]`` for the next token; a full pass when ``cache`` is None."""
         from transformers import DynamicCache
 
@@ -405,7 +405,7 @@ class NativeEngine:
         return out.logits[:, -1, :], cache  # the cache object is filled in place
 
 
-class _Batch:
+class _DecodeState:
     """The live rows of one left-padded batch and the evidence gathered so far."""
 
     def __init__(self, requests: list[GenerationRequest], pad_token_id: int, device: torch.device) -> None:

@@ -36,10 +36,10 @@ from rollbook.store.schema import DDL
 from rollbook.store.sql import SANDBOX_CONFIG
 from rollbook.trajectories import decode_messages
 from rollbook.v1 import rollbook_pb2 as pb
-from rollbook.validator import pull, settle
+from rollbook.validator import groups, pull
 from rollbook.validator.ingest import IngestConfig, VersionSet
 from rollbook.validator.reasons import Reason
-from rollbook.validator.settle import ValidatorConfig
+from rollbook.validator.groups import ValidatorConfig
 
 log = logging.getLogger("rollbook.store")
 
@@ -149,7 +149,7 @@ class Ledger:
         self._db_lock = threading.RLock()  # serialises writes on self.con
         self.counters = {"duplicates": 0}
         self.wal_root = self.db_path.with_name(self.db_path.name + ".log")
-        self._unfolded: list[wal.LogBatch] = []
+        self._unfolded: list[wal.LoggedCommit] = []
         self._unfolded_bytes = 0
         self._last_commit = time.monotonic()
         self._unfolded_lock = threading.Lock()
@@ -237,7 +237,7 @@ class Ledger:
         now = time.time()
         with self._transaction() as con:
             if session_id:
-                settle.settle(con, self.validator_config, now)  # retry orphans first: reward a kept attempt
+                groups.settle(con, self.validator_config, now)  # retry orphans first: reward a kept attempt
                 # the session's last interaction: of each call its consumed attempt (else its only or
                 # latest one), then the latest of those by created_at (rollbook.proto, SetRewardRequest)
                 found = con.execute(
@@ -265,10 +265,10 @@ class Ledger:
             con.execute("UPDATE trajectories SET reward = ?, original_reward = ? WHERE trajectory_id = ?", [reward, reward, tid])
             con.execute("INSERT INTO rewards VALUES (?, ?, ?, ?, ?)",
                         [tid, session_id, reward, "session" if session_id else "trajectory", now])
-            settle.settle(con, self.validator_config, now)
+            groups.settle(con, self.validator_config, now)
         return tid
 
-    def pull_batch(self, request: pull.PullRequest) -> pull.Batch:
+    def pull_batch(self, request: pull.PullRequest) -> pull.LeasedBatch:
         if request.lease_seconds <= 0:
             request.lease_seconds = self.validator_config.lease_seconds
         self.flush()
@@ -426,10 +426,10 @@ class Ledger:
                     self._unfolded_bytes += sum(b.nbytes for b in batches)
                 raise
             with self._transaction() as con:
-                settle.settle(con, self.validator_config, time.time())
+                groups.settle(con, self.validator_config, time.time())
         self._drop_folded_segments(include_current=False)
 
-    def _fold_batches(self, batches: list[wal.LogBatch]) -> None:
+    def _fold_batches(self, batches: list[wal.LoggedCommit]) -> None:
         trajs = [b.trajectories for b in batches if b.trajectories is not None]
         rejs = [b.rejections for b in batches if b.rejections is not None]
         marks: dict[int, int] = {}
@@ -483,7 +483,7 @@ class Ledger:
     def _recover(self) -> None:
         """Replay log batches DuckDB has not folded, then load the idempotency index."""
         folded = dict(self.con.execute("SELECT segment, folded_batches FROM _log_state").fetchall())
-        replay: list[wal.LogBatch] = []
+        replay: list[wal.LoggedCommit] = []
         for seg in wal.list_segments(self.wal_root):
             replay += [b for b in wal.read_segment(self.wal_root, seg) if b.index >= folded.get(seg, 0)]
         if replay:

@@ -32,7 +32,7 @@ from rollbook.store.service import AsyncStore, Pools, StreamLimits, TrajectorySt
 from rollbook.store.sql import QueryLimits
 from rollbook.tls import ServerTLS, add_port
 from rollbook.validator.ingest import IngestConfig
-from rollbook.validator.settle import ValidatorConfig
+from rollbook.validator.groups import ValidatorConfig
 
 log = logging.getLogger("rollbook.store")
 

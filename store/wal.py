@@ -27,7 +27,7 @@ KINDS = {"traj": TRAJECTORY_SCHEMA, "rej": REJECTION_SCHEMA}
 
 
 @dataclass
-class LogBatch:
+class LoggedCommit:
     """One committed group: its segment, its index in that segment, and the rows."""
 
     segment: int
@@ -88,13 +88,13 @@ class WriteAheadLog:
         self.bytes = 0
         fsync_dir(self.root)
 
-    def append(self, trajectories: list[pa.Table], rejections: list[pa.Table]) -> LogBatch:
+    def append(self, trajectories: list[pa.Table], rejections: list[pa.Table]) -> LoggedCommit:
         """Write one group durably: commit ``index`` of this segment, closed by a marker in both
         files (so a commit torn in either file is ignored on replay)."""
         self.bytes += self.files["traj"].append(trajectories) + self.files["rej"].append(rejections)
         for f in self.files.values():
             f.sync()
-        batch = LogBatch(self.segment, self.index, _concat(trajectories), _concat(rejections))
+        batch = LoggedCommit(self.segment, self.index, _concat(trajectories), _concat(rejections))
         self.index += 1
         if self.bytes >= self.segment_bytes:
             self.rotate()
@@ -117,11 +117,11 @@ def list_segments(root: pathlib.Path) -> list[int]:
     return sorted({int(p.name.split(".")[0]) for p in root.glob("*.arrow")})
 
 
-def read_segment(root: pathlib.Path, segment: int) -> list[LogBatch]:
+def read_segment(root: pathlib.Path, segment: int) -> list[LoggedCommit]:
     """The complete commit groups of a segment (a torn tail is ignored)."""
     per_kind = {kind: _read_commits(_path(root, segment, kind), KINDS[kind]) for kind in KINDS}
     n = min(len(per_kind["traj"]), len(per_kind["rej"]))
-    return [LogBatch(segment, i, per_kind["traj"][i], per_kind["rej"][i]) for i in range(n)]
+    return [LoggedCommit(segment, i, per_kind["traj"][i], per_kind["rej"][i]) for i in range(n)]
 
 
 def remove_segment(root: pathlib.Path, segment: int) -> None:

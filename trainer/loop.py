@@ -203,7 +203,7 @@ class Trainer:
         return losses.combined_loss(rl, distill, rl_coef=cfg.rl_coef, distill_coef=cfg.distill_coef)
 
     def _micro_batches(self, rows: _Rows, seqs: Sequence[int]):
-        """(sequence ids, token indices [T], PackedBatch) per packed micro-batch of ``seqs``."""
+        """(sequence ids, token indices [T], PackedMicroBatch) per packed micro-batch of ``seqs``."""
         seqs = list(seqs)
         packs = pack_sequences([rows.prompts[s] for s in seqs], [rows.outputs[s] for s in seqs],
                                max_tokens=self.config.micro_batch_tokens)

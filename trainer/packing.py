@@ -48,7 +48,7 @@ MASK_ATTENTION = ("eager", "sdpa")
 
 
 @dataclass
-class PackedBatch:
+class PackedMicroBatch:
     """One micro-batch: N sequences packed in a single row of T tokens, T_out of them outputs.
 
     Sequence i is ``input_ids[0, cu_seqlens[i]:cu_seqlens[i+1]]``: its prompt, then its output.
@@ -85,10 +85,10 @@ class PackedBatch:
         """``[T_out]`` all True: packing holds no padding, every output token counts."""
         return torch.ones_like(self.output_token_ids, dtype=torch.bool)
 
-    def to(self, device: torch.device | str) -> PackedBatch:
+    def to(self, device: torch.device | str) -> PackedMicroBatch:
         return dataclasses.replace(self, **{k: v.to(device) for k, v in _tensor_fields(self).items()})
 
-    def select(self, sequences: Sequence[int]) -> PackedBatch:
+    def select(self, sequences: Sequence[int]) -> PackedMicroBatch:
         """A packed batch of only these sequences (indices in this batch), in the order given."""
         starts, ends = self.cu_seqlens[:-1].tolist(), self.cu_seqlens[1:].tolist()
         counts = torch.bincount(self.seq_index.cpu(), minlength=self.num_sequences)
@@ -102,7 +102,7 @@ class PackedBatch:
         device = self.input_ids.device
         row, out = torch.cat(rows).to(device), torch.cat(outs).to(device)
         per_token = {f: getattr(self, f)[out] for f in _OPTIONAL_PER_TOKEN if getattr(self, f) is not None}
-        return PackedBatch(
+        return PackedMicroBatch(
             input_ids=self.input_ids[:, row],
             position_ids=self.position_ids[:, row],
             cu_seqlens=_cumsum0(torch.tensor([ends[i] - starts[i] for i in sequences])).to(device),
@@ -125,7 +125,7 @@ def pack_sequences(
     versions: Sequence[Sequence[int]] | None = None,
     advantages: Sequence[float] | None = None,
     temperatures: Sequence[float] | None = None,
-) -> list[PackedBatch]:
+) -> list[PackedMicroBatch]:
     """Pack sequences into micro-batches of at most ``max_tokens`` tokens each (None: one batch).
 
     A sequence is never split. Sequences go to micro-batches first-fit by decreasing length (few,
@@ -149,7 +149,7 @@ def pack_sequences(
 
 
 def packed_logprobs(
-    model: torch.nn.Module, packed: PackedBatch, temperature: float | torch.Tensor = 1.0
+    model: torch.nn.Module, packed: PackedMicroBatch, temperature: float | torch.Tensor = 1.0
 ) -> torch.Tensor:
     """``log_softmax(logits / temperature)`` of each output token, ``[T_out]`` float32, with grad.
 
@@ -195,7 +195,7 @@ def block_causal_mask(cu_seqlens: torch.Tensor, *, dtype: torch.dtype = torch.fl
 _OPTIONAL_PER_TOKEN = ("behavior_logprobs", "versions", "advantages", "temperature")
 
 
-def _tensor_fields(packed: PackedBatch) -> dict[str, torch.Tensor]:
+def _tensor_fields(packed: PackedMicroBatch) -> dict[str, torch.Tensor]:
     return {f.name: getattr(packed, f.name) for f in dataclasses.fields(packed) if getattr(packed, f.name) is not None}
 
 
@@ -203,7 +203,7 @@ def _cumsum0(lengths: torch.Tensor) -> torch.Tensor:
     return torch.cat([lengths.new_zeros(1), lengths.cumsum(0)]).to(torch.int32)
 
 
-def _output_logits(model: torch.nn.Module, packed: PackedBatch, mask: torch.Tensor) -> torch.Tensor:
+def _output_logits(model: torch.nn.Module, packed: PackedMicroBatch, mask: torch.Tensor) -> torch.Tensor:
     """Logits ``[T_out, V]`` at ``output_index``; the LM head only runs there when the model can."""
     kwargs = {}
     keep_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
@@ -242,7 +242,7 @@ def _first_fit_decreasing(lengths: list[int], max_tokens: int | None) -> list[li
     return [sorted(g) for g in groups]
 
 
-def _pack_group(group, prompts, outputs, behavior_logprobs, versions, advantages, temperatures) -> PackedBatch:
+def _pack_group(group, prompts, outputs, behavior_logprobs, versions, advantages, temperatures) -> PackedMicroBatch:
     ids, positions, output_index, seq_index = [], [], [], []
     start = 0
     for local, i in enumerate(group):
@@ -264,7 +264,7 @@ def _pack_group(group, prompts, outputs, behavior_logprobs, versions, advantages
             per_token[name] = torch.tensor([float(per_seq[i]) for i in group for _ in outputs[i]], dtype=torch.float32)
     input_ids = torch.tensor([ids], dtype=torch.long)
     output_index_t = torch.tensor(output_index, dtype=torch.long)
-    return PackedBatch(
+    return PackedMicroBatch(
         input_ids=input_ids,
         position_ids=torch.tensor([positions], dtype=torch.long),
         cu_seqlens=_cumsum0(torch.tensor([len(prompts[i]) + len(outputs[i]) for i in group])),

@@ -4,7 +4,7 @@
     teacher_logprobs = teacher.score(packed, [domains[i] for i in packed.sequence_ids.tolist()])
     loss = mopd_loss(logp, prox, packed.behavior_logprobs, teacher_logprobs, packed.loss_mask, adv_clip=5.0)
 
-A ``TeacherScorer`` turns a ``PackedBatch`` into ``[T_out]`` log-probs, one per output token, under
+A ``TeacherScorer`` turns a ``PackedMicroBatch`` into ``[T_out]`` log-probs, one per output token, under
 the teacher: the ``teacher_logprobs`` of ``losses.mopd_loss``. Teachers share the student's
 tokenizer (the same token ids mean the same text). Routing follows docs/design.md, "The trainer":
 
@@ -26,14 +26,14 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from rollbook.trainer.losses import mix_teacher_logprobs
-from rollbook.trainer.packing import PackedBatch, packed_logprobs
+from rollbook.trainer.packing import PackedMicroBatch, packed_logprobs
 
 
 @runtime_checkable
 class TeacherScorer(Protocol):
     """Scores the student's tokens under a teacher."""
 
-    def score(self, packed: PackedBatch, domains: Sequence[str]) -> torch.Tensor:
+    def score(self, packed: PackedMicroBatch, domains: Sequence[str]) -> torch.Tensor:
         """Teacher log-probs of ``packed.output_token_ids``, ``[T_out]`` float32, no grad, on the
         device of ``packed``. ``domains[i]`` is the domain of sequence i of ``packed``
         (``len(domains) == packed.num_sequences``)."""
@@ -52,7 +52,7 @@ class LocalTeacher:
         self.model = model.eval()
         self.temperature = temperature
 
-    def score(self, packed: PackedBatch, domains: Sequence[str]) -> torch.Tensor:
+    def score(self, packed: PackedMicroBatch, domains: Sequence[str]) -> torch.Tensor:
         _check_domains(packed, domains)
         with torch.no_grad():
             logp = packed_logprobs(self.model, packed, self.temperature)
@@ -68,7 +68,7 @@ class DomainRouter:
         self.teachers = dict(teachers)
         self.default = default
 
-    def score(self, packed: PackedBatch, domains: Sequence[str]) -> torch.Tensor:
+    def score(self, packed: PackedMicroBatch, domains: Sequence[str]) -> torch.Tensor:
         _check_domains(packed, domains)
         routes: dict[int, tuple[TeacherScorer, list[int]]] = {}  # keyed by id: scorers need not hash
         for i, domain in enumerate(domains):
@@ -101,12 +101,12 @@ class MixtureRouter:
         self.teachers = list(teachers)
         self.weights = list(weights)
 
-    def score(self, packed: PackedBatch, domains: Sequence[str]) -> torch.Tensor:
+    def score(self, packed: PackedMicroBatch, domains: Sequence[str]) -> torch.Tensor:
         _check_domains(packed, domains)
         scores = torch.stack([t.score(packed, domains).float() for t in self.teachers])  # [K, T_out]
         return mix_teacher_logprobs(scores, self.weights)
 
 
-def _check_domains(packed: PackedBatch, domains: Sequence[str]) -> None:
+def _check_domains(packed: PackedMicroBatch, domains: Sequence[str]) -> None:
     if len(domains) != packed.num_sequences:
         raise ValueError(f"got {len(domains)} domains for {packed.num_sequences} sequences; need one per sequence")

@@ -19,7 +19,7 @@ import pyarrow.compute as pc
 
 from rollbook.validator.normalize import normalize_rewards
 from rollbook.validator.reasons import Reason
-from rollbook.validator.settle import GROUP_KEY, ValidatorConfig, expire_leases, reject_rows, reject_stale, settle
+from rollbook.validator.groups import GROUP_KEY, ValidatorConfig, expire_leases, reject_rows, reject_stale, settle
 
 # Columns served to the trainer (docs/schema.md describes them; `advantage` is the normalized
 # sequence-level reward, broadcast over the output tokens by the trainer).
@@ -67,13 +67,17 @@ class PullRequest:
 
 
 @dataclass
-class Batch:
+class LeasedBatch:
+    """What one pull leased: the lease id (empty when nothing was ready), the rows (Arrow, reward
+    normalized) and the pull's statistics. The client's side of the same answer is
+    ``rollbook.client.PulledBatch``."""
+
     lease_id: str
     table: pa.Table
     stats: dict
 
 
-def lease_batch(con: duckdb.DuckDBPyConnection, req: PullRequest, config: ValidatorConfig, now: float) -> Batch:
+def lease_batch(con: duckdb.DuckDBPyConnection, req: PullRequest, config: ValidatorConfig, now: float) -> LeasedBatch:
     check_request(req)
     events = {"expired_rows": expire_leases(con, now)}
     events.update(settle(con, config, now))
@@ -81,7 +85,7 @@ def lease_batch(con: duckdb.DuckDBPyConnection, req: PullRequest, config: Valida
                                    policy=config.incomplete_group_policy)
     rows = _pick_groups(con, req)
     if rows.num_rows == 0:
-        return Batch("", rows, {"events": events, "num_samples": 0})
+        return LeasedBatch("", rows, {"events": events, "num_samples": 0})
     gkeys = np.asarray(rows.column("gkey").to_pylist(), dtype=object)
     raw = rows.column("original_reward").to_numpy(zero_copy_only=False).astype(np.float64)
     norm = normalize_rewards(raw, gkeys, config.norm)
@@ -101,7 +105,7 @@ def lease_batch(con: duckdb.DuckDBPyConnection, req: PullRequest, config: Valida
     table = table.append_column("advantage", pa.array(norm_values, pa.float32()))
     _record_lease(con, table, lease_id, req, now)
     table = table.drop_columns(["row_id"])
-    return Batch(lease_id, table, _batch_stats(con, table, raw, norm_values, req, events))
+    return LeasedBatch(lease_id, table, _batch_stats(con, table, raw, norm_values, req, events))
 
 
 def _pick_groups(con: duckdb.DuckDBPyConnection, req: PullRequest) -> pa.Table:

@@ -20,7 +20,7 @@ from rollbook.client import encode_submit_request
 from rollbook.trajectories import trajectory_from_dict, varint_bytes
 from rollbook.v1 import rollbook_pb2 as pb
 from rollbook.validator.reasons import Reason
-from rollbook.validator.settle import ValidatorConfig
+from rollbook.validator.groups import ValidatorConfig
 from tests.integration.procs import InProcessStore, ServeProcess, ids_in, rows, rpc_code, trajectory
 
 MODEL = "hard-model"

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from rollbook.models import TinyModelSpec, build_tiny_model
-from rollbook.trainer.packing import PackedBatch, pack_sequences, packed_logprobs
+from rollbook.trainer.packing import PackedMicroBatch, pack_sequences, packed_logprobs
 from rollbook.trainer.teachers import DomainRouter, LocalTeacher, MixtureRouter, TeacherScorer
 
 PROMPTS = [[1, 5], [1, 9, 4], [1], [1, 7]]
@@ -25,7 +25,7 @@ class ConstantTeacher:
         self.logprob = logprob
         self.calls: list[list[int]] = []
 
-    def score(self, packed: PackedBatch, domains) -> torch.Tensor:
+    def score(self, packed: PackedMicroBatch, domains) -> torch.Tensor:
         self.calls.append(packed.sequence_ids.tolist())
         return torch.full((packed.num_output_tokens,), self.logprob)
 

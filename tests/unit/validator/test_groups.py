@@ -4,7 +4,7 @@ readiness under each incomplete-group policy, lease expiry, staleness, and lease
 Time is explicit (``now``), so nothing here sleeps. The gRPC path is covered by
 ``tests/integration/test_validator_rules.py``; this file pins the edge cases.
 
-Run: python -m pytest tests/unit/validator/test_settle.py -q
+Run: python -m pytest tests/unit/validator/test_groups.py -q
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from rollbook.store.tables import trajectories_table
 from rollbook.trajectories import decode_messages, trajectory_from_dict
 from rollbook.store.schema import DDL
 from rollbook.validator.pull import LeaseError, NotLeaseOwner, PullRequest, UnknownLease, ack_lease, lease_batch
-from rollbook.validator.settle import ValidatorConfig, expire_leases, reject_stale, settle
+from rollbook.validator.groups import ValidatorConfig, expire_leases, reject_stale, settle
 
 T0 = 1000.0  # received_at of the first insert; `now` values below are relative to it
 
