@@ -41,8 +41,12 @@ from rollbook.v1 import rollbook_pb2_grpc as pb_grpc
 log = logging.getLogger("rollbook.client")
 
 MAX_MESSAGE_BYTES = 64 << 20
-_RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.ABORTED,
-              grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL}
+# The statuses after which a Submit is resent: the stream broke, or the store is down, restarting or
+# failed to commit (nothing of an unanswered batch was acknowledged, and trajectory_id makes a resend
+# a DUPLICATE, never a second row). The one list; the spooling submitter (rollout/submitter.py) adds
+# what only it may wait out.
+RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.ABORTED,
+                       grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL})
 STATUS_NAMES = {pb.Verdict.ACCEPTED: "ACCEPTED", pb.Verdict.DUPLICATE: "DUPLICATE", pb.Verdict.REJECTED: "REJECTED"}
 
 
@@ -169,14 +173,13 @@ class StoreClient:
 
     # ---- trainer side -----------------------------------------------------------------------------
 
-    def pull_batch(self, *, trainer_id: str, trainer_version: int, max_staleness: int, model_id: str,
-                   num_samples: int = 0, num_groups: int = 0, step: int = 0, lease_seconds: float = 0.0) -> "PulledBatch":
+    def pull_batch(self, **fields: Any) -> "PulledBatch":
         """Lease ready, validated rows (whole groups) of ``model_id`` no staler than ``max_staleness``
-        versions. ``model_id`` and ``trainer_id`` are required (the store answers INVALID_ARGUMENT)."""
-        response = self.stub.PullBatch(pb.PullBatchRequest(
-            trainer_id=trainer_id, trainer_version=trainer_version, max_staleness=max_staleness,
-            num_samples=num_samples, num_groups=num_groups, step=step, model_id=model_id,
-            lease_seconds=lease_seconds), metadata=self._auth("trainer"), timeout=self.timeout_s)
+        versions. ``fields`` are those of ``PullBatchRequest``, described in rollbook.proto (the one
+        place they are spelled; an unknown name raises ``ValueError``). ``model_id`` and
+        ``trainer_id`` are required (the store answers INVALID_ARGUMENT)."""
+        response = self.stub.PullBatch(pb.PullBatchRequest(**fields), metadata=self._auth("trainer"),
+                                       timeout=self.timeout_s)
         table = pa.ipc.open_stream(io.BytesIO(response.arrow_ipc)).read_all()
         return PulledBatch(response.lease_id, table, json.loads(response.stats_json or "{}"))
 
@@ -240,7 +243,7 @@ class _SubmitSession:
                 self._stream(attempt)
                 return self.result
             except grpc.RpcError as exc:
-                if exc.code() not in _RETRYABLE:
+                if exc.code() not in RETRYABLE:
                     raise
                 if len(self.result.verdicts) > acked_before:
                     last_progress, backoff = time.monotonic(), 0.05

@@ -40,16 +40,17 @@ from typing import Any, Iterable, Mapping
 
 import grpc
 
+from rollbook.client import RETRYABLE as CLIENT_RETRYABLE
 from rollbook.client import StoreClient, SubmitResult, as_trajectory
 from rollbook.rollout.spool import Spool, SpoolFull
 from rollbook.v1 import rollbook_pb2 as pb
 
 log = logging.getLogger("rollbook.rollout")
 
-# Store down, restarting, overloaded or the stream broke: the batch is kept and retried.
-RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.ABORTED,
-                       grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL,
-                       grpc.StatusCode.RESOURCE_EXHAUSTED})
+# What the client resends (rollbook.client.RETRYABLE: store down, restarting, stream broke), plus the
+# store refusing a stream over its limits (RESOURCE_EXHAUSTED, "retry later"): the client gives that
+# up at once; the submitter keeps the batch in its spool and retries it with backoff.
+RETRYABLE = CLIENT_RETRYABLE | {grpc.StatusCode.RESOURCE_EXHAUSTED}
 
 
 class SubmitterFailed(RuntimeError):

@@ -46,6 +46,19 @@ log = logging.getLogger("rollbook.store")
 ACCEPTED, DUPLICATE, REJECTED = "ACCEPTED", "DUPLICATE", "REJECTED"
 
 
+class UnknownTrajectory(LookupError):
+    """No stored trajectory has that id (or the session has no accepted one): SetReward's NOT_FOUND."""
+
+
+class ModelNotRegistered(LookupError):
+    """The model id is not in the registry (``RegisterModel`` first)."""
+
+
+class InvalidReward(ValueError):
+    """The reward or its target is malformed (not finite, out of range, not exactly one of trajectory
+    and session)."""
+
+
 class NotRewardable(ValueError):
     """The trajectory exists but its reward can no longer be set (rejected, or already served)."""
 
@@ -212,7 +225,7 @@ class Ledger:
     def publish_version(self, model_id: str, version: int, checksum: str) -> int:
         """Record version ``version`` of ``model_id``; returns the latest published version."""
         if self.registry.vocab_size(model_id) is None:
-            raise KeyError(f"model {model_id!r} is not registered")
+            raise ModelNotRegistered(f"model {model_id!r} is not registered")
         with self._db_lock:
             self.con.execute(
                 "INSERT OR REPLACE INTO policy_versions VALUES (?, ?, ?, ?)",
@@ -225,14 +238,14 @@ class Ledger:
 
     def set_reward(self, reward: float, *, trajectory_id: str = "", session_id: str = "") -> str:
         """Record a (delayed) reward; with ``session_id``, for the session's last interaction.
-        Raises ``KeyError`` (unknown) or ``ValueError`` (not rewardable) with the reason."""
+        Raises ``InvalidReward``, ``UnknownTrajectory`` or ``NotRewardable`` with the reason."""
         if not math.isfinite(reward):
-            raise ValueError(f"{Reason.NONFINITE_REWARD}: reward = {reward}")
+            raise InvalidReward(f"{Reason.NONFINITE_REWARD}: reward = {reward}")
         if abs(reward) > self.ingest_config.max_abs_reward:
-            raise ValueError(f"{Reason.REWARD_OUT_OF_RANGE}: reward = {reward:g}; |reward| must be <= "
+            raise InvalidReward(f"{Reason.REWARD_OUT_OF_RANGE}: reward = {reward:g}; |reward| must be <= "
                              f"max_abs_reward {self.ingest_config.max_abs_reward:g}")
         if bool(trajectory_id) == bool(session_id):
-            raise ValueError("give exactly one of trajectory_id and session_id")
+            raise InvalidReward("give exactly one of trajectory_id and session_id")
         self.flush()
         now = time.time()
         with self._transaction() as con:
@@ -249,7 +262,7 @@ class Ledger:
                         SELECT trajectory_id, status FROM calls WHERE rk = 1
                         ORDER BY created_at DESC, trajectory_id DESC LIMIT 1""", [session_id]).fetchone()
                 if found is None:
-                    raise KeyError(f"no accepted trajectory in session {session_id!r}")
+                    raise UnknownTrajectory(f"no accepted trajectory in session {session_id!r}")
             else:
                 found = con.execute("SELECT trajectory_id, status FROM trajectories WHERE trajectory_id = ?",
                                     [trajectory_id]).fetchone()
@@ -258,7 +271,7 @@ class Ledger:
                                            [trajectory_id]).fetchone()
                     if rejected:
                         raise NotRewardable(f"trajectory {trajectory_id!r} was rejected ({rejected[0]}); it will never train")
-                    raise KeyError(f"unknown trajectory {trajectory_id!r}")
+                    raise UnknownTrajectory(f"unknown trajectory {trajectory_id!r}")
             tid, status = found
             if status != "pending":
                 raise NotRewardable(f"trajectory {tid!r} is already {status}; its reward can no longer change")
@@ -268,8 +281,13 @@ class Ledger:
             groups.settle(con, self.validator_config, now)
         return tid
 
-    def pull_batch(self, request: pull.PullRequest) -> pull.LeasedBatch:
-        if request.lease_seconds <= 0:
+    def pull_batch(self, request: pb.PullBatchRequest) -> pull.LeasedBatch:
+        """Lease a batch (``validator.pull.lease_batch``); raises ``InvalidPull`` for a pull that
+        cannot be served. ``lease_seconds`` 0 means the configured default."""
+        pull.check_request(request)
+        if request.lease_seconds == 0:
+            request, asked = pb.PullBatchRequest(), request  # the caller's message stays as it was
+            request.CopyFrom(asked)
             request.lease_seconds = self.validator_config.lease_seconds
         self.flush()
         with self._transaction() as con:

@@ -28,11 +28,11 @@ import grpc
 import pyarrow as pa
 
 from rollbook.store.access import Denied, KeyRing, field_error
-from rollbook.store.ledger import Ledger, NotRewardable, Outcome
+from rollbook.store.ledger import InvalidReward, Ledger, ModelNotRegistered, NotRewardable, Outcome, UnknownTrajectory
 from rollbook.store.prepare import MalformedRequest, Prepared, parse_message, prepare_bytes
 from rollbook.store.sql import QueryError, QueryLimits, run_query
 from rollbook.v1 import rollbook_pb2 as pb
-from rollbook.validator.pull import LeaseError, NotLeaseOwner, PullRequest, UnknownLease, check_request
+from rollbook.validator.pull import InvalidPull, LeaseError, NotLeaseOwner, UnknownLease
 
 log = logging.getLogger("rollbook.store.service")
 
@@ -64,6 +64,27 @@ def _check_parsed(request, context: "SyncContext") -> None:
 
 def _verdict(o: Outcome) -> pb.Verdict:
     return pb.Verdict(trajectory_id=o.trajectory_id, status=_STATUS[o.status], reason=o.reason, detail=o.detail)
+
+
+# The one mapping from the domain errors a handler body may raise to the status the RPC answers
+# (checked along the exception's class hierarchy, so a subclass comes first). Anything else escaping
+# a body is a bug and answers INTERNAL, never a status a client would act on (a stray KeyError is not
+# "not found").
+DOMAIN_STATUS: dict[type[Exception], grpc.StatusCode] = {
+    InvalidReward: grpc.StatusCode.INVALID_ARGUMENT,
+    InvalidPull: grpc.StatusCode.INVALID_ARGUMENT,
+    UnknownTrajectory: grpc.StatusCode.NOT_FOUND,
+    UnknownLease: grpc.StatusCode.NOT_FOUND,
+    NotLeaseOwner: grpc.StatusCode.PERMISSION_DENIED,
+    NotRewardable: grpc.StatusCode.FAILED_PRECONDITION,
+    ModelNotRegistered: grpc.StatusCode.FAILED_PRECONDITION,
+    LeaseError: grpc.StatusCode.FAILED_PRECONDITION,  # expired and re-leased (after its subclasses above)
+}
+
+
+def status_of(exc: BaseException) -> grpc.StatusCode | None:
+    """The status ``exc`` answers (``DOMAIN_STATUS``), or None for an error that is not the caller's."""
+    return next((DOMAIN_STATUS[c] for c in type(exc).__mro__ if c in DOMAIN_STATUS), None)
 
 
 class Abort(Exception):
@@ -99,6 +120,14 @@ class TrajectoryStoreService:
         self.ledger = ledger
         self.query_limits = query_limits
 
+    def call(self, rpc: str, request, context: "SyncContext"):
+        """Run the unary RPC ``rpc``'s body; a domain error becomes ``Abort`` with its status
+        (``DOMAIN_STATUS``), anything else propagates (INTERNAL)."""
+        try:
+            return getattr(self, rpc)(request, context)
+        except tuple(DOMAIN_STATUS) as exc:
+            raise Abort(status_of(exc), str(exc)) from None
+
     # ---- Submit ---------------------------------------------------------------------------------
 
     def submit_batch(self, data: bytes) -> pb.SubmitResponse:
@@ -133,10 +162,7 @@ class TrajectoryStoreService:
         _check_parsed(request, context)
         if request.version < 0:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"version must be >= 0, got {request.version}")
-        try:
-            latest = self.ledger.publish_version(request.model_id, request.version, request.checksum)
-        except KeyError as exc:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc.args[0]))
+        latest = self.ledger.publish_version(request.model_id, request.version, request.checksum)
         return pb.PublishVersionResponse(latest_version=latest)
 
     # ---- reading --------------------------------------------------------------------------------
@@ -174,45 +200,19 @@ class TrajectoryStoreService:
 
     def SetReward(self, request, context):
         _check_parsed(request, context)
-        try:
-            tid = self.ledger.set_reward(request.reward, trajectory_id=request.trajectory_id, session_id=request.session_id)
-        except KeyError as exc:
-            context.abort(grpc.StatusCode.NOT_FOUND, str(exc.args[0]))
-        except NotRewardable as exc:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-        except ValueError as exc:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        tid = self.ledger.set_reward(request.reward, trajectory_id=request.trajectory_id, session_id=request.session_id)
         return pb.SetRewardResponse(trajectory_id=tid)
 
     def PullBatch(self, request, context):
         _check_parsed(request, context)
-        if request.num_samples == 0 and request.num_groups == 0:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "ask for num_samples > 0 or num_groups > 0")
-        if request.max_staleness < 0 or request.lease_seconds < 0:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "max_staleness and lease_seconds must be >= 0")
-        pull_request = PullRequest(
-            trainer_id=request.trainer_id, trainer_version=request.trainer_version, max_staleness=request.max_staleness,
-            num_samples=request.num_samples, num_groups=request.num_groups, step=request.step,
-            model_id=request.model_id, lease_seconds=request.lease_seconds)
-        try:
-            check_request(pull_request)  # model_id and trainer_id are required
-        except ValueError as exc:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        batch = self.ledger.pull_batch(pull_request)
+        batch = self.ledger.pull_batch(request)  # the message as it came (validator.pull.check_request)
         payload = _ipc(batch.table.to_batches() or [pa.RecordBatch.from_pylist([], schema=batch.table.schema)])
         return pb.PullBatchResponse(lease_id=batch.lease_id, arrow_ipc=payload, num_rows=batch.table.num_rows,
                                     stats_json=json.dumps(batch.stats, sort_keys=True))
 
     def AckBatch(self, request, context):
         _check_parsed(request, context)
-        try:
-            n = self.ledger.ack_batch(request.lease_id, request.trainer_id)
-        except UnknownLease as exc:
-            context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
-        except NotLeaseOwner as exc:
-            context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
-        except LeaseError as exc:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        n = self.ledger.ack_batch(request.lease_id, request.trainer_id)
         return pb.AckBatchResponse(num_rows=n)
 
 
@@ -309,12 +309,10 @@ class AsyncStore:
         return SyncContext(metadata, context.peer(), role)
 
     def unary(self, rpc: str, pool: Executor):
-        method = getattr(self.service, rpc)
-
         async def handle(request, context):
             ctx = await self._admit(rpc, request, context)
             try:
-                return await asyncio.get_running_loop().run_in_executor(pool, method, request, ctx)
+                return await asyncio.get_running_loop().run_in_executor(pool, self.service.call, rpc, request, ctx)
             except Abort as exc:
                 await context.abort(exc.code, exc.details)
 

@@ -17,6 +17,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from rollbook.v1 import rollbook_pb2 as pb
 from rollbook.validator.normalize import normalize_rewards
 from rollbook.validator.reasons import Reason
 from rollbook.validator.groups import GROUP_KEY, ValidatorConfig, expire_leases, reject_rows, reject_stale, settle
@@ -27,6 +28,10 @@ BATCH_COLUMNS = [
     "trajectory_id", "group_id", "task_id", "domain", "model_id", "prompt_token_ids", "output_token_ids",
     "output_logprobs", "output_versions", "min_version", "temperature", "top_p", "top_k", "original_reward",
 ]
+
+
+class InvalidPull(ValueError):
+    """The pull cannot be served as asked (the store answers INVALID_ARGUMENT)."""
 
 
 class LeaseError(ValueError):
@@ -41,29 +46,25 @@ class NotLeaseOwner(LeaseError):
     """The lease was issued to another trainer (``trainer_id``); only that trainer may ack it."""
 
 
-def check_request(req: "PullRequest") -> None:
-    """Refuse a pull that cannot be served safely (``ValueError``: the store answers INVALID_ARGUMENT).
+def check_request(req: pb.PullBatchRequest) -> None:
+    """Refuse a pull that cannot be served safely (``InvalidPull``: the store answers INVALID_ARGUMENT).
+
+    A pull is the wire message itself, ``PullBatchRequest`` (``rollbook.proto`` describes each field):
+    the client builds it from its caller's keywords and the store hands it here unchanged, so its
+    fields are spelled in one place.
 
     ``model_id`` is required: staleness compares ``trainer_version`` with one model's policy
     versions, so a pull across models would judge every other model's rows by this trainer's
     version (and reject them as STALE for good). ``trainer_id`` is required: only the trainer a
     lease was issued to may ack it."""
+    if req.num_samples == 0 and req.num_groups == 0:
+        raise InvalidPull("ask for num_samples > 0 or num_groups > 0")
+    if req.max_staleness < 0 or req.lease_seconds < 0:
+        raise InvalidPull("max_staleness and lease_seconds must be >= 0")
     if not req.model_id:
-        raise ValueError("model_id is required: a trainer pulls the rows of the one model it trains")
+        raise InvalidPull("model_id is required: a trainer pulls the rows of the one model it trains")
     if not req.trainer_id:
-        raise ValueError("trainer_id is required: it owns the lease (only it may AckBatch)")
-
-
-@dataclass
-class PullRequest:
-    trainer_id: str
-    trainer_version: int
-    max_staleness: int
-    num_samples: int
-    num_groups: int
-    step: int
-    model_id: str
-    lease_seconds: float
+        raise InvalidPull("trainer_id is required: it owns the lease (only it may AckBatch)")
 
 
 @dataclass
@@ -77,7 +78,7 @@ class LeasedBatch:
     stats: dict
 
 
-def lease_batch(con: duckdb.DuckDBPyConnection, req: PullRequest, config: ValidatorConfig, now: float) -> LeasedBatch:
+def lease_batch(con: duckdb.DuckDBPyConnection, req: pb.PullBatchRequest, config: ValidatorConfig, now: float) -> LeasedBatch:
     check_request(req)
     events = {"expired_rows": expire_leases(con, now)}
     events.update(settle(con, config, now))
@@ -108,7 +109,7 @@ def lease_batch(con: duckdb.DuckDBPyConnection, req: PullRequest, config: Valida
     return LeasedBatch(lease_id, table, _batch_stats(con, table, raw, norm_values, req, events))
 
 
-def _pick_groups(con: duckdb.DuckDBPyConnection, req: PullRequest) -> pa.Table:
+def _pick_groups(con: duckdb.DuckDBPyConnection, req: pb.PullBatchRequest) -> pa.Table:
     """Whole ready groups, oldest first, up to num_groups or num_samples (at least one group).
 
     Two phases, because carrying list columns through a join or a sort costs far more than
@@ -141,7 +142,7 @@ def _pick_groups(con: duckdb.DuckDBPyConnection, req: PullRequest) -> pa.Table:
     return rows.take(pa.array(order)).append_column("gkey", picked.column("gkey"))
 
 
-def _record_lease(con: duckdb.DuckDBPyConnection, table: pa.Table, lease_id: str, req: PullRequest, now: float) -> None:
+def _record_lease(con: duckdb.DuckDBPyConnection, table: pa.Table, lease_id: str, req: pb.PullBatchRequest, now: float) -> None:
     leased = pa.table({"row_id": table.column("row_id"), "trajectory_id": table.column("trajectory_id"),
                        "reward": table.column("reward")})
     con.register("_leased", leased)
@@ -156,7 +157,7 @@ def _record_lease(con: duckdb.DuckDBPyConnection, table: pa.Table, lease_id: str
     con.unregister("_leased")
 
 
-def _batch_stats(con, table: pa.Table, raw: np.ndarray, normalized: np.ndarray, req: PullRequest, events: dict) -> dict:
+def _batch_stats(con, table: pa.Table, raw: np.ndarray, normalized: np.ndarray, req: pb.PullBatchRequest, events: dict) -> dict:
     tokens = int(pc.sum(pc.list_value_length(table.column("output_token_ids"))).as_py() or 0)
     staleness = req.trainer_version - table.column("min_version").to_numpy()
     hist = {str(int(k)): int(v) for k, v in zip(*np.unique(staleness, return_counts=True))}

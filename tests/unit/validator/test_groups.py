@@ -16,7 +16,8 @@ import pytest
 from rollbook.store.tables import trajectories_table
 from rollbook.trajectories import decode_messages, trajectory_from_dict
 from rollbook.store.schema import DDL
-from rollbook.validator.pull import LeaseError, NotLeaseOwner, PullRequest, UnknownLease, ack_lease, lease_batch
+from rollbook.v1 import rollbook_pb2 as pb
+from rollbook.validator.pull import InvalidPull, LeaseError, NotLeaseOwner, UnknownLease, ack_lease, lease_batch
 from rollbook.validator.groups import ValidatorConfig, expire_leases, reject_stale, settle
 
 T0 = 1000.0  # received_at of the first insert; `now` values below are relative to it
@@ -57,7 +58,7 @@ def rejected(con) -> dict[str, str]:
 
 def pull(con, *, now: float, version: int = 0, eta: int = 10, n: int = 100, lease_s: float = 5.0,
          config: ValidatorConfig | None = None):
-    req = PullRequest(trainer_id="t", trainer_version=version, max_staleness=eta, num_samples=n, num_groups=0,
+    req = pb.PullBatchRequest(trainer_id="t", trainer_version=version, max_staleness=eta, num_samples=n, num_groups=0,
                       step=0, model_id="m", lease_seconds=lease_s)
     return lease_batch(con, req, config or ValidatorConfig(), now)
 
@@ -248,10 +249,10 @@ def test_a_group_losing_members_to_stale_keeps_the_rest_under_keep(con):
 
 def test_a_pull_must_name_its_model_and_trainer(con):
     for missing in ("model_id", "trainer_id"):
-        req = PullRequest(trainer_id="t", trainer_version=0, max_staleness=0, num_samples=1, num_groups=0, step=0,
+        req = pb.PullBatchRequest(trainer_id="t", trainer_version=0, max_staleness=0, num_samples=1, num_groups=0, step=0,
                           model_id="m", lease_seconds=1.0)
         setattr(req, missing, "")
-        with pytest.raises(ValueError, match=missing):
+        with pytest.raises(InvalidPull, match=missing):
             lease_batch(con, req, ValidatorConfig(), T0)
 
 
