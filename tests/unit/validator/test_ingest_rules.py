@@ -2,7 +2,7 @@
 rule that breaks only that rule and must get exactly its reason code; plus the vectorised
 ``check_batch`` agreeing with ``check`` row by row.
 
-Run: ``python -m pytest tests/unit/store/test_ingest_rules.py -q``.
+Run: ``python -m pytest tests/unit/validator/test_ingest_rules.py -q``.
 """
 
 from __future__ import annotations
