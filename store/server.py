@@ -40,8 +40,18 @@ class StoreConfig(BaseModel):
     trainer_key: str | None = Field(None, description="Key for PublishVersion (env ROLLBOOK_TRAINER_KEY).")
     max_message_bytes: int = Field(MAX_MESSAGE_BYTES, ge=1 << 20, description="Largest gRPC message accepted; a bigger one is RESOURCE_EXHAUSTED.")
     num_workers: int = Field(32, ge=2, description="gRPC handler threads (each open Submit stream holds one).")
+    # The SQL sandbox (docs/sql.md). Every query_* field can also be set as env ROLLBOOK_<FIELD>.
     query_max_rows: int = Field(100_000, ge=1, description="Row cap of one Query; the last chunk says when it cut.")
-    query_timeout_s: float = Field(30.0, gt=0, description="Per-query timeout in seconds.")
+    query_timeout_s: float = Field(30.0, gt=0, le=3600, description="Per-query timeout in seconds: the default, and the most a caller may ask for (0, negative, NaN or inf mean this). A query still running query_kill_grace_s later has its sandbox process killed.")
+    query_kill_grace_s: float = Field(2.0, ge=0.1, le=60, description="Seconds past the timeout before the server SIGKILLs the query's sandbox process (DuckDB's own interrupt comes first).")
+    query_max_result_bytes: int = Field(256 << 20, ge=1 << 20, description="Byte cap of one Query's result (Arrow bytes); the result is cut there and the last chunk says so.")
+    query_memory_limit_mb: int = Field(1024, ge=64, description="DuckDB memory_limit of each sandbox process, in MiB.")
+    query_process_headroom_mb: int = Field(768, ge=128, description="Each sandbox process's data-segment limit (RLIMIT_DATA) is query_memory_limit_mb plus this; allocations past it fail inside the sandbox.")
+    query_threads: int = Field(2, ge=1, le=64, description="DuckDB threads per sandbox process.")
+    query_temp_limit_mb: int = Field(1024, ge=0, description="Spill space per sandbox process in its private temp folder, in MiB (0: no spilling).")
+    query_workers: int = Field(2, ge=1, le=64, description="Sandbox processes: at most this many queries run at once. Query-engine memory is bounded by query_workers x (query_memory_limit_mb + query_process_headroom_mb).")
+    query_queue: int = Field(8, ge=0, description="Queries that may wait for a free sandbox process; more are refused with RESOURCE_EXHAUSTED.")
+    query_snapshot_max_age_s: float = Field(0.0, ge=0, description="Queries read a snapshot of the ledger; a new one is taken (checkpoint + file copy, under the ledger's lock) when the ledger changed and the current one is at least this old. 0: every query sees every acknowledged row; raise it when the ledger is large and queries frequent (see docs/sql.md for the cost).")
     ingest: IngestConfig = Field(default_factory=IngestConfig, description="Limits and tolerances of the ingest rules.")
     validator: ValidatorConfig = Field(default_factory=ValidatorConfig, description="Group readiness, normalization and lease settings.")
     validate_evidence: bool = Field(True, description="Run the evidence rules at ingest. Off only to measure their cost (env ROLLBOOK_BENCH_NOVALIDATE=1).")
@@ -59,8 +69,19 @@ class StoreConfig(BaseModel):
     def from_env(cls, **overrides) -> "StoreConfig":
         values = {"admin_key": os.environ.get("ROLLBOOK_ADMIN_KEY"), "trainer_key": os.environ.get("ROLLBOOK_TRAINER_KEY"),
                   "validate_evidence": os.environ.get("ROLLBOOK_BENCH_NOVALIDATE", "") != "1"}
+        for name in cls.model_fields:
+            if name.startswith("query_") and f"ROLLBOOK_{name.upper()}" in os.environ:
+                values[name] = os.environ[f"ROLLBOOK_{name.upper()}"]
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
+
+    def query_limits(self) -> QueryLimits:
+        return QueryLimits(
+            max_rows=self.query_max_rows, timeout_s=self.query_timeout_s, kill_grace_s=self.query_kill_grace_s,
+            max_result_bytes=self.query_max_result_bytes, max_chunk_bytes=self.max_message_bytes - (1 << 20),
+            memory_limit_mb=self.query_memory_limit_mb, process_headroom_mb=self.query_process_headroom_mb,
+            threads=self.query_threads, temp_limit_mb=self.query_temp_limit_mb, workers=self.query_workers,
+            queue=self.query_queue, snapshot_max_age_s=self.query_snapshot_max_age_s)
 
 
 def is_loopback(host: str) -> bool:
@@ -80,7 +101,7 @@ def create_server(config: StoreConfig, ledger: Ledger | None = None) -> tuple[gr
         ledger,
         admin_key=config.admin_key,
         trainer_key=config.trainer_key,
-        query_limits=QueryLimits(max_rows=config.query_max_rows, timeout_s=config.query_timeout_s),
+        query_limits=config.query_limits(),
     )
     options = [
         ("grpc.max_receive_message_length", config.max_message_bytes),
