@@ -344,10 +344,12 @@ class SandboxPool:
                     worker.kill()
                     raise timed_out from None
                 except EOFError:
-                    worker.kill()
-                    if time.monotonic() >= hard_deadline - 0.05:
+                    if time.monotonic() >= hard_deadline - 0.05 or worker.killed:
+                        worker.kill()
                         raise timed_out from None
-                    raise QueryError(_death(worker), INTERNAL) from None
+                    message = _death(worker)
+                    worker.kill()
+                    raise QueryError(message, INTERNAL) from None
                 if kind == b"C":
                     received += length
                     if received > lim.max_result_bytes + lim.max_chunk_bytes + (1 << 20):
@@ -425,6 +427,10 @@ def _worker_main(settings: dict) -> None:
         except _Fatal as exc:
             _send(out, b"X", json.dumps({"code": INTERNAL, "message": str(exc), "exit": True}).encode())
             return  # this DuckDB instance may be invalid: exit, the server starts a fresh process
+        except Exception as exc:  # anything unforeseen: answer, then start afresh
+            message = f"the query failed in its sandbox: {type(exc).__name__}: {exc}"
+            _send(out, b"X", json.dumps({"code": INTERNAL, "message": message, "exit": True}).encode())
+            return
         else:
             if _bloated(settings):
                 return

@@ -89,9 +89,14 @@ def check_statement(con: duckdb.DuckDBPyConnection, sql: str) -> None:
         statements = con.extract_statements(sql)
     except duckdb.Error as exc:
         raise QueryError(str(exc)) from exc
+    except ValueError as exc:  # a statement type the Python client has no name for (UPDATE EXTENSIONS)
+        raise QueryError(f"this kind of statement is not allowed: the SQL endpoint is read-only ({exc})") from exc
     if len(statements) != 1:
         raise QueryError(f"exactly one statement per query, got {len(statements)}")
-    kind = statements[0].type
+    try:
+        kind = statements[0].type
+    except ValueError as exc:
+        raise QueryError(f"this kind of statement is not allowed: the SQL endpoint is read-only ({exc})") from exc
     if kind not in _ALLOWED:
         raise QueryError(
             f"{kind.name} statements are not allowed: the SQL endpoint is read-only "
