@@ -365,7 +365,6 @@ class RssSampler:
 def raw_query(store, sql: str, timeout_seconds: float = 0.0, max_rows: int = 0, deadline: float = 60.0):
     """``Query`` through the generated stub (any ``timeout_seconds``, NaN included); the table, or
     the RpcError it raised, and the seconds it took."""
-    import math
     import time
 
     from rollbook.client import read_query_chunks
