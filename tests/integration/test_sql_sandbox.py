@@ -534,3 +534,34 @@ def test_f8_a_deeply_nested_expression_is_invalid_argument(limited, terms):
     assert result.code() == grpc.StatusCode.INVALID_ARGUMENT, (result.code(), result.details())
     assert "depth" in result.details() or "nested" in result.details(), result.details()
     _serving(limited)
+
+
+def test_sandbox_processes_do_not_outlive_a_killed_server(tmp_path):
+    """A SIGKILLed server leaves no sandbox process behind burning CPU on a query."""
+    import os
+    import threading
+    import time
+
+    s = start_store(tmp_path / "rollbook.duckdb")
+    try:
+        with s.client() as client:
+            client.query("SELECT 1")
+            threading.Thread(target=lambda: raw_query(s, ENDLESS), daemon=True).start()  # busy when the server dies
+            time.sleep(1.0)
+        kids = [int(p) for p in os.listdir("/proc") if p.isdigit() and _ppid(int(p)) == s.proc.pid]
+        assert kids, "no sandbox process was running"
+    finally:
+        s.kill()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(os.path.exists(f"/proc/{k}") and _ppid(k) is not None for k in kids):
+        time.sleep(0.1)
+    assert not [k for k in kids if os.path.exists(f"/proc/{k}") and _ppid(k) is not None]
+
+
+def _ppid(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return None if fields[0] == "Z" else int(fields[1])
