@@ -156,18 +156,8 @@ def clone_file(src: pathlib.Path, dest: pathlib.Path) -> str:
             return "reflink"
         except OSError:
             pass
-        shutil.copyfileobj(fin, fout, 16 << 20) if not hasattr(os, "sendfile") else _sendfile(fin, fout)
+    shutil.copyfile(src, dest)  # sendfile(2) on Linux: no copy through this process
     return "copy"
-
-
-def _sendfile(fin, fout) -> None:
-    size = os.fstat(fin.fileno()).st_size
-    offset = 0
-    while offset < size:
-        n = os.sendfile(fout.fileno(), fin.fileno(), offset, min(size - offset, 1 << 30))
-        if n == 0:
-            break
-        offset += n
 
 
 # ---- the pool (server side) -------------------------------------------------------------------------
@@ -189,7 +179,7 @@ class _Worker:
         env = {k: v for k, v in os.environ.items() if k in ("PATH", "LANG", "LC_ALL", "PYTHONPATH", "VIRTUAL_ENV")}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "rollbook.store.sandbox_worker", json.dumps(settings)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, cwd=self.temp_dir,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=self.temp_dir,  # stderr: the server's log
             env=env, close_fds=True)
         self.killed = False  # by the server (timeout); then an EOF means "timed out", not "crashed"
 
@@ -217,10 +207,12 @@ class _Worker:
 
     def read_exact(self, n: int, deadline: float) -> bytes:
         fd = self.proc.stdout.fileno()
+        poller = select.poll()  # not select(): a busy server's descriptors pass FD_SETSIZE
+        poller.register(fd, select.POLLIN | select.POLLHUP | select.POLLERR)
         parts, got = [], 0
         while got < n:
             remaining = deadline - time.monotonic()
-            if remaining <= 0 or not select.select([fd], [], [], remaining)[0]:
+            if remaining <= 0 or not poller.poll(remaining * 1000):
                 raise TimeoutError
             data = os.read(fd, min(n - got, 1 << 20))
             if not data:
@@ -278,6 +270,8 @@ class SandboxPool:
             self._waiting += 1
             try:
                 while not self._idle:
+                    if self._closed:
+                        raise QueryError("the store is shutting down", RESOURCES)
                     remaining = deadline - time.monotonic()
                     if remaining <= 0:
                         raise QueryError(f"query exceeded its timeout of {timeout:g} s waiting for a free sandbox", RESOURCES)
@@ -309,6 +303,7 @@ class SandboxPool:
         with self._cond:
             self._closed = True
             idle, self._idle = self._idle, []
+            self._cond.notify_all()
         for w in idle:
             if w is not None:
                 w.reap()
@@ -374,7 +369,8 @@ class SandboxPool:
                     err = json.loads(payload)
                     if err.get("exit"):
                         worker.kill()  # it is exiting anyway; do not hand it another query
-                    raise QueryError(err["message"], err.get("code", INVALID))
+                    code = err.get("code") if err.get("code") in (INVALID, RESOURCES, INTERNAL) else INTERNAL
+                    raise QueryError(str(err.get("message", "the query failed")), code)
                 else:
                     worker.kill()
                     raise QueryError(f"the sandbox sent an unknown frame {kind!r}", INTERNAL)
@@ -389,6 +385,11 @@ def _death(worker: _Worker) -> str:
     with contextlib.suppress(subprocess.TimeoutExpired):
         worker.proc.wait(timeout=5)
     rc = worker.proc.returncode
-    how = f"signal {signal.Signals(-rc).name}" if rc is not None and rc < 0 else f"exit code {rc}"
+    how = f"exit code {rc}"
+    if rc is not None and rc < 0:
+        try:
+            how = f"signal {signal.Signals(-rc).name}"
+        except ValueError:
+            how = f"signal {-rc}"
     return (f"the query's sandbox process died ({how}), most likely at its memory or resource limits; "
             "the store itself is unaffected")

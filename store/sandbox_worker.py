@@ -48,7 +48,8 @@ def main(settings: dict) -> None:
         try:
             con = _open(duckdb, state, request["db"], settings)
             truncated = _serve_one(duckdb, con, request, out)
-            _send(out, b"E", json.dumps({"truncated": truncated, "exit": _bloated(settings)}).encode())
+            fresh = _bloated(settings)
+            _send(out, b"E", json.dumps({"truncated": truncated, "exit": fresh}).encode())
         except QueryError as exc:
             # after a timeout or running out of memory, start afresh: what the allocator kept is
             # outside DuckDB's accounting, and the next query would meet the process limit early
@@ -64,7 +65,7 @@ def main(settings: dict) -> None:
             _send(out, b"X", json.dumps({"code": INTERNAL, "message": message, "exit": True}).encode())
             return
         else:
-            if _bloated(settings):
+            if fresh:
                 return
 
 
