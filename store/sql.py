@@ -130,7 +130,8 @@ _EXPLAIN = re.compile(r"^\s*EXPLAIN(\s+ANALY[SZ]E)?\s+", re.IGNORECASE)
 _FILE_FUNCTION = re.compile(
     r"^(read_\w+|glob|sniff_csv|parquet_\w+|\w+_scan|iceberg_\w+|delta_\w+|query|query_table|"
     r"json_execute_serialized_sql|checkpoint|force_checkpoint|truncate_duckdb_logs|write_log|duckdb_logs\w*|"
-    r"getenv|setseed|load_aws_credentials|which_secret|duckdb_secrets)$", re.IGNORECASE)
+    r"getenv|setseed|load_aws_credentials|which_secret|duckdb_secrets|read_single_\w+|python_\w+|"
+    r"\w+_external_resource\w*|\w+_grammar_extension|enable_\w+|disable_\w+)$", re.IGNORECASE)
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 

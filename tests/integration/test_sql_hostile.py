@@ -33,7 +33,8 @@ READERS = ["read_csv", "read_csv_auto", "read_parquet", "parquet_scan", "parquet
            "parquet_file_metadata", "parquet_kv_metadata", "parquet_bloom_probe", "read_json", "read_json_auto",
            "read_json_objects", "read_json_objects_auto", "read_ndjson", "read_ndjson_auto", "read_ndjson_objects",
            "read_text", "read_blob", "glob", "sniff_csv", "iceberg_scan", "delta_scan", "sqlite_scan", "read_xlsx",
-           "read_duckdb"]
+           "read_duckdb", "read_single_csv_file", "read_single_json_file", "read_single_parquet_file",
+           "parquet_full_metadata", "parquet_page_index"]
 
 
 def hostile(d: dict[str, str]) -> list[str]:
@@ -73,7 +74,14 @@ def hostile(d: dict[str, str]) -> list[str]:
           "SELECT * FROM checkpoint()", "SELECT * FROM force_checkpoint()", "SELECT * FROM checkpoint('rollbook')",
           "SELECT * FROM truncate_duckdb_logs()", "SELECT write_log('evil')", "SELECT setseed(0.5)",
           "SELECT nextval('s')", "SELECT * FROM duckdb_logs", "CALL enable_logging()", "CALL truncate_duckdb_logs()",
-          "SELECT * FROM enable_logging()", "INSERT INTO trajectories SELECT * FROM trajectories"]
+          "SELECT * FROM enable_logging()", "INSERT INTO trajectories SELECT * FROM trajectories",
+          "SELECT * FROM enable_profiling()", "SELECT * FROM disable_logging()",
+          "SELECT * FROM add_grammar_extension('evil')", "SELECT * FROM remove_grammar_extension('x')",
+          "SELECT * FROM register_external_resource_type('x')", "SELECT * FROM create_external_resource('x', 'y')",
+          "SELECT * FROM register_external_resource('x')", "SELECT * FROM destroy_external_resource('x')",
+          # pointer-taking scans of the Python client: arbitrary addresses would crash the process
+          "SELECT * FROM arrow_scan(1, 2, 3)", "SELECT * FROM arrow_scan_dumb(1, 2, 3)",
+          "SELECT * FROM pandas_scan(1)", "SELECT * FROM python_arrow_scan(1)", "SELECT * FROM python_map_function(1)"]
     # nested and serialized SQL
     inner = f"SELECT * FROM read_blob(''{ledger}'')"
     q += [f"SELECT * FROM query('{inner}')",

@@ -102,6 +102,17 @@ def test_without_the_fence_nothing_outside_the_snapshot_is_reachable(files, unfe
     assert got.to_pylist()[0]["t"] == 2
 
 
+def test_pointer_taking_scans_fail_in_the_sandbox_and_the_next_query_is_served(unfenced):
+    """The Python client's pointer-taking scans (arrow_scan, pandas_scan) are refused by name; with
+    the fence off they fail to bind, and were one to crash, it would be the sandbox process
+    (``test_a_killed_worker_is_replaced``), never the server's."""
+    for sql in ["SELECT * FROM arrow_scan(1, 2, 3)", "SELECT * FROM pandas_scan(1)",
+                "SELECT * FROM python_map_function(1)"]:
+        with pytest.raises(QueryError):
+            table(unfenced.run(sql))
+        assert table(unfenced.run("SELECT 7 AS x"))[0].to_pylist() == [{"x": 7}]
+
+
 def test_the_fence_refuses_nested_sql_and_writing_functions_by_name(files):
     snap, ledger, tmp_path = files
     pool = make_pool(tmp_path, snap)
