@@ -253,6 +253,19 @@ def test_query_db_is_sandboxed_too(offline_db, tmp_path, capsys):
     assert len(query_file(offline_db, "SELECT * FROM trajectories")) == 3
 
 
+def test_query_db_runs_in_the_same_sandbox_and_leaves_the_file_alone(offline_db):
+    """``rollbook query --db`` queries a private copy in a sandbox process: a memory bomb meets the
+    sandbox's limit, nested SQL is refused, and the ledger's files do not change."""
+    before = _ledger_files(offline_db)
+    done = rollbook_cli("query", "--db", str(offline_db), "SELECT length(repeat('x', 4000000000))")
+    assert done.returncode != 0 and "memory limit" in done.stderr, done.stderr
+    done = rollbook_cli("query", "--db", str(offline_db), "SELECT * FROM checkpoint()")
+    assert done.returncode != 0 and "not allowed" in done.stderr, done.stderr
+    done = rollbook_cli("query", "--db", str(offline_db), f"SELECT * FROM query('SELECT * FROM read_blob(''{offline_db}'')')")
+    assert done.returncode != 0 and "not allowed" in done.stderr, done.stderr
+    assert _ledger_files(offline_db) == before
+
+
 def test_query_db_sees_acknowledged_rows_the_killed_server_had_not_folded(tmp_path, stores):
     db = tmp_path / "rollbook.duckdb"
     acked: list[str] = []
