@@ -142,9 +142,10 @@ class StoreClient:
 
     # ---- trainer side -----------------------------------------------------------------------------
 
-    def pull_batch(self, *, trainer_id: str, trainer_version: int, max_staleness: int, num_samples: int = 0,
-                   num_groups: int = 0, step: int = 0, model_id: str = "", lease_seconds: float = 0.0) -> "PulledBatch":
-        """Lease ready, validated rows (whole groups) no staler than ``max_staleness`` versions."""
+    def pull_batch(self, *, trainer_id: str, trainer_version: int, max_staleness: int, model_id: str,
+                   num_samples: int = 0, num_groups: int = 0, step: int = 0, lease_seconds: float = 0.0) -> "PulledBatch":
+        """Lease ready, validated rows (whole groups) of ``model_id`` no staler than ``max_staleness``
+        versions. ``model_id`` and ``trainer_id`` are required (the store answers INVALID_ARGUMENT)."""
         response = self.stub.PullBatch(pb.PullBatchRequest(
             trainer_id=trainer_id, trainer_version=trainer_version, max_staleness=max_staleness,
             num_samples=num_samples, num_groups=num_groups, step=step, model_id=model_id,
@@ -152,8 +153,9 @@ class StoreClient:
         table = pa.ipc.open_stream(io.BytesIO(response.arrow_ipc)).read_all()
         return PulledBatch(response.lease_id, table, json.loads(response.stats_json or "{}"))
 
-    def ack_batch(self, lease_id: str, trainer_id: str = "") -> int:
-        """Confirm a lease once the step that used it is checkpointed (idempotent)."""
+    def ack_batch(self, lease_id: str, trainer_id: str) -> int:
+        """Confirm a lease once the step that used it is checkpointed (idempotent). Only the trainer
+        the lease was issued to may (another ``trainer_id`` gets PERMISSION_DENIED)."""
         return self.stub.AckBatch(pb.AckBatchRequest(lease_id=lease_id, trainer_id=trainer_id), timeout=self.timeout_s).num_rows
 
     def report_train_step(self, *, step: int, trainer_id: str, version: int, lease_id: str, started_at: float,

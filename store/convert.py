@@ -173,7 +173,8 @@ def rejections_table(batch: Batch, rejected: Sequence[tuple[int, str, str]], sta
     rows = [i for i, _, _ in rejected]
     num_tokens = batch.tokens.lengths
     cols = {name: [batch.column(name)[i] for i in rows]
-            for name in ("trajectory_id", "session_id", "group_id", "request_id", "model_id", "domain", "worker_id")}
+            for name in ("trajectory_id", "session_id", "group_id", "request_id", "model_id", "domain", "worker_id",
+                         "consumed")}
     cols.update({
         "reason": [r for _, r, _ in rejected],
         "detail": [d for _, _, d in rejected],

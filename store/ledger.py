@@ -232,6 +232,9 @@ class Ledger:
         Raises ``KeyError`` (unknown) or ``ValueError`` (not rewardable) with the reason."""
         if not math.isfinite(reward):
             raise ValueError(f"{Reason.NONFINITE_REWARD}: reward = {reward}")
+        if abs(reward) > self.ingest_config.max_abs_reward:
+            raise ValueError(f"{Reason.REWARD_OUT_OF_RANGE}: reward = {reward:g}; |reward| must be <= "
+                             f"max_abs_reward {self.ingest_config.max_abs_reward:g}")
         if bool(trajectory_id) == bool(session_id):
             raise ValueError("give exactly one of trajectory_id and session_id")
         self.flush()
@@ -239,9 +242,16 @@ class Ledger:
         with self._transaction() as con:
             if session_id:
                 settle.settle(con, self.validator_config, now)  # retry orphans first: reward a kept attempt
+                # the session's last interaction: of each call its consumed attempt (else its only or
+                # latest one), then the latest of those by created_at (rollbook.proto, SetRewardRequest)
                 found = con.execute(
-                    """SELECT trajectory_id, status FROM trajectories WHERE session_id = ?
-                       ORDER BY consumed DESC, created_at DESC, trajectory_id DESC LIMIT 1""", [session_id]).fetchone()
+                    """WITH calls AS (
+                          SELECT trajectory_id, status, created_at, row_number() OVER (
+                            PARTITION BY model_id, CASE WHEN request_id = '' THEN 'traj:' || trajectory_id ELSE request_id END
+                            ORDER BY consumed DESC, created_at DESC, trajectory_id DESC) AS rk
+                          FROM trajectories WHERE session_id = ?)
+                        SELECT trajectory_id, status FROM calls WHERE rk = 1
+                        ORDER BY created_at DESC, trajectory_id DESC LIMIT 1""", [session_id]).fetchone()
                 if found is None:
                     raise KeyError(f"no accepted trajectory in session {session_id!r}")
             else:
@@ -269,9 +279,10 @@ class Ledger:
         with self._transaction() as con:
             return pull.lease_batch(con, request, self.validator_config, time.time())
 
-    def ack_batch(self, lease_id: str) -> int:
+    def ack_batch(self, lease_id: str, trainer_id: str) -> int:
+        """Ack a lease for ``trainer_id``, which must be the trainer it was issued to."""
         with self._transaction() as con:
-            return pull.ack_lease(con, lease_id, time.time())
+            return pull.ack_lease(con, lease_id, time.time(), trainer_id)
 
     def record_train_step(self, step: int, trainer_id: str, version: int, lease_id: str, started_at: float,
                           finished_at: float, stats_json: str) -> None:
@@ -378,6 +389,9 @@ class Ledger:
         with self._index_lock:
             self.counters["duplicates"] += 1
             first = self._seen.get(tid, ACCEPTED)
+        if first == REJECTED:
+            return Outcome(tid, DUPLICATE, "", "trajectory_id already seen (first verdict: REJECTED); ids are unique "
+                           "forever, so a corrected trajectory must be sent under a new trajectory_id; nothing stored twice")
         return Outcome(tid, DUPLICATE, "", f"trajectory_id already stored (first verdict: {first}); nothing stored twice")
 
     def _group_commit(self, pending: _Pending) -> None:

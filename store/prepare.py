@@ -6,8 +6,10 @@ every lock; the ledger then only deduplicates and group-commits (``Ledger.commit
 arrays of the whole batch arrive as raw payloads and become numpy arrays in a few bulk operations
 (float32 log-probs are reinterpreted in place; a varint column is decoded in one call over the
 batch's joined payloads, by the C helper ``_varint`` without the GIL or else by upb, or taken byte
-for byte when every value is below 128). Whatever that reading cannot take exactly falls back to the
-ordinary parse, which also words the error.
+for byte when every value is below 128). A packed field may arrive in several records, which
+concatenate, but protobuf decodes each record on its own and refuses one that ends inside a value;
+so does this reading (a varint split across two records, a float32 cut in two). Whatever that
+reading cannot take exactly falls back to the ordinary parse, which also words the error.
 """
 
 from __future__ import annotations
@@ -104,31 +106,43 @@ def _decode_view(msgs) -> Batch:
     )
 
 
-def _payloads(msgs, name: str) -> tuple[bytes, np.ndarray]:
-    """The field's packed payloads of every row joined, and each row's byte offsets into them (a
-    field sent in several pieces is their concatenation, as the protobuf encoding says)."""
-    blobs = []
+def _payloads(msgs, name: str) -> tuple[bytes, np.ndarray, np.ndarray]:
+    """The field's packed payloads of every row joined, each row's byte offsets into them, and the
+    end offset of every record (a field sent in several records is their concatenation, as the
+    protobuf encoding says; but each record must decode on its own, so the caller checks that no
+    value straddles a record boundary: protobuf refuses a record that ends inside a value)."""
+    blobs, ends, at = [], [], 0
     for m in msgs:
         pieces = getattr(m, name)
-        blobs.append(pieces[0] if len(pieces) == 1 else b"".join(pieces))
+        if len(pieces) == 1:
+            blob = pieces[0]
+        else:
+            blob, end = b"".join(pieces), at
+            for piece in pieces[:-1]:  # the row's last record ends with the row: checked by the caller
+                end += len(piece)
+                ends.append(end)
+        blobs.append(blob)
+        at += len(blob)
     offsets = np.zeros(len(blobs) + 1, dtype=np.int64)
     np.cumsum(np.fromiter(map(len, blobs), np.int64, len(blobs)), out=offsets[1:])
-    return b"".join(blobs), offsets
+    return b"".join(blobs), offsets, np.asarray(ends, dtype=np.int64)
 
 
 def _float32s(msgs, name: str) -> Ragged:
-    raw, offsets = _payloads(msgs, name)
-    if (offsets % 4).any():
+    raw, offsets, ends = _payloads(msgs, name)
+    if (offsets % 4).any() or (ends % 4).any():  # a record of 4k+1..3 bytes: protobuf refuses it
         raise _NotExact(name)
     return Ragged(np.frombuffer(raw, dtype="<f4").astype(np.float32, copy=False), offsets // 4)
 
 
 def _varints(msgs, name: str, dtype: type) -> Ragged:
-    raw, offsets = _payloads(msgs, name)
+    raw, offsets, ends = _payloads(msgs, name)
     last = np.frombuffer(raw, dtype=np.uint8) < 0x80  # the final byte of each varint
     lengths = np.diff(offsets)
     if not last[offsets[1:][lengths > 0] - 1].all():
         raise _NotExact(f"{name}: a varint runs past the end of its row")
+    if len(ends) and not last[ends[ends > 0] - 1].all():
+        raise _NotExact(f"{name}: a varint runs past the end of its record")
     row_offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
     np.cumsum(Ragged(last, offsets).reduce(np.add, 0, dtype=np.int64), out=row_offsets[1:])
     if last.all():  # every value below 128: one byte each

@@ -58,6 +58,8 @@ REJECTION_SCHEMA = pa.schema(
         ("worker_id", pa.string()),
         ("num_output_tokens", pa.int64()),
         ("rejected_at", pa.float64()),
+        # last, so that files made before it (ALTER TABLE ... ADD COLUMN below) have the same order
+        ("consumed", pa.bool_()),
     ]
 )
 
@@ -87,6 +89,8 @@ DDL = [
     # not in the log schema: folds insert BY NAME and new rows start 'pending'.
     f"CREATE TABLE IF NOT EXISTS trajectories (\n  {_columns_ddl(TRAJECTORY_SCHEMA)},\n  status VARCHAR DEFAULT 'pending'\n)",
     f"CREATE TABLE IF NOT EXISTS rejections (\n  {_columns_ddl(REJECTION_SCHEMA)}\n)",
+    # files made before `rejections.consumed` existed (retry orphans need it: docs/evidence.md)
+    "ALTER TABLE rejections ADD COLUMN IF NOT EXISTS consumed BOOLEAN",
     """CREATE TABLE IF NOT EXISTS rewards (
   trajectory_id VARCHAR, session_id VARCHAR, reward DOUBLE, source VARCHAR, set_at DOUBLE)""",
     """CREATE TABLE IF NOT EXISTS groups (

@@ -22,7 +22,7 @@ from rollbook.store.ledger import Ledger, NotRewardable, Outcome
 from rollbook.store.prepare import MalformedRequest, Prepared, parse_message, prepare_bytes
 from rollbook.store.sql import QueryError, QueryLimits
 from rollbook.v1 import rollbook_pb2 as pb
-from rollbook.validator.pull import LeaseError, PullRequest, UnknownLease
+from rollbook.validator.pull import LeaseError, NotLeaseOwner, PullRequest, UnknownLease, check_request
 
 log = logging.getLogger("rollbook.store.service")
 
@@ -164,10 +164,15 @@ class TrajectoryStoreService:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "ask for num_samples > 0 or num_groups > 0")
         if request.max_staleness < 0 or request.lease_seconds < 0:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "max_staleness and lease_seconds must be >= 0")
-        batch = self.ledger.pull_batch(PullRequest(
+        pull_request = PullRequest(
             trainer_id=request.trainer_id, trainer_version=request.trainer_version, max_staleness=request.max_staleness,
             num_samples=request.num_samples, num_groups=request.num_groups, step=request.step,
-            model_id=request.model_id, lease_seconds=request.lease_seconds))
+            model_id=request.model_id, lease_seconds=request.lease_seconds)
+        try:
+            check_request(pull_request)  # model_id and trainer_id are required
+        except ValueError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        batch = self.ledger.pull_batch(pull_request)
         payload = _ipc(batch.table.to_batches() or [pa.RecordBatch.from_pylist([], schema=batch.table.schema)])
         return pb.PullBatchResponse(lease_id=batch.lease_id, arrow_ipc=payload, num_rows=batch.table.num_rows,
                                     stats_json=json.dumps(batch.stats, sort_keys=True))
@@ -175,9 +180,11 @@ class TrajectoryStoreService:
     def AckBatch(self, request, context):
         _check_parsed(request, context)
         try:
-            n = self.ledger.ack_batch(request.lease_id)
+            n = self.ledger.ack_batch(request.lease_id, request.trainer_id)
         except UnknownLease as exc:
             context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+        except NotLeaseOwner as exc:
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
         except LeaseError as exc:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         return pb.AckBatchResponse(num_rows=n)

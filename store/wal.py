@@ -137,6 +137,18 @@ def _concat(tables: list[pa.Table]) -> pa.Table | None:
     return pa.concat_tables(present) if present else None
 
 
+def _conform(batches: list[pa.RecordBatch], schema: pa.Schema) -> pa.Table:
+    """The batches as one table in ``schema``; a segment written before a column was added to the
+    schema (``rejections.consumed``) gets that column as NULLs instead of failing to read."""
+    if batches[0].schema.equals(schema):
+        return pa.Table.from_batches(batches, schema=schema)
+    table = pa.Table.from_batches(batches)
+    for f in schema:
+        if f.name not in table.column_names:
+            table = table.append_column(f, pa.nulls(table.num_rows, f.type))
+    return table.select(schema.names).cast(schema)
+
+
 def _read_commits(path: pathlib.Path, schema: pa.Schema) -> list[pa.Table | None]:
     """Each complete commit of one IPC stream file as a table (None when it held no rows),
     stopping quietly at a torn tail: a commit without its end marker never happened."""
@@ -152,7 +164,7 @@ def _read_commits(path: pathlib.Path, schema: pa.Schema) -> list[pa.Table | None
             except StopIteration:
                 break
             if metadata is not None and metadata.get(b"rollbook.commit_end") == b"1":
-                commits.append(pa.Table.from_batches(current, schema=schema) if current else None)
+                commits.append(_conform(current, schema) if current else None)
                 current = []
             elif batch.num_rows:
                 current.append(batch)

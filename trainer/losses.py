@@ -2,7 +2,7 @@
 
 Tensors in, ``(loss, stats)`` out: no model, no optimizer, no config object. The step loop calls
 them per micro-batch on packed tokens, shape ``[T]`` (any shape works if every argument has the
-same one). Three policies appear in the arguments, named as in DESIGN.md "Trainer":
+same one). Three policies appear in the arguments, named as in docs/design.md, "The trainer":
 
 - behavior: sampled the tokens; its log-probs come from the rollout engine through the store;
 - proximal: the trainer's weights before this update (recomputed, or the log-linear approximation of

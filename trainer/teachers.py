@@ -6,7 +6,7 @@
 
 A ``TeacherScorer`` turns a ``PackedBatch`` into ``[T_out]`` log-probs, one per output token, under
 the teacher: the ``teacher_logprobs`` of ``losses.mopd_loss``. Teachers share the student's
-tokenizer (the same token ids mean the same text). Routing follows DESIGN.md "Trainer":
+tokenizer (the same token ids mean the same text). Routing follows docs/design.md, "The trainer":
 
 - ``DomainRouter``: each sequence goes to the teacher of its domain; a teacher only runs on its own
   sequences (the batch is re-packed per teacher).

@@ -27,7 +27,15 @@ class IngestConfig(BaseModel):
 
     max_output_tokens: int = Field(262_144, ge=1, description="Longest accepted output (tokens); longer is OVERSIZED.")
     max_prompt_tokens: int = Field(262_144, ge=0, description="Longest accepted prompt (tokens); longer is OVERSIZED.")
-    max_id_length: int = Field(256, ge=8, description="Longest accepted id string (trajectory, session, group, request).")
+    max_id_length: int = Field(
+        256, ge=8, description="Longest accepted string field, in characters: every id (trajectory, session, group, "
+        "request, task, model, worker), domain and finish_reason; longer is OVERSIZED.")
+    max_abs_reward: float = Field(
+        1e6, gt=0, le=1e150, description="Largest accepted |reward| (at ingest: REWARD_OUT_OF_RANGE; SetReward: "
+        "INVALID_ARGUMENT). Group normalization squares reward differences, so the bound keeps it finite and exact.")
+    max_group_size: int = Field(
+        65_536, ge=1, le=2**32 - 1, description="Largest accepted group_size; larger is INVALID_GROUP_SIZE (a group "
+        "that size never completes, and a uint64 sent for the uint32 field arrives wrapped to its low 32 bits).")
     positive_logprob_tolerance: float = Field(
         1e-4, ge=0, description="A log-prob above this is POSITIVE_LOGPROB (log-softmax rounding can give tiny positives)."
     )
@@ -65,6 +73,11 @@ class _RowLike(Protocol):
     tokens: np.ndarray
     logprobs: np.ndarray
     versions: np.ndarray
+
+
+# every string field of a Trajectory, each limited to ``max_id_length`` characters (OVERSIZED)
+STRING_FIELDS = ("trajectory_id", "session_id", "group_id", "request_id", "task_id", "domain", "model_id",
+                 "worker_id", "finish_reason")
 
 
 def check(row: _RowLike, registry: Registry, config: IngestConfig) -> Verdict:
@@ -115,19 +128,27 @@ def _rows(like: Ragged, values: np.ndarray) -> Ragged:
 
 
 def _scalar_suspects(batch: Batch, config: IngestConfig) -> np.ndarray:
-    """Rows whose scalar fields may break a rule: empty or overlong ids, missing sampling
-    parameters, a non-finite reward."""
+    """Rows whose scalar fields may break a rule: empty or overlong strings, missing or invalid
+    sampling parameters, a non-finite or out-of-range reward, a non-finite created_at, a group_size
+    over the limit."""
     n = len(batch)
     suspect = np.zeros(n, bool)
-    for name in ("trajectory_id", "session_id", "group_id", "request_id", "model_id"):
+    for name in STRING_FIELDS:
         lengths = np.fromiter(map(len, batch.column(name)), np.int64, n)
         suspect |= lengths > config.max_id_length
         if name == "trajectory_id":
             suspect |= lengths == 0
-    if config.require_sampling_params:
-        suspect |= np.fromiter((t is None or p is None for t, p in zip(batch.column("temperature"), batch.column("top_p"))), bool, n)
-    rewards = np.array([0.0 if r is None else r for r in batch.column("reward")], dtype=np.float64)
-    return suspect | ~np.isfinite(rewards)
+    # an unset temperature / top_p reads as NaN: a suspect either way (MISSING_ or INVALID_SAMPLING_PARAMS)
+    temperature = np.array(batch.column("temperature"), dtype=np.float64)
+    top_p = np.array(batch.column("top_p"), dtype=np.float64)
+    with np.errstate(invalid="ignore"):  # NaN compares False: the isfinite terms catch it
+        suspect |= ~np.isfinite(temperature) | (temperature < 0) | ~(top_p > 0) | ~(top_p <= 1)
+    with np.errstate(invalid="ignore"):
+        suspect |= np.array(batch.column("top_k"), dtype=np.float64) < -1  # unset: NaN, never below
+    rewards = np.fromiter((0.0 if r is None else r for r in batch.column("reward")), np.float64, n)
+    suspect |= ~(np.abs(rewards) <= config.max_abs_reward)  # NaN and inf too
+    suspect |= ~np.isfinite(np.fromiter(batch.column("created_at"), np.float64, n))
+    return suspect | (np.fromiter(batch.column("group_size"), np.int64, n) > config.max_group_size)
 
 
 def _version_ranges(model_ids: Sequence[str], registry: Registry) -> tuple[np.ndarray, np.ndarray]:
@@ -147,7 +168,7 @@ def _structure(row: _RowLike, config: IngestConfig) -> Verdict:
     m = row.msg
     if not m.trajectory_id:
         return Reason.MISSING_ID, "trajectory_id is empty; it is the idempotency key and must be set by the client"
-    for name in ("trajectory_id", "session_id", "group_id", "request_id", "model_id"):
+    for name in STRING_FIELDS:
         if len(getattr(m, name)) > config.max_id_length:
             return Reason.OVERSIZED, f"{name} is {len(getattr(m, name))} chars, over the limit of {config.max_id_length}"
     n = len(row.tokens)
@@ -192,8 +213,28 @@ def _evidence(row: _RowLike, config: IngestConfig) -> Verdict:
         missing = [f for f in ("temperature", "top_p") if not m.HasField(f)]
         if missing:
             return Reason.MISSING_SAMPLING_PARAMS, f"missing {', '.join(missing)}: the behavior distribution is unknown"
+    bad = _bad_sampling_param(m)
+    if bad:
+        return Reason.INVALID_SAMPLING_PARAMS, bad
     if m.HasField("reward") and not math.isfinite(m.reward):
         return Reason.NONFINITE_REWARD, f"reward = {m.reward}"
+    if m.HasField("reward") and abs(m.reward) > config.max_abs_reward:
+        return Reason.REWARD_OUT_OF_RANGE, f"reward = {m.reward:g}; |reward| must be <= max_abs_reward {config.max_abs_reward:g}"
+    if not math.isfinite(m.created_at):
+        return Reason.NONFINITE_CREATED_AT, f"created_at = {m.created_at} (it orders the attempts of a request)"
+    if m.group_size > config.max_group_size:
+        return Reason.INVALID_GROUP_SIZE, f"group_size = {m.group_size} > max_group_size {config.max_group_size}"
+    return None
+
+
+def _bad_sampling_param(m) -> str | None:
+    """Why a sampling parameter that is set cannot describe a distribution, or None."""
+    if m.HasField("temperature") and not (math.isfinite(m.temperature) and m.temperature >= 0):
+        return f"temperature = {m.temperature}; must be finite and >= 0"
+    if m.HasField("top_p") and not (0 < m.top_p <= 1):
+        return f"top_p = {m.top_p}; must be in (0, 1]"
+    if m.HasField("top_k") and m.top_k < -1:
+        return f"top_k = {m.top_k}; must be >= 1, or 0 / -1 for disabled"
     return None
 
 

@@ -37,6 +37,23 @@ class UnknownLease(LeaseError):
     """No such lease."""
 
 
+class NotLeaseOwner(LeaseError):
+    """The lease was issued to another trainer (``trainer_id``); only that trainer may ack it."""
+
+
+def check_request(req: "PullRequest") -> None:
+    """Refuse a pull that cannot be served safely (``ValueError``: the store answers INVALID_ARGUMENT).
+
+    ``model_id`` is required: staleness compares ``trainer_version`` with one model's policy
+    versions, so a pull across models would judge every other model's rows by this trainer's
+    version (and reject them as STALE for good). ``trainer_id`` is required: only the trainer a
+    lease was issued to may ack it."""
+    if not req.model_id:
+        raise ValueError("model_id is required: a trainer pulls the rows of the one model it trains")
+    if not req.trainer_id:
+        raise ValueError("trainer_id is required: it owns the lease (only it may AckBatch)")
+
+
 @dataclass
 class PullRequest:
     trainer_id: str
@@ -57,9 +74,11 @@ class Batch:
 
 
 def lease_batch(con: duckdb.DuckDBPyConnection, req: PullRequest, config: ValidatorConfig, now: float) -> Batch:
+    check_request(req)
     events = {"expired_rows": expire_leases(con, now)}
     events.update(settle(con, config, now))
-    events["stale"] = reject_stale(con, req.model_id, req.trainer_version, req.max_staleness, now)
+    events["stale"] = reject_stale(con, req.model_id, req.trainer_version, req.max_staleness, now,
+                                   policy=config.incomplete_group_policy)
     rows = _pick_groups(con, req)
     if rows.num_rows == 0:
         return Batch("", rows, {"events": events, "num_samples": 0})
@@ -90,13 +109,11 @@ def _pick_groups(con: duckdb.DuckDBPyConnection, req: PullRequest) -> pa.Table:
 
     Two phases, because carrying list columns through a join or a sort costs far more than
     reading them: pick row ids on the light columns, then fetch the heavy ones by ``rowid``."""
-    model_filter = "AND model_id = $model" if req.model_id else ""
+    model_filter = "AND model_id = $model"
     # a prefix of the groups in age order: up to n groups, or while the running row count fits in
     # n samples (the first group always, so a group larger than n is not stuck forever)
     limit = "g.rank <= $n" if req.num_groups else "(g.upto <= $n OR g.rank = 1)"
-    params: dict = {"n": req.num_groups or req.num_samples}
-    if req.model_id:
-        params["model"] = req.model_id
+    params: dict = {"n": req.num_groups or req.num_samples, "model": req.model_id}
     picked = con.sql(
         f"""WITH ready AS (
               SELECT rowid AS row_id, trajectory_id, received_at, {GROUP_KEY} AS gkey
@@ -167,15 +184,18 @@ def ledger_token_stats(con: duckdb.DuckDBPyConnection) -> dict:
     }
 
 
-def ack_lease(con: duckdb.DuckDBPyConnection, lease_id: str, now: float) -> int:
+def ack_lease(con: duckdb.DuckDBPyConnection, lease_id: str, now: float, trainer_id: str | None = None) -> int:
     """Mark a lease's rows trained. Idempotent; an expired lease whose rows were neither re-leased
     nor rejected since (e.g. ``STALE``) is still accepted (the trainer checkpointed it), otherwise
-    ``LeaseError``."""
-    rows = con.execute(
-        "SELECT count(*), count(acked_at), count(expired_at) FROM leases WHERE lease_id = ?", [lease_id]).fetchone()
-    total, acked, expired = (int(x) for x in rows)
+    ``LeaseError``. With ``trainer_id`` (the store always passes it) the lease must have been issued
+    to that trainer, else ``NotLeaseOwner``."""
+    total, acked, expired, owner = con.execute(
+        "SELECT count(*), count(acked_at), count(expired_at), any_value(trainer_id) FROM leases WHERE lease_id = ?",
+        [lease_id]).fetchone()
     if total == 0:
         raise UnknownLease(f"unknown lease {lease_id!r}")
+    if trainer_id is not None and trainer_id != owner:
+        raise NotLeaseOwner(f"lease {lease_id} was issued to trainer {owner!r}, not {trainer_id!r}; only it may ack")
     if acked == total:
         return total
     if expired:

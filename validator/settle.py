@@ -3,13 +3,15 @@
 A stored trajectory moves ``pending`` -> ``ready`` -> ``leased`` -> ``trained`` (column
 ``trajectories.status``), or leaves ``trajectories`` for ``rejections`` with a reason:
 
-- ``settle`` (after every fold and before every pull): retry orphans first (attempts of one
-  ``request_id`` that the caller did not consume, or, when none is marked, all but the latest by
-  ``created_at``: ``RETRY_ORPHAN``), then groups whose members are all in and rewarded become
+- ``settle`` (after every fold and before every pull): retry orphans first (attempts of one call,
+  ``(model_id, session_id, request_id)``, that the caller did not consume, or, when none is marked,
+  all but the latest by ``created_at``; and every unconsumed attempt of a call whose consumed
+  attempt was rejected: ``RETRY_ORPHAN``), then groups whose members are all in and rewarded become
   ``ready``; the incomplete-group policy handles the others (``INCOMPLETE_GROUP``).
 - ``expire_leases``: unacked leases past their time return their rows to ``ready``.
 - ``reject_stale``: rows the trainer can no longer use (``trainer_version - min_version > eta``)
-  become ``STALE``; versions only grow, so a stale row never becomes fresh again.
+  become ``STALE``; versions only grow, so a stale row never becomes fresh again. Under ``wait`` and
+  ``drop`` the rest of a group that lost a member so goes with it (``INCOMPLETE_GROUP``).
 
 Every function runs inside the caller's DuckDB transaction and takes ``now`` explicitly.
 """
@@ -51,7 +53,8 @@ def reject_rows(con: duckdb.DuckDBPyConnection, select_sql: str, reason: Reason,
         con.execute(
             """INSERT INTO rejections BY NAME
                SELECT t.trajectory_id, ? AS reason, r.detail, ? AS stage, t.session_id, t.group_id, t.request_id,
-                      t.model_id, t.domain, t.worker_id, t.num_output_tokens::BIGINT AS num_output_tokens, ? AS rejected_at
+                      t.model_id, t.domain, t.worker_id, t.num_output_tokens::BIGINT AS num_output_tokens, ? AS rejected_at,
+                      t.consumed
                FROM trajectories t JOIN _reject r USING (trajectory_id)""",
             [str(reason), stage, now],
         )
@@ -62,33 +65,56 @@ def reject_rows(con: duckdb.DuckDBPyConnection, select_sql: str, reason: Reason,
 
 def settle(con: duckdb.DuckDBPyConnection, config: ValidatorConfig, now: float) -> dict[str, int]:
     """Resolve retry orphans, then promote complete groups to ``ready``; returns counts."""
+    # first, even with nothing pending: a consumed attempt rejected after its unconsumed retry became
+    # ready orphans that retry
+    counts = {"retry_orphans": _retry_orphans(con, now)}
     (pending,) = con.execute("SELECT count(*) FROM trajectories WHERE status = 'pending'").fetchone()
     if pending == 0:
-        return {"retry_orphans": 0, "incomplete_groups": 0, "ready": 0}
-    counts = {"retry_orphans": _retry_orphans(con, now)}
+        return {**counts, "incomplete_groups": 0, "ready": 0}
     counts["incomplete_groups"] = _incomplete_groups(con, config, now)
     counts["ready"] = _promote_ready(con, config, now)
     return counts
 
 
+# One logical call: a request_id names a call within its session and model, so two sessions (or two
+# models) that both number their calls "turn-0" are different calls.
+CALL_KEY = "model_id, session_id, request_id"
+
+
 def _retry_orphans(con: duckdb.DuckDBPyConnection, now: float) -> int:
-    # Rank the attempts of every request that has a pending attempt: an attempt already served
-    # (leased or trained) wins, since it cannot be taken back; then a consumed one, then the latest
-    # created_at. A `ready` attempt is not served yet, so a consumed attempt arriving later replaces it.
+    # Rank the attempts of every call that has a pending attempt: an attempt already served (leased
+    # or trained) wins, since it cannot be taken back; then a consumed one, then the latest
+    # created_at. A `ready` attempt is not served yet, so a consumed attempt arriving later replaces
+    # it. A consumed attempt that was itself rejected (at ingest, or later) still was the completion
+    # the caller used: no unconsumed attempt of that call may train in its place.
     con.execute(
         f"""CREATE OR REPLACE TEMP TABLE _orphans AS
-           WITH touched AS (SELECT DISTINCT request_id FROM trajectories WHERE status = 'pending' AND request_id <> ''),
+           WITH touched AS (
+             SELECT DISTINCT {CALL_KEY} FROM trajectories WHERE status = 'pending' AND request_id <> ''
+             UNION
+             SELECT DISTINCT {CALL_KEY} FROM trajectories t
+             WHERE status = 'ready' AND request_id <> '' AND NOT consumed AND EXISTS (
+               SELECT 1 FROM rejections r WHERE r.consumed AND r.model_id = t.model_id
+                 AND r.session_id = t.session_id AND r.request_id = t.request_id)),
+           lost AS (
+             SELECT {CALL_KEY}, arg_min(trajectory_id, rejected_at) AS lost_id, arg_min(reason, rejected_at) AS lost_reason
+             FROM rejections JOIN touched USING ({CALL_KEY}) WHERE consumed GROUP BY ALL),
            ranked AS (
-             SELECT trajectory_id, group_id, status, attempt, request_id,
+             SELECT trajectory_id, group_id, status, attempt, request_id, consumed, lost_id, lost_reason,
                     row_number() OVER w AS rk, first_value(trajectory_id) OVER w AS kept,
                     first_value(consumed) OVER w AS kept_consumed
-             FROM trajectories JOIN touched USING (request_id)
-             WINDOW w AS (PARTITION BY request_id ORDER BY (status IN ('leased', 'trained')) DESC, consumed DESC,
+             FROM trajectories JOIN touched USING ({CALL_KEY}) LEFT JOIN lost USING ({CALL_KEY})
+             WINDOW w AS (PARTITION BY {CALL_KEY} ORDER BY (status IN ('leased', 'trained')) DESC, consumed DESC,
                           created_at DESC, trajectory_id DESC))
            SELECT trajectory_id, status, {GROUP_KEY} AS gkey,
-                  'attempt ' || attempt || ' of request ' || request_id || ' is not the one kept: ' || kept ||
-                  CASE WHEN kept_consumed THEN ' (consumed by the caller)' ELSE ' (latest created_at, none marked consumed)' END AS detail
-           FROM ranked WHERE rk > 1 AND status IN ('pending', 'ready')"""
+                  CASE WHEN lost_id IS NOT NULL AND NOT consumed THEN
+                    'attempt ' || attempt || ' of request ' || request_id || ' was not consumed; the consumed attempt ' ||
+                    lost_id || ' was rejected (' || lost_reason || '), and only the consumed attempt may train'
+                  ELSE
+                    'attempt ' || attempt || ' of request ' || request_id || ' is not the one kept: ' || kept ||
+                    CASE WHEN kept_consumed THEN ' (consumed by the caller)' ELSE ' (latest created_at, none marked consumed)' END
+                  END AS detail
+           FROM ranked WHERE status IN ('pending', 'ready') AND (rk > 1 OR (lost_id IS NOT NULL AND NOT consumed))"""
     )
     # a ready group that loses a member to its replacement attempt waits again until that one is rewarded
     con.execute(
@@ -172,17 +198,38 @@ def expire_leases(con: duckdb.DuckDBPyConnection, now: float) -> int:
     return int(n)
 
 
-def reject_stale(con: duckdb.DuckDBPyConnection, model_id: str, trainer_version: int, max_staleness: int, now: float) -> int:
-    model_filter = "AND model_id = ?" if model_id else ""
-    params = [trainer_version, max_staleness] + ([model_id] if model_id else [])
-    return reject_rows(
-        con,
-        f"""SELECT trajectory_id,
+def reject_stale(con: duckdb.DuckDBPyConnection, model_id: str, trainer_version: int, max_staleness: int, now: float,
+                 *, policy: str = "wait") -> int:
+    """Reject as ``STALE`` the waiting rows of ``model_id`` this trainer can no longer use; returns
+    their number. Under the ``wait`` and ``drop`` policies a group that lost a member this way can
+    never be whole again, and a group is never served short of its size: its other waiting members
+    are rejected with it (``INCOMPLETE_GROUP``, stage ``pull``). Under ``keep`` they stay, and the
+    group is served with its true size."""
+    if not model_id:
+        raise ValueError("model_id is required: staleness is relative to one model's versions")
+    con.execute(
+        f"""CREATE OR REPLACE TEMP TABLE _stale AS
+            SELECT trajectory_id, {GROUP_KEY} AS gkey,
                    'trainer version ' || $1 || ' minus oldest token version ' || min_version || ' = ' ||
                    ($1 - min_version) || ' > max_staleness ' || $2 AS detail
-            FROM trajectories WHERE status IN ('pending', 'ready') AND $1 - min_version > $2 {model_filter.replace('?', '$3')}""",
-        Reason.STALE, "pull", now, params,
+            FROM trajectories WHERE status IN ('pending', 'ready') AND $1 - min_version > $2 AND model_id = $3""",
+        [trainer_version, max_staleness, model_id],
     )
+    n = reject_rows(con, "SELECT trajectory_id, detail FROM _stale", Reason.STALE, "pull", now)
+    if n and policy != "keep":
+        reject_rows(
+            con,
+            f"""SELECT t.trajectory_id,
+                       'group ' || s.gkey || ' lost ' || s.n || ' member(s) to STALE at this pull (e.g. ' || s.example ||
+                       '); policy {policy} never serves a group short of its size' AS detail
+                FROM trajectories t
+                JOIN (SELECT gkey, count(*) AS n, min(trajectory_id) AS example FROM _stale GROUP BY gkey) s
+                  ON s.gkey = {_t_key()}
+                WHERE t.status IN ('pending', 'ready')""",
+            Reason.INCOMPLETE_GROUP, "pull", now,
+        )
+    con.execute("DROP TABLE _stale")
+    return n
 
 
 def _t_key() -> str:

@@ -3,8 +3,8 @@
 - ``shm``: one host; the trainer writes a double-buffered file in /dev/shm, workers map it (zero copy).
 - ``network``: any hosts; a gRPC stream of full copies or deltas against the previous version.
 
-Both ends are protocols in ``base`` (``WeightPublisher``, ``WeightChannel``); see DESIGN.md
-"Rollout and placement". Benchmark: ``python bench/weights.py --json``.
+Both ends are protocols in ``base`` (``WeightPublisher``, ``WeightChannel``); see docs/design.md,
+"Rollout, weights and placement". Benchmark: ``python bench/weights.py --json``.
 """
 
 from rollbook.rollout.weights.base import (

@@ -5,7 +5,7 @@ and gets other rows only; then, after A's lease expired and version 2 was publis
 version 2: A's rows come back, the ones that aged past the staleness bound meanwhile are ``STALE``
 in ``rejections`` and not served. One SQL query over ``leases`` then shows every trained row has
 exactly one acked lease. Acks are idempotent; an unknown lease is ``NOT_FOUND``; the dead trainer's
-late ack is refused.
+late ack is refused; another trainer's ack is ``PERMISSION_DENIED``.
 
 Run: python -m pytest tests/integration/test_leases.py -q   (about 10 s)
 """
@@ -62,7 +62,7 @@ def test_dead_trainers_rows_return_once_and_stale_ones_go_to_rejections(client):
 
     alive = pull(client, "trainer-B", version=1, n=8)  # A's lease is live: B gets other rows
     assert served(alive) == {f"g{g:02d}-{i}" for g in range(4, 8) for i in range(2)}
-    assert client.ack_batch(alive.lease_id) == 8
+    assert client.ack_batch(alive.lease_id, "trainer-B") == 8
 
     client.publish_version(MODEL, 2)  # B's weights moved on; version-0 samples are now 2 behind
     (expires,) = [r["e"] for r in rows(client, f"SELECT max(expires_at) AS e FROM leases WHERE lease_id = '{dead.lease_id}'")]
@@ -73,7 +73,7 @@ def test_dead_trainers_rows_return_once_and_stale_ones_go_to_rejections(client):
     returned = served(dead) & odd
     assert served(later) == returned | {t for t in odd if int(t[1:3]) >= 8}
     assert later.stats["events"]["expired_rows"] == 8 and later.stats["events"]["stale"] == 8
-    assert client.ack_batch(later.lease_id) == later.num_rows
+    assert client.ack_batch(later.lease_id, "trainer-B") == later.num_rows
 
     # one query over `leases`: every trajectory that trained has exactly one acked lease
     trained = rows(client, """
@@ -94,17 +94,25 @@ def test_dead_trainers_rows_return_once_and_stale_ones_go_to_rejections(client):
     # trainer A's lease: expired, never acked, and its late ack is refused
     assert rows(client, f"""SELECT count(*) AS n, count(acked_at) AS acked, count(expired_at) AS expired
                             FROM leases WHERE lease_id = '{dead.lease_id}'""") == [{"n": 8, "acked": 0, "expired": 8}]
-    assert rpc_code(lambda: client.ack_batch(dead.lease_id)) == grpc.StatusCode.FAILED_PRECONDITION
+    assert rpc_code(lambda: client.ack_batch(dead.lease_id, "trainer-A")) == grpc.StatusCode.FAILED_PRECONDITION
 
 
 def test_ack_is_idempotent_and_an_unknown_lease_is_not_found(client):
     client.submit(groups(2))
     batch = pull(client, "trainer-B", version=1, n=4)
     assert batch.num_rows == 4
-    assert client.ack_batch(batch.lease_id) == 4
+    assert client.ack_batch(batch.lease_id, "trainer-B") == 4
     first = rows(client, f"SELECT acked_at FROM leases WHERE lease_id = '{batch.lease_id}'")
-    assert client.ack_batch(batch.lease_id) == 4
+    assert client.ack_batch(batch.lease_id, "trainer-B") == 4
     assert rows(client, f"SELECT acked_at FROM leases WHERE lease_id = '{batch.lease_id}'") == first
     assert rows(client, "SELECT count(*) AS n FROM trajectories WHERE status = 'trained'") == [{"n": 4}]
-    assert rpc_code(lambda: client.ack_batch("no-such-lease")) == grpc.StatusCode.NOT_FOUND
-    assert rpc_code(lambda: client.ack_batch("")) == grpc.StatusCode.NOT_FOUND
+    assert rpc_code(lambda: client.ack_batch("no-such-lease", "trainer-B")) == grpc.StatusCode.NOT_FOUND
+    assert rpc_code(lambda: client.ack_batch("", "trainer-B")) == grpc.StatusCode.NOT_FOUND
+
+
+def test_only_the_trainer_a_lease_was_issued_to_may_ack_it(client):
+    client.submit(groups(1))
+    batch = pull(client, "trainer-B", version=1, n=2)
+    assert rpc_code(lambda: client.ack_batch(batch.lease_id, "trainer-A")) == grpc.StatusCode.PERMISSION_DENIED
+    assert rows(client, f"SELECT count(acked_at) AS n FROM leases WHERE lease_id = '{batch.lease_id}'") == [{"n": 0}]
+    assert client.ack_batch(batch.lease_id, "trainer-B") == 2

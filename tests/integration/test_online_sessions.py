@@ -121,7 +121,7 @@ def test_served_rows_are_exactly_the_consumed_completions_with_their_session_rew
         for row in batch.table.to_pylist():
             assert row["trajectory_id"] not in served, "served twice"
             served[row["trajectory_id"]] = row
-        assert client.ack_batch(batch.lease_id) == batch.num_rows
+        assert client.ack_batch(batch.lease_id, "online") == batch.num_rows
     assert batch.num_rows == 0
 
     by_tid = {tid: session for session, tid in consumed.items()}

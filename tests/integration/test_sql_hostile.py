@@ -20,7 +20,7 @@ import time
 import grpc
 import pytest
 
-from tests.integration.conftest import clean_env, register, start_store, traj
+from tests.integration.conftest import MODEL, clean_env, register, start_store, traj
 from tests.integration.test_sql_sandbox import (
     ENGINE_BOUND_MB, LIMITED_ENV, LIMITED_TIMEOUT_S, OVERRUN_S, RECURSIVE_CTE, SLACK_MB, UNINTERRUPTIBLE,
     RssSampler, _ledger_files, raw_query, tree_rss_mb,
@@ -226,7 +226,7 @@ def test_hostile_sql_cannot_hurt_the_store(hostile_store, capsys):
         assert client.stats().accepted == 20
         assert client.query("SELECT count(*) AS n FROM trajectories").to_pylist() == [{"n": 20}]
         assert client.submit([traj("h-after", n=8)]).accepted == 1
-        batch = client.pull_batch(trainer_id="t-h", trainer_version=0, max_staleness=4, num_samples=2)
+        batch = client.pull_batch(trainer_id="t-h", trainer_version=0, max_staleness=4, model_id=MODEL, num_samples=2)
         assert batch.num_rows == 2 and client.ack_batch(batch.lease_id, "t-h") == 2
         client.submit([traj("h-reward", n=8, reward=None)])
         assert client.set_reward(0.5, trajectory_id="h-reward") == "h-reward"

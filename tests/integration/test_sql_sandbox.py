@@ -18,7 +18,7 @@ import pytest
 
 from rollbook import cli
 from tests.integration.conftest import (
-    count, query_file, register, rollbook_cli, rows, rpc_error, start_store, traj,
+    MODEL, count, query_file, register, rollbook_cli, rows, rpc_error, start_store, traj,
 )
 
 SEQUENCE = "rollbook_test_seq"
@@ -413,7 +413,7 @@ def _serving(store, expect_rows: int = 40) -> None:
     with store.client() as client:
         assert client.stats().accepted == expect_rows
         assert client.query("SELECT count(*) AS n FROM trajectories").to_pylist() == [{"n": expect_rows}]
-        batch = client.pull_batch(trainer_id="t-sql", trainer_version=0, max_staleness=4, num_samples=1)
+        batch = client.pull_batch(trainer_id="t-sql", trainer_version=0, max_staleness=4, model_id=MODEL, num_samples=1)
         assert batch.num_rows == 1
         assert client.ack_batch(batch.lease_id, "t-sql") == 1
 

@@ -34,6 +34,8 @@ INGEST_CASES: dict[Reason, list[tuple[str, dict]]] = {
     Reason.OVERSIZED: [
         ("id over 256 chars", {"trajectory_id": "x" * 300}),
         ("session id over 256 chars", {"session_id": "s" * 257}),
+        ("task id over 256 chars", {"task_id": "t" * 257}),
+        ("finish reason over 256 chars", {"finish_reason": "f" * 257}),
         ("output over 262144 tokens", {"output_token_ids": [1] * 262_145, "output_logprobs": [-0.5] * 262_145,
                                        "output_versions": [0] * 262_145}),
     ],
@@ -59,7 +61,11 @@ INGEST_CASES: dict[Reason, list[tuple[str, dict]]] = {
     ],
     Reason.DECREASING_VERSIONS: [("1 then 0", {"output_versions": [1, 1, 0, 0]})],
     Reason.MISSING_SAMPLING_PARAMS: [("no temperature", {"temperature": None}), ("no top_p", {"top_p": None})],
+    Reason.INVALID_SAMPLING_PARAMS: [("negative temperature", {"temperature": -1.0}), ("top_p above 1", {"top_p": 1.5})],
     Reason.NONFINITE_REWARD: [("nan", {"reward": math.nan}), ("inf", {"reward": math.inf})],
+    Reason.REWARD_OUT_OF_RANGE: [("1e200", {"reward": 1e200})],
+    Reason.NONFINITE_CREATED_AT: [("nan", {"created_at": math.nan})],
+    Reason.INVALID_GROUP_SIZE: [("2^32 - 1", {"group_size": 2**32 - 1})],
     Reason.UNREGISTERED_MODEL: [("unknown model", {"model_id": "never-registered"})],
     Reason.TOKEN_OUT_OF_VOCAB: [
         ("output token = vocab", {"output_token_ids": [5, VOCAB, 6, 7]}),
@@ -133,14 +139,15 @@ def _own_model(client, model_id: str, versions=(0,)) -> None:
 
 
 def test_retry_orphans_are_the_unconsumed_attempts_and_never_served(store):
+    """Attempts of one call share (model_id, session_id, request_id)."""
     _own_model(store, "orphan-m")
     t0 = time.time()
     # three attempts of one call; the caller consumed the middle one (not the latest)
-    attempts = [trajectory(f"orph-{k}", model_id="orphan-m", request_id="req-1", attempt=k, consumed=(k == 1),
-                           created_at=t0 + k) for k in range(3)]
+    attempts = [trajectory(f"orph-{k}", model_id="orphan-m", session_id="sess-1", request_id="req-1", attempt=k,
+                           consumed=(k == 1), created_at=t0 + k) for k in range(3)]
     # two attempts with none marked consumed: the latest by created_at is kept
-    unmarked = [trajectory(f"unmarked-{k}", model_id="orphan-m", request_id="req-2", attempt=k, consumed=False,
-                           created_at=t0 + k) for k in range(2)]
+    unmarked = [trajectory(f"unmarked-{k}", model_id="orphan-m", session_id="sess-2", request_id="req-2", attempt=k,
+                           consumed=False, created_at=t0 + k) for k in range(2)]
     result = store.submit(attempts + unmarked)
     assert result.accepted == 5  # ingest does not know yet; the group step decides
     batch = _pull_all(store, "orphan-m")
@@ -159,9 +166,10 @@ def test_consumed_attempt_arriving_after_a_rewarded_retry_still_wins(store):
     one later: the consumed one is kept; only an attempt already *served* could beat it."""
     _own_model(store, "late-m")
     t0 = time.time()
-    store.submit([trajectory("late-0", model_id="late-m", request_id="req-late", attempt=0, consumed=False, created_at=t0)])
+    call = dict(model_id="late-m", session_id="sess-late", request_id="req-late")
+    store.submit([trajectory("late-0", **call, attempt=0, consumed=False, created_at=t0)])
     assert rows(store, "SELECT status FROM trajectories WHERE trajectory_id = 'late-0'") == [{"status": "ready"}]
-    store.submit([trajectory("late-1", model_id="late-m", request_id="req-late", attempt=1, consumed=True, created_at=t0 - 1)])
+    store.submit([trajectory("late-1", **call, attempt=1, consumed=True, created_at=t0 - 1)])
     batch = _pull_all(store, "late-m")
     assert batch.table.column("trajectory_id").to_pylist() == ["late-1"]
     assert rows(store, "SELECT trajectory_id, reason FROM rejections WHERE model_id = 'late-m'") == [
@@ -170,9 +178,10 @@ def test_consumed_attempt_arriving_after_a_rewarded_retry_still_wins(store):
 
 def test_attempt_arriving_after_its_request_was_served_is_an_orphan(store):
     _own_model(store, "served-m")
-    store.submit([trajectory("served-0", model_id="served-m", request_id="req-served", attempt=0, consumed=False)])
+    call = dict(model_id="served-m", session_id="sess-served", request_id="req-served")
+    store.submit([trajectory("served-0", **call, attempt=0, consumed=False)])
     assert _pull_all(store, "served-m").table.column("trajectory_id").to_pylist() == ["served-0"]
-    store.submit([trajectory("served-1", model_id="served-m", request_id="req-served", attempt=1, consumed=True)])
+    store.submit([trajectory("served-1", **call, attempt=1, consumed=True)])
     assert _pull_all(store, "served-m").num_rows == 0
     assert rows(store, "SELECT trajectory_id, reason FROM rejections WHERE model_id = 'served-m'") == [
         {"trajectory_id": "served-1", "reason": "RETRY_ORPHAN"}]

@@ -77,7 +77,23 @@ CASES = {
     "decreasing-versions": (Reason.DECREASING_VERSIONS, dict(output_versions=[1, 0, 1])),
     "missing-temperature": (Reason.MISSING_SAMPLING_PARAMS, dict(temperature=None)),
     "missing-top-p": (Reason.MISSING_SAMPLING_PARAMS, dict(top_p=None)),
+    "oversized-task-id": (Reason.OVERSIZED, dict(task_id="t" * 17)),
+    "oversized-domain": (Reason.OVERSIZED, dict(domain="d" * 17)),
+    "oversized-worker-id": (Reason.OVERSIZED, dict(worker_id="w" * 17)),
+    "oversized-finish-reason": (Reason.OVERSIZED, dict(finish_reason="f" * 17)),
+    "nan-temperature": (Reason.INVALID_SAMPLING_PARAMS, dict(temperature=NAN)),
+    "inf-temperature": (Reason.INVALID_SAMPLING_PARAMS, dict(temperature=INF)),
+    "negative-temperature": (Reason.INVALID_SAMPLING_PARAMS, dict(temperature=-0.1)),
+    "nan-top-p": (Reason.INVALID_SAMPLING_PARAMS, dict(top_p=NAN)),
+    "top-p-above-1": (Reason.INVALID_SAMPLING_PARAMS, dict(top_p=1.01)),
+    "top-p-zero": (Reason.INVALID_SAMPLING_PARAMS, dict(top_p=0.0)),
+    "top-k-below-minus-1": (Reason.INVALID_SAMPLING_PARAMS, dict(top_k=-2)),
     "nan-reward": (Reason.NONFINITE_REWARD, dict(reward=NAN)),
+    "huge-reward": (Reason.REWARD_OUT_OF_RANGE, dict(reward=1e200)),
+    "huge-negative-reward": (Reason.REWARD_OUT_OF_RANGE, dict(reward=-1e6 - 1)),
+    "nan-created-at": (Reason.NONFINITE_CREATED_AT, dict(created_at=NAN)),
+    "inf-created-at": (Reason.NONFINITE_CREATED_AT, dict(created_at=INF)),
+    "huge-group-size": (Reason.INVALID_GROUP_SIZE, dict(group_size=2**32 - 1)),
     "inf-reward": (Reason.NONFINITE_REWARD, dict(reward=-INF)),
     "unregistered-model": (Reason.UNREGISTERED_MODEL, dict(model_id="nobody")),
     "output-token-out-of-vocab": (Reason.TOKEN_OUT_OF_VOCAB, dict(output_token_ids=[3, VOCAB, 5])),
@@ -112,9 +128,12 @@ def test_breaking_one_rule_gets_exactly_its_code(code, overrides):
     dict(reward=None),                                  # reward may arrive later
     dict(output_token_ids=[0, VOCAB - 1, 5], prompt_token_ids=[VOCAB - 1]),
     dict(trajectory_id="t" * 16, session_id="s" * 16),  # at the id length limit
+    dict(task_id="t" * 16, worker_id="w" * 16, domain="d" * 16, finish_reason="f" * 16),
+    dict(temperature=0.0, top_p=1.0, top_k=-1),         # greedy
+    dict(top_k=0, reward=1e6, created_at=1.7e9, group_size=65_536),
     dict(output_token_ids=[3] * 8, output_logprobs=[-0.1] * 8, output_versions=[0] * 8),  # at the token limit
 ], ids=["tiny-positive", "one-version", "latest-version", "mixed-published", "no-prompt", "no-reward",
-        "vocab-edges", "id-at-limit", "output-at-limit"])
+        "vocab-edges", "id-at-limit", "strings-at-limit", "greedy", "scalars-at-limit", "output-at-limit"])
 def test_edges_that_stay_legal(overrides):
     assert verdict(minimal(**overrides)) is None
 

@@ -13,6 +13,7 @@ import sys
 import textwrap
 import threading
 
+import pyarrow as pa
 import pytest
 
 from rollbook.store import wal
@@ -71,8 +72,37 @@ def test_a_rejected_id_is_not_accepted_later_and_says_so(ledger):
     [first] = ledger.submit([row("x", output_logprobs=[float("nan")] * 4)])
     [again] = ledger.submit([row("x")])
     assert (first.status, first.reason) == (REJECTED, "NONFINITE_LOGPROB")
-    assert again.status == DUPLICATE and "REJECTED" in again.detail
+    assert again.status == DUPLICATE and "REJECTED" in again.detail and "new trajectory_id" in again.detail
     assert ids(ledger) == []
+
+
+def test_a_session_reward_goes_to_the_latest_consumed_or_only_attempt(ledger):
+    ledger.submit([row("r1-a0", session_id="s", request_id="r1", consumed=False, created_at=1.0),
+                   row("r1-a1", session_id="s", request_id="r1", consumed=True, created_at=2.0),
+                   row("r2-a0", session_id="s", request_id="r2", created_at=3.0),
+                   row("other", session_id="s2", request_id="r9", consumed=True, created_at=9.0)])
+    assert ledger.set_reward(0.5, session_id="s") == "r2-a0"
+
+
+def test_a_reward_beyond_max_abs_reward_is_refused_with_its_code(ledger):
+    ledger.submit([row("later", reward=None)])
+    for reward in (1e6 + 1, -1e200):
+        with pytest.raises(ValueError, match="REWARD_OUT_OF_RANGE"):
+            ledger.set_reward(reward, trajectory_id="later")
+    assert ledger.set_reward(-1e6, trajectory_id="later") == "later"
+
+
+def test_recovery_reads_a_log_segment_written_before_rejections_had_consumed(tmp_path):
+    """A segment from before the column existed replays with consumed NULL instead of being
+    mistaken for a torn tail (which would drop acknowledged rejections)."""
+    from rollbook.store.schema import REJECTION_SCHEMA
+
+    old_schema = pa.schema([f for f in REJECTION_SCHEMA if f.name != "consumed"])
+    old = pa.table({f.name: pa.array(["x"] if f.type == pa.string() else [1] if f.type == pa.int64() else [1.0],
+                                     f.type) for f in old_schema}, schema=old_schema)
+    conformed = wal._conform(old.to_batches(), REJECTION_SCHEMA)
+    assert conformed.schema == REJECTION_SCHEMA and conformed.column("consumed").to_pylist() == [None]
+    assert conformed.column("trajectory_id").to_pylist() == ["x"]
 
 
 def test_empty_ids_are_each_rejected_and_never_deduplicated(ledger):

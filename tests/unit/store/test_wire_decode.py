@@ -172,6 +172,34 @@ def test_a_packed_array_sent_in_pieces_is_their_concatenation():
     assert batch.tokens.values.tolist() == [1, 300, 2] and batch.logprobs.values.tolist() == [-1, -2, -3]
 
 
+@pytest.mark.parametrize("records", [
+    length_delimited(12, b"\x85") + length_delimited(12, b"\x00"),  # one varint (5) split across two records
+    length_delimited(14, b"\xff\xff") + length_delimited(14, b"\x01"),
+    length_delimited(11, b"\x80") + length_delimited(11, b"\x01") + length_delimited(12, b"\x01"),
+    length_delimited(13, struct.pack("<f", -1.0)[:3]) + length_delimited(13, struct.pack("<f", -1.0)[3:]),
+    length_delimited(13, struct.pack("<2f", -1, -2)[:6]) + length_delimited(13, struct.pack("<2f", -1, -2)[6:]),
+], ids=["tokens", "versions", "prompt", "float-3+1", "float-6+2"])
+def test_a_value_split_across_two_packed_records_is_refused_like_protobuf_refuses_it(records):
+    """Each record of a packed field must decode on its own (protobuf: a record ending inside a value
+    is corrupt), so the concatenation must not be read as a different, valid value."""
+    data = request(length_delimited(1, b"s") + records)
+    with pytest.raises(MalformedRequest):
+        reference(data)
+    assert_decodes_like_the_ordinary_parse(data)
+
+
+def test_empty_records_and_whole_values_in_several_records_take_the_bulk_path(monkeypatch):
+    calls = []
+    monkeypatch.setattr(prepare, "parse_message", lambda *args: calls.append(args) or parse_message(*args))
+    pieces = (length_delimited(1, b"e") + length_delimited(12, b"") + length_delimited(12, b"\x85\x00")
+              + length_delimited(12, b"") + length_delimited(12, b"\x01") + length_delimited(13, b"")
+              + length_delimited(13, struct.pack("<2f", -1, -2)))
+    data = request(pieces, pieces)
+    assert decode_request(data).tokens.values.tolist() == [5, 1, 5, 1]
+    assert calls == []
+    assert_decodes_like_the_ordinary_parse(data)
+
+
 def test_unknown_field_numbers_are_still_accepted():
     newer_client = traj().SerializeToString() + field(99, 0, varint_bytes(1))
     assert_decodes_like_the_ordinary_parse(request(newer_client))
@@ -252,6 +280,68 @@ trajectories = st.builds(
 @given(st.lists(trajectories, max_size=6))
 def test_any_batch_decodes_like_the_ordinary_parse(msgs):
     assert_decodes_like_the_ordinary_parse(encode_submit_request(msgs))
+
+
+def packed_payload(name: str, values) -> bytes:
+    if name == "output_logprobs":
+        return struct.pack(f"<{len(values)}f", *values)
+    return b"".join(varint_bytes(v & (2**64 - 1)) for v in values)  # negative ints: ten-byte varints
+
+
+@st.composite
+def split_into_records(draw, msg: pb.Trajectory) -> bytes:
+    """``msg`` with each packed array cut into one to four records at any byte (inside a varint or a
+    float32 too, or nowhere), the records of different fields interleaved in any order."""
+    scalars = pb.Trajectory()
+    scalars.CopyFrom(msg)
+    queues = []
+    for name in ARRAYS:
+        scalars.ClearField(name)
+        payload = packed_payload(name, getattr(msg, name))
+        if not payload and draw(st.booleans(), label="omit"):
+            continue
+        cuts = sorted(draw(st.lists(st.integers(0, len(payload)), max_size=3), label="cuts"))
+        bounds = [0, *cuts, len(payload)]
+        queues.append([length_delimited(ARRAY_NUMBERS[name], payload[a:b]) for a, b in zip(bounds, bounds[1:])])
+    records = []
+    while queues:  # a random interleaving that keeps each field's records in order
+        queue = queues[draw(st.integers(0, len(queues) - 1), label="field")]
+        records.append(queue.pop(0))
+        queues = [q for q in queues if q]
+    return scalars.SerializeToString() + b"".join(records)
+
+
+ARRAY_NUMBERS = {name: pb.Trajectory.DESCRIPTOR.fields_by_name[name].number for name in ARRAYS}
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(trajectories, min_size=1, max_size=4), st.data())
+def test_packed_arrays_split_into_records_anywhere_decode_like_the_ordinary_parse_or_fail_like_it(msgs, data):
+    """Protobuf concatenates the records of a packed field but refuses a record that ends inside a
+    value; the bulk decoder must accept exactly the same inputs, with the same values."""
+    encoded = [data.draw(split_into_records(m), label=f"row{i}") for i, m in enumerate(msgs)]
+    assert_decodes_like_the_ordinary_parse(request(*encoded))
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(trajectories, min_size=1, max_size=4), st.data())
+def test_records_cut_only_between_values_are_accepted_as_the_concatenation(msgs, data):
+    encoded = []
+    for m in msgs:
+        scalars = pb.Trajectory()
+        scalars.CopyFrom(m)
+        records = b""
+        for name in ARRAYS:
+            scalars.ClearField(name)
+            values = list(getattr(m, name))
+            cuts = sorted(data.draw(st.lists(st.integers(0, len(values)), max_size=3), label="cuts"))
+            bounds = [0, *cuts, len(values)]
+            records += b"".join(length_delimited(ARRAY_NUMBERS[name], packed_payload(name, values[a:b]))
+                                for a, b in zip(bounds, bounds[1:]))
+        encoded.append(scalars.SerializeToString() + records)
+    want = reference(request(*encoded))
+    assert_same_batch(want, reference(encode_submit_request(msgs)))
+    assert_decodes_like_the_ordinary_parse(request(*encoded))
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])

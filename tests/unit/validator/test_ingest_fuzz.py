@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from rollbook.store.convert import decode, decode_messages
 from rollbook.v1 import rollbook_pb2 as pb
-from rollbook.validator.ingest import IngestConfig, VersionSet, check, check_batch
+from rollbook.validator.ingest import STRING_FIELDS, IngestConfig, VersionSet, check, check_batch
 from rollbook.validator.reasons import Reason
 
 INT32 = (-(2**31), 2**31 - 1)
@@ -110,14 +110,16 @@ def near_valid_for(draw, registry: FakeRegistry) -> pb.Trajectory:
         output_token_ids=draw(st.lists(st.integers(0, vocab - 1), min_size=n, max_size=n)),
         output_logprobs=draw(st.lists(st.floats(-30, 0, width=32), min_size=n, max_size=n)),
         output_versions=sorted(draw(st.lists(st.sampled_from(published), min_size=n, max_size=n))),
-        temperature=draw(float32s), top_p=draw(float32s), reward=draw(st.floats(-1e6, 1e6)),
+        temperature=draw(st.floats(0, 2, width=32)), top_p=draw(st.floats(0, 1, width=32, exclude_min=True)),
+        reward=draw(st.floats(-1e6, 1e6)), group_size=draw(st.integers(0, 8)),
     )
     wild = {
         "trajectory_id": ids, "group_id": ids, "model_id": st.sampled_from(["tiny", "other", ""]),
         "prompt_token_ids": token_lists(), "output_token_ids": token_lists(),
         "output_logprobs": st.lists(float32s | st.sampled_from([-9999.0, 1e-5, 2e-4]), max_size=30),
         "output_versions": st.lists(small_versions | any_version, max_size=30), "reward": st.floats(),
-        "temperature": st.none(), "top_p": st.none(),
+        "temperature": st.none() | float32s, "top_p": st.none() | float32s, "top_k": st.integers(*INT32),
+        "created_at": st.floats(), "group_size": st.integers(*UINT32), "finish_reason": ids, "task_id": ids,
     }
     for name in draw(st.lists(st.sampled_from(sorted(wild)), max_size=3, unique=True)):
         value = draw(wild[name])
@@ -150,6 +152,8 @@ configs = st.builds(
     positive_logprob_tolerance=st.floats(0, 1e-2),
     sentinel_logprobs=st.lists(st.sampled_from([-9999.0, -1e4, -100.0]), max_size=2),
     require_sampling_params=st.booleans(),
+    max_abs_reward=st.sampled_from([1.0, 1e6, 1e150]),
+    max_group_size=st.sampled_from([1, 4, 65_536, 2**32 - 1]),
 )
 
 
@@ -178,8 +182,7 @@ def test_what_check_accepts_meets_every_stored_invariant(case, config):
         return
     n = len(row.tokens)
     assert msg.trajectory_id
-    assert all(len(getattr(msg, f)) <= config.max_id_length for f in ("trajectory_id", "session_id", "group_id",
-                                                                       "request_id", "model_id"))
+    assert all(len(getattr(msg, f)) <= config.max_id_length for f in STRING_FIELDS)
     assert 0 < n <= config.max_output_tokens and len(row.prompt) <= config.max_prompt_tokens
     assert len(row.logprobs) == len(row.versions) == n
     vocab = registry.vocab_size(msg.model_id)
@@ -192,7 +195,11 @@ def test_what_check_accepts_meets_every_stored_invariant(case, config):
     assert set(row.versions.tolist()) <= set(registry.versions.get(msg.model_id, []))
     if config.require_sampling_params:
         assert msg.HasField("temperature") and msg.HasField("top_p")
-    assert not msg.HasField("reward") or math.isfinite(msg.reward)
+    assert not msg.HasField("reward") or abs(msg.reward) <= config.max_abs_reward  # finite too
+    assert not msg.HasField("temperature") or (math.isfinite(msg.temperature) and msg.temperature >= 0)
+    assert not msg.HasField("top_p") or 0 < msg.top_p <= 1
+    assert not msg.HasField("top_k") or msg.top_k >= -1
+    assert math.isfinite(msg.created_at) and msg.group_size <= config.max_group_size
 
 
 @PROPERTY
@@ -257,7 +264,11 @@ BREAKS = {
     Reason.UNPUBLISHED_VERSION: _versions_from(2),
     Reason.DECREASING_VERSIONS: _decreasing,
     Reason.MISSING_SAMPLING_PARAMS: _clear("top_p"),
+    Reason.INVALID_SAMPLING_PARAMS: _set("temperature", -1.0),
     Reason.NONFINITE_REWARD: _set("reward", math.inf),
+    Reason.REWARD_OUT_OF_RANGE: _set("reward", -1e200),
+    Reason.NONFINITE_CREATED_AT: _set("created_at", math.nan),
+    Reason.INVALID_GROUP_SIZE: _set("group_size", 2**32 - 1),
     Reason.UNREGISTERED_MODEL: _set("model_id", "unknown"),
     Reason.TOKEN_OUT_OF_VOCAB: _put("output_token_ids", 64),
     Reason.FUTURE_VERSION: _versions_from(7),

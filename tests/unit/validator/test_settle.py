@@ -15,7 +15,7 @@ import pytest
 
 from rollbook.store.convert import decode_messages, trajectories_table, trajectory_from_dict
 from rollbook.store.schema import DDL
-from rollbook.validator.pull import LeaseError, PullRequest, UnknownLease, ack_lease, lease_batch
+from rollbook.validator.pull import LeaseError, NotLeaseOwner, PullRequest, UnknownLease, ack_lease, lease_batch
 from rollbook.validator.settle import ValidatorConfig, expire_leases, reject_stale, settle
 
 T0 = 1000.0  # received_at of the first insert; `now` values below are relative to it
@@ -31,7 +31,7 @@ def con():
 
 
 def traj(tid: str, **fields) -> dict:
-    t = {"trajectory_id": tid, "session_id": f"s-{tid}", "group_id": "", "group_size": 1, "request_id": f"r-{tid}",
+    t = {"trajectory_id": tid, "session_id": "s", "group_id": "", "group_size": 1, "request_id": f"r-{tid}",
          "consumed": True, "model_id": "m", "prompt_token_ids": [1], "output_token_ids": [2, 3],
          "output_logprobs": [-0.1, -0.2], "output_versions": [0, 0], "temperature": 1.0, "top_p": 1.0,
          "reward": 1.0, "created_at": T0}
@@ -110,6 +110,49 @@ def test_a_ready_unconsumed_attempt_is_replaced_and_its_group_waits_for_the_repl
     assert served(pull(con, now=T0 + 2)) == ["a", "b1"]
 
 
+def reject_at_ingest(con, tid: str, *, request_id: str, consumed: bool, session_id: str = "s", model_id: str = "m",
+                     reason: str = "NONFINITE_LOGPROB", at: float = T0) -> None:
+    con.execute("INSERT INTO rejections BY NAME SELECT ? AS trajectory_id, ? AS reason, 'x' AS detail, 'ingest' AS stage, "
+                "? AS session_id, ? AS request_id, ? AS model_id, ? AS consumed, ? AS rejected_at",
+                [tid, reason, session_id, request_id, model_id, consumed, at])
+
+
+def test_a_consumed_attempt_rejected_at_ingest_orphans_every_unconsumed_attempt(con):
+    insert(con, traj("u0", request_id="r", attempt=0, consumed=False, created_at=1.0),
+           traj("u2", request_id="r", attempt=2, consumed=False, created_at=3.0))
+    reject_at_ingest(con, "c1", request_id="r", consumed=True)
+    assert settle(con, ValidatorConfig(), T0)["retry_orphans"] == 2
+    assert rejected(con) == {"c1": "NONFINITE_LOGPROB", "u0": "RETRY_ORPHAN", "u2": "RETRY_ORPHAN"}
+    (detail,) = con.execute("SELECT detail FROM rejections WHERE trajectory_id = 'u2'").fetchone()
+    assert "c1" in detail and "NONFINITE_LOGPROB" in detail
+
+
+def test_a_consumed_rejection_arriving_after_the_retry_became_ready_still_orphans_it(con):
+    insert(con, traj("u0", request_id="r", consumed=False))
+    settle(con, ValidatorConfig(), T0)
+    assert status(con) == {"u0": "ready"}
+    reject_at_ingest(con, "c1", request_id="r", consumed=True, at=T0 + 1)
+    assert settle(con, ValidatorConfig(), T0 + 1)["retry_orphans"] == 1
+    assert status(con) == {}
+
+
+def test_an_unconsumed_rejection_or_another_calls_rejection_orphans_nothing(con):
+    insert(con, traj("u0", request_id="r", consumed=False), traj("v0", request_id="r", consumed=False, session_id="s2"))
+    reject_at_ingest(con, "x1", request_id="r", consumed=False)
+    reject_at_ingest(con, "y1", request_id="r", consumed=True, session_id="other-session")
+    reject_at_ingest(con, "z1", request_id="r", consumed=True, model_id="other-model")
+    settle(con, ValidatorConfig(), T0)
+    assert status(con) == {"u0": "ready", "v0": "ready"}
+
+
+def test_request_ids_are_scoped_per_session_and_model(con):
+    insert(con, traj("a", request_id="turn-0", session_id="s1", consumed=False),
+           traj("b", request_id="turn-0", session_id="s2", consumed=False),
+           traj("c", request_id="turn-0", session_id="s1", model_id="m2", consumed=False))
+    assert settle(con, ValidatorConfig(), T0)["retry_orphans"] == 0
+    assert status(con) == {"a": "ready", "b": "ready", "c": "ready"}
+
+
 # ---- group readiness and the incomplete-group policies -------------------------------------------
 
 
@@ -183,6 +226,42 @@ def test_staleness_bound_is_inclusive_and_filtered_by_model(con):
     assert reject_stale(con, "m", trainer_version=2, max_staleness=1, now=T0) == 1
     assert rejected(con) == {"v0": "STALE"}
     assert "other" in status(con)
+
+
+@pytest.mark.parametrize("policy", ["wait", "drop"])
+def test_a_group_losing_members_to_stale_is_rejected_whole_under_wait_and_drop(con, policy):
+    insert(con, *[traj(f"g{i}", group_id="g", group_size=4, output_versions=[0 if i < 2 else 2] * 2) for i in range(4)])
+    insert(con, traj("solo", output_versions=[0, 0]), traj("fresh", output_versions=[2, 2]))
+    settle(con, ValidatorConfig(), T0)
+    assert reject_stale(con, "m", trainer_version=2, max_staleness=1, now=T0, policy=policy) == 3
+    assert rejected(con) == {"g0": "STALE", "g1": "STALE", "solo": "STALE", "g2": "INCOMPLETE_GROUP",
+                             "g3": "INCOMPLETE_GROUP"}
+    assert status(con) == {"fresh": "ready"}
+
+
+def test_a_group_losing_members_to_stale_keeps_the_rest_under_keep(con):
+    insert(con, *[traj(f"g{i}", group_id="g", group_size=4, output_versions=[0 if i < 2 else 2] * 2) for i in range(4)])
+    assert reject_stale(con, "m", trainer_version=2, max_staleness=1, now=T0, policy="keep") == 2
+    assert rejected(con) == {"g0": "STALE", "g1": "STALE"}
+
+
+def test_a_pull_must_name_its_model_and_trainer(con):
+    for missing in ("model_id", "trainer_id"):
+        req = PullRequest(trainer_id="t", trainer_version=0, max_staleness=0, num_samples=1, num_groups=0, step=0,
+                          model_id="m", lease_seconds=1.0)
+        setattr(req, missing, "")
+        with pytest.raises(ValueError, match=missing):
+            lease_batch(con, req, ValidatorConfig(), T0)
+
+
+def test_only_the_trainer_a_lease_was_issued_to_may_ack_it(con):
+    insert(con, traj("a"))
+    batch = pull(con, now=T0)
+    with pytest.raises(NotLeaseOwner):
+        ack_lease(con, batch.lease_id, T0 + 1, "someone-else")
+    with pytest.raises(UnknownLease):
+        ack_lease(con, "no-such-lease", T0 + 1, "t")
+    assert ack_lease(con, batch.lease_id, T0 + 1, "t") == 1
 
 
 def test_ack_is_idempotent_and_an_unknown_lease_is_refused(con):
