@@ -36,6 +36,12 @@ and compete for the same cores: the sustained rate.
     python bench/ingest.py --json                      # one JSON line on stdout, progress on stderr
     python bench/ingest.py --num-trajectories 6000 --num-processes 4 --systems rollbook,ray_queue
     python bench/ingest.py --profile runs/profile      # also py-spy the server (collapsed stacks)
+    python bench/ingest.py --json --secure             # also rollbook with all four role keys and TLS
+
+``--secure`` adds ``rollbook_secure_tok_s``: the validated rollbook run again, measured in the same
+rounds, against a store with all four role keys and a TLS certificate (a throwaway CA made with
+``openssl``; the clients send the worker key over TLS), and ``security_cost``
+(``1 - rollbook_secure / rollbook``).
 """
 
 from __future__ import annotations
@@ -90,12 +96,15 @@ def main(argv: list[str] | None = None) -> int:
     measure: dict[str, Callable[[], float | None]] = {
         "rollbook": lambda: run_rollbook(args, counts, run, validate=True),
         "rollbook_novalidate": lambda: run_rollbook(args, counts, run, validate=False),
+        "rollbook_secure": lambda: run_rollbook(args, counts, run, validate=True, secure=True),
         "arrow_ipc_fsync": lambda: run_arrow_ipc(args, counts, run),
     }
     samples: dict[str, list[float] | None] = {name: [] if name in systems else None for name in SYSTEMS}
+    if args.secure:
+        samples["rollbook_secure"] = []
     for _ in range(args.repeats):
         for name, once in measure.items():
-            if samples[name] is not None:
+            if samples.get(name) is not None:
                 value = once()
                 samples[name] = None if value is None else samples[name] + [value]
     if "ray_queue" in systems:
@@ -117,8 +126,11 @@ def summarize(tok_s: dict[str, float | None], args: argparse.Namespace) -> dict[
         return round(a / b, 3) if a and b else None
 
     rb, nv = tok_s["rollbook"], tok_s["rollbook_novalidate"]
+    secure = {"security_cost": round(1 - tok_s["rollbook_secure"] / rb, 3) if rb and tok_s["rollbook_secure"] else None} \
+        if "rollbook_secure" in tok_s else {}
     return {
         **{f"{name}_tok_s": round(v) if v is not None else None for name, v in tok_s.items()},
+        **secure,
         "rollbook_over_ray": ratio(rb, tok_s["ray_queue"]),
         "rollbook_over_ceiling": ratio(rb, tok_s["arrow_ipc_fsync"]),
         "validation_cost": round(1 - rb / nv, 3) if rb and nv else None,
@@ -163,14 +175,18 @@ def make_trajectories(num: int, num_tokens: int, *, worker: int, run: str) -> li
 
 # ---- rollbook ------------------------------------------------------------------------------------
 
-def run_rollbook(args: argparse.Namespace, counts: list[int], run: str, *, validate: bool) -> float | None:
-    """Tokens/s through ``rollbook serve``; None when asked not to validate and the store validates anyway."""
-    label = "rollbook" if validate else "rollbook_novalidate"
-    with running_store(args.work_dir, label, novalidate=not validate) as (server, address, client):
+def run_rollbook(args: argparse.Namespace, counts: list[int], run: str, *, validate: bool,
+                 secure: bool = False) -> float | None:
+    """Tokens/s through ``rollbook serve``; None when asked not to validate and the store validates anyway.
+    ``secure``: all four role keys and TLS (the clients send the worker key and check the certificate)."""
+    label = "rollbook_secure" if secure else "rollbook" if validate else "rollbook_novalidate"
+    with running_store(args.work_dir, label, novalidate=not validate, secure=secure) as (server, address, client):
         profiler = _py_spy(server.pid, args.profile, label) if args.profile else None
         server_cpu = _cpu_seconds(server.pid)
         try:
-            seconds, client_cpu = run_clients(_rollbook_client, counts, (address, args.num_tokens, run, args.batch_size))
+            access = (client.worker_key, client.tls.ca) if secure else None
+            seconds, client_cpu = run_clients(_rollbook_client, counts, (address, args.num_tokens, run, args.batch_size,
+                                                                         access))
         finally:
             _stop_py_spy(profiler)
         server_cpu = _cpu_seconds(server.pid) - server_cpu
@@ -180,7 +196,7 @@ def run_rollbook(args: argparse.Namespace, counts: list[int], run: str, *, valid
             raise RuntimeError(f"{label}: store holds {stats.accepted} trajectories / {stats.accepted_tokens} tokens, "
                                f"expected {sum(counts)} / {tokens}")
         _progress(f"{label}: counters checked")
-        if validate:
+        if validate and not secure:
             PULL_RESULTS["pull_tok_s"] = round(measure_pull(client, tokens))
         if _probe_validates(client, run) != validate:
             if validate:
@@ -192,21 +208,31 @@ def run_rollbook(args: argparse.Namespace, counts: list[int], run: str, *, valid
 
 
 @contextlib.contextmanager
-def running_store(work_dir: str | None, label: str, *, novalidate: bool) -> Iterator[tuple[subprocess.Popen, str, Any]]:
+def running_store(work_dir: str | None, label: str, *, novalidate: bool,
+                  secure: bool = False) -> Iterator[tuple[subprocess.Popen, str, Any]]:
     """A ``rollbook serve`` on a fresh DuckDB file with the bench model registered and its versions
-    published; yields the process, its address and an admin ``StoreClient``."""
+    published; yields the process, its address and a ``StoreClient`` holding every key. ``secure``:
+    all four role keys and TLS with a throwaway CA (otherwise the admin and trainer keys only)."""
     from rollbook.client import StoreClient
+    from rollbook.tls import make_test_certificates
 
-    admin_key, trainer_key = secrets.token_hex(16), secrets.token_hex(16)
-    env = {k: v for k, v in os.environ.items() if k != "ROLLBOOK_BENCH_NOVALIDATE"}
-    env.update(ROLLBOOK_ADMIN_KEY=admin_key, ROLLBOOK_TRAINER_KEY=trainer_key)
+    roles = ("worker", "trainer", "reader", "admin") if secure else ("trainer", "admin")
+    keys = {f"{role}_key": secrets.token_hex(16) for role in roles}
+    env = {k: v for k, v in os.environ.items() if k != "ROLLBOOK_BENCH_NOVALIDATE" and not k.startswith("ROLLBOOK_TLS_")
+           and not (k.startswith("ROLLBOOK_") and k.endswith("_KEY"))}
+    env.update({f"ROLLBOOK_{name.upper()}": key for name, key in keys.items()})
     if novalidate:
         env["ROLLBOOK_BENCH_NOVALIDATE"] = "1"
     with tempfile.TemporaryDirectory(prefix=f"{label}-", dir=work_dir) as tmp:
+        tls = None
+        if secure:
+            certs = make_test_certificates(pathlib.Path(tmp) / "certs")
+            env.update(ROLLBOOK_TLS_CERT=certs.server_cert, ROLLBOOK_TLS_KEY=certs.server_key)
+            tls = certs.client()
         server, address = start_store(pathlib.Path(tmp) / "rollbook.duckdb", env)
-        _progress(f"{label}: store up at {address}")
+        _progress(f"{label}: store up at {address}" + (" (TLS, four role keys)" if secure else ""))
         try:
-            with StoreClient(address, admin_key=admin_key, trainer_key=trainer_key) as client:
+            with StoreClient(address, tls=tls, **keys) as client:
                 client.register_model(MODEL_ID, vocab_size=VOCAB_SIZE)
                 for v in VERSIONS:
                     client.publish_version(MODEL_ID, v, checksum=f"bench-{v}")
@@ -233,13 +259,15 @@ def start_store(db: pathlib.Path, env: dict[str, str]) -> tuple[subprocess.Popen
 
 
 def _rollbook_client(worker: int, num: int, address: str, num_tokens: int, run: str, batch_size: int,
-                     barrier, results) -> None:
+                     access: tuple[str, str] | None, barrier, results) -> None:
     import grpc
 
     from rollbook.client import StoreClient
+    from rollbook.tls import ClientTLS
 
     msgs = make_trajectories(num, num_tokens, worker=worker, run=run)
-    with StoreClient(address) as client:
+    worker_key, ca = access or (None, None)
+    with StoreClient(address, worker_key=worker_key, tls=ClientTLS(ca) if ca else None) as client:
         grpc.channel_ready_future(client.channel).result(timeout=30)
         barrier.wait(BARRIER_TIMEOUT_S)
         t0, cpu = time.time(), time.process_time()
@@ -472,6 +500,8 @@ def _progress(message: str) -> None:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--json", action="store_true", help="print exactly one JSON line on stdout")
+    p.add_argument("--secure", action="store_true", help="also measure rollbook with all four role keys and TLS "
+                   "(rollbook_secure_tok_s, security_cost), in the same rounds")
     p.add_argument("--num-trajectories", type=int, default=6000, help="trajectories per system, split over the processes (default: %(default)s)")
     p.add_argument("--num-processes", type=int, default=2, help="client / producer processes (default: %(default)s)")
     p.add_argument("--batch-size", type=int, default=64, help="trajectories per submitted batch, fsync or put (default: %(default)s)")

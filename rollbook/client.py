@@ -1,7 +1,7 @@
 """``StoreClient``: the Python client of the trajectory store.
 
     from rollbook.client import StoreClient
-    client = StoreClient("127.0.0.1:50551", admin_key=..., trainer_key=...)
+    client = StoreClient("127.0.0.1:50551", admin_key=..., trainer_key=...)   # or StoreClient.from_env(address)
     client.register_model("tiny", vocab_size=64)
     client.publish_version("tiny", 0, checksum="...")
     result = client.submit(trajectories)          # iterable of Trajectory messages or dicts
@@ -11,6 +11,12 @@
 the stream breaks (store restarted, network blip) reconnects and resends every unacknowledged
 batch. Resending is safe: ``trajectory_id`` is an idempotency key, so a batch the store had
 already committed comes back ``DUPLICATE`` and nothing is stored twice.
+
+Keys: each call sends the key of its role (worker: submit, set_reward; trainer: pull_batch,
+ack_batch, publish_version, report_train_step; reader: query, stats; admin: register_model) as
+``authorization: Bearer <key>``, or the admin key when the client has no key of that role, or none
+(a store on loopback with that role's key unset lets it through). ``tls`` (``rollbook.tls.ClientTLS``)
+makes the channel a TLS one. docs/security.md has the table.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import grpc
 import pyarrow as pa
 
 from rollbook.store.convert import trajectory_from_dict, varint_bytes
+from rollbook.tls import ClientTLS, channel
 from rollbook.v1 import rollbook_pb2 as pb
 from rollbook.v1 import rollbook_pb2_grpc as pb_grpc
 
@@ -80,14 +87,18 @@ def as_trajectory(item: pb.Trajectory | Mapping[str, Any]) -> pb.Trajectory:
     return item if isinstance(item, pb.Trajectory) else trajectory_from_dict(item)
 
 
+KEY_ROLES = ("worker", "trainer", "reader", "admin")
+
+
 class StoreClient:
-    def __init__(self, address: str, *, admin_key: str | None = None, trainer_key: str | None = None,
+    def __init__(self, address: str, *, worker_key: str | None = None, trainer_key: str | None = None,
+                 reader_key: str | None = None, admin_key: str | None = None, tls: ClientTLS | None = None,
                  timeout_s: float = 60.0):
         self.address = address
-        self.admin_key = admin_key
-        self.trainer_key = trainer_key
+        self.worker_key, self.trainer_key, self.reader_key, self.admin_key = worker_key, trainer_key, reader_key, admin_key
+        self.tls = tls
         self.timeout_s = timeout_s
-        self.channel = grpc.insecure_channel(address, options=[
+        self.channel = channel(address, tls, options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             # reconnect within ~1 s of a restarted store instead of gRPC's default backoff (up to 120 s)
@@ -100,6 +111,21 @@ class StoreClient:
         # trajectory into a SubmitRequest message
         self._submit = self.channel.stream_stream("/rollbook.v1.TrajectoryStore/Submit", request_serializer=None,
                                                   response_deserializer=pb.SubmitResponse.FromString)
+
+    @classmethod
+    def from_env(cls, address: str, **kwargs: Any) -> "StoreClient":
+        """A client with the keys of ``ROLLBOOK_{WORKER,TRAINER,READER,ADMIN}_KEY`` and the TLS
+        settings of ``ROLLBOOK_TLS_CA`` / ``ROLLBOOK_TLS_CLIENT_CERT`` / ``ROLLBOOK_TLS_CLIENT_KEY``;
+        ``kwargs`` that are not None win."""
+        import os
+
+        values: dict[str, Any] = {f"{r}_key": os.environ.get(f"ROLLBOOK_{r.upper()}_KEY") or None for r in KEY_ROLES}
+        values["tls"] = ClientTLS.from_env()
+        values.update({k: v for k, v in kwargs.items() if v is not None})
+        return cls(address, **values)
+
+    def _auth(self, role: str) -> list[tuple[str, str]]:
+        return _auth(getattr(self, f"{role}_key") or self.admin_key)
 
     def close(self) -> None:
         self.channel.close()
@@ -124,21 +150,22 @@ class StoreClient:
 
     def register_model(self, model_id: str, vocab_size: int) -> None:
         self.stub.RegisterModel(pb.RegisterModelRequest(model_id=model_id, vocab_size=vocab_size),
-                                metadata=_auth(self.admin_key), timeout=self.timeout_s)
+                                metadata=self._auth("admin"), timeout=self.timeout_s)
 
     def publish_version(self, model_id: str, version: int, checksum: str = "") -> int:
         response = self.stub.PublishVersion(
             pb.PublishVersionRequest(model_id=model_id, version=version, checksum=checksum),
-            metadata=_auth(self.trainer_key), timeout=self.timeout_s)
+            metadata=self._auth("trainer"), timeout=self.timeout_s)
         return response.latest_version
 
     def set_reward(self, reward: float, *, trajectory_id: str = "", session_id: str = "") -> str:
         response = self.stub.SetReward(
-            pb.SetRewardRequest(trajectory_id=trajectory_id, session_id=session_id, reward=reward), timeout=self.timeout_s)
+            pb.SetRewardRequest(trajectory_id=trajectory_id, session_id=session_id, reward=reward),
+            metadata=self._auth("worker"), timeout=self.timeout_s)
         return response.trajectory_id
 
     def stats(self) -> pb.GetStatsResponse:
-        return self.stub.GetStats(pb.GetStatsRequest(), timeout=self.timeout_s)
+        return self.stub.GetStats(pb.GetStatsRequest(), metadata=self._auth("reader"), timeout=self.timeout_s)
 
     # ---- trainer side -----------------------------------------------------------------------------
 
@@ -149,14 +176,15 @@ class StoreClient:
         response = self.stub.PullBatch(pb.PullBatchRequest(
             trainer_id=trainer_id, trainer_version=trainer_version, max_staleness=max_staleness,
             num_samples=num_samples, num_groups=num_groups, step=step, model_id=model_id,
-            lease_seconds=lease_seconds), timeout=self.timeout_s)
+            lease_seconds=lease_seconds), metadata=self._auth("trainer"), timeout=self.timeout_s)
         table = pa.ipc.open_stream(io.BytesIO(response.arrow_ipc)).read_all()
         return PulledBatch(response.lease_id, table, json.loads(response.stats_json or "{}"))
 
     def ack_batch(self, lease_id: str, trainer_id: str) -> int:
         """Confirm a lease once the step that used it is checkpointed (idempotent). Only the trainer
         the lease was issued to may (another ``trainer_id`` gets PERMISSION_DENIED)."""
-        return self.stub.AckBatch(pb.AckBatchRequest(lease_id=lease_id, trainer_id=trainer_id), timeout=self.timeout_s).num_rows
+        return self.stub.AckBatch(pb.AckBatchRequest(lease_id=lease_id, trainer_id=trainer_id),
+                                  metadata=self._auth("trainer"), timeout=self.timeout_s).num_rows
 
     def report_train_step(self, *, step: int, trainer_id: str, version: int, lease_id: str, started_at: float,
                           finished_at: float, stats: Mapping[str, Any]) -> None:
@@ -164,7 +192,7 @@ class StoreClient:
         self.stub.ReportTrainStep(pb.ReportTrainStepRequest(
             step=step, trainer_id=trainer_id, version=version, lease_id=lease_id, started_at=started_at,
             finished_at=finished_at, stats_json=json.dumps(dict(stats), sort_keys=True)),
-            metadata=_auth(self.trainer_key), timeout=self.timeout_s)
+            metadata=self._auth("trainer"), timeout=self.timeout_s)
 
     # ---- SQL ------------------------------------------------------------------------------------
 
@@ -172,7 +200,7 @@ class StoreClient:
         """Run one read-only statement; the table's schema metadata has ``rollbook.truncated``
         set to ``true`` when the server's row cap cut the result."""
         chunks = self.stub.Query(pb.QueryRequest(sql=sql, max_rows=max_rows, timeout_seconds=timeout_s),
-                                 timeout=self.timeout_s + (timeout_s or 0))
+                                 metadata=self._auth("reader"), timeout=self.timeout_s + (timeout_s or 0))
         return read_query_chunks(chunks)
 
 
@@ -230,7 +258,8 @@ class _SubmitSession:
             resend = list(self.unacked)
         self.result.resent_batches += len(resend)
         # fail fast while the store is down (UNAVAILABLE), so the retry loop's deadline applies
-        responses = self.submit(self._requests(attempt, resend), wait_for_ready=False)
+        responses = self.submit(self._requests(attempt, resend), wait_for_ready=False,
+                                metadata=self.client._auth("worker"))
         try:
             for response in responses:
                 with self.cond:

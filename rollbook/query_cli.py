@@ -42,9 +42,10 @@ def run_query_command(args: argparse.Namespace) -> int:
 def _via_server(server: str, args: argparse.Namespace, *, fallback: bool) -> pa.Table | None:
     import grpc
 
-    from rollbook.client import StoreClient
+    from rollbook.cli import _client
 
-    with StoreClient(server, timeout_s=max(args.timeout, 30.0)) as client:
+    args.server = server
+    with _client(args, timeout_s=max(args.timeout, 30.0)) as client:
         try:
             return client.query(args.sql, max_rows=args.max_rows, timeout_s=args.timeout)
         except grpc.RpcError as exc:

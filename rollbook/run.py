@@ -46,16 +46,28 @@ SUMMARY_SQL = [
 
 
 class StoreProcess:
-    """A ``rollbook serve`` child process on the run directory's ledger."""
+    """A ``rollbook serve`` child process on the run directory's ledger. The keys go to it through
+    the environment (never the command line, which other users can read in ``ps``); a role given no
+    key stays open (loopback only). ``tls`` (``rollbook.tls.ServerTLS``) turns TLS on; ``client()``
+    then needs ``client_tls``."""
 
-    def __init__(self, db: pathlib.Path, *, admin_key: str, trainer_key: str, port: int = 0,
-                 env: dict[str, str] | None = None):
+    def __init__(self, db: pathlib.Path, *, admin_key: str | None = None, trainer_key: str | None = None,
+                 worker_key: str | None = None, reader_key: str | None = None, port: int = 0,
+                 env: dict[str, str] | None = None, tls=None, client_tls=None, extra_args: tuple[str, ...] = ()):
         self.db = pathlib.Path(db)
+        self.keys = {"worker_key": worker_key, "trainer_key": trainer_key, "reader_key": reader_key, "admin_key": admin_key}
         self.admin_key, self.trainer_key = admin_key, trainer_key
-        env = {**(os.environ if env is None else env), "ROLLBOOK_ADMIN_KEY": admin_key, "ROLLBOOK_TRAINER_KEY": trainer_key}
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "rollbook.cli", "serve", "--db", str(db), "--port", str(port), "--log-level", "WARNING"],
-            stdout=subprocess.PIPE, text=True, env=env)
+        self.client_tls = client_tls
+        env = dict(os.environ if env is None else env)
+        for name, key in self.keys.items():
+            env.pop(f"ROLLBOOK_{name.upper()}", None)
+            if key:
+                env[f"ROLLBOOK_{name.upper()}"] = key
+        args = ["--db", str(db), "--port", str(port), "--log-level", "WARNING", *extra_args]
+        if tls is not None:
+            args += ["--tls-cert", tls.cert, "--tls-key", tls.key] + (["--tls-client-ca", tls.client_ca] if tls.client_ca else [])
+        self.proc = subprocess.Popen([sys.executable, "-m", "rollbook.cli", "serve", *args],
+                                     stdout=subprocess.PIPE, text=True, env=env)
         line = self.proc.stdout.readline().strip()
         if not line.startswith("listening on "):
             self.proc.kill()
@@ -63,10 +75,10 @@ class StoreProcess:
         self.address = line.removeprefix("listening on ")
 
     def client(self, **kwargs):
-        """A ``StoreClient`` holding both keys."""
+        """A ``StoreClient`` holding every key."""
         from rollbook.client import StoreClient
 
-        return StoreClient(self.address, admin_key=self.admin_key, trainer_key=self.trainer_key, **kwargs)
+        return StoreClient(self.address, **{**self.keys, "tls": self.client_tls, **kwargs})
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -86,7 +98,7 @@ def run(config: RunConfig) -> dict:
     store = StoreProcess(run_dir / "rollbook.duckdb", **keys)
     print(f"store: {store.address}, ledger {run_dir / 'rollbook.duckdb'}", flush=True)
     try:
-        client = StoreClient(store.address, **keys)
+        client = StoreClient.from_env(store.address, **keys)
         client.register_model(config.trainer.model_id, vocab_size=TOKENIZER.vocab_size)
         if config.placement == "colocated":
             summary = _colocated(config, client)
@@ -141,15 +153,18 @@ def _install(engine, version: int, state_dict) -> None:
 
 
 def _run_keys(run_dir: pathlib.Path) -> dict:
-    """Per-run keys (kept in the run dir so a restart reuses them); the env overrides them."""
+    """Per-run keys of the four roles, kept in RUN_DIR/keys.json (mode 0600, never in config.json) so
+    a restart reuses them; ``ROLLBOOK_<ROLE>_KEY`` in the environment overrides them."""
     path = run_dir / "keys.json"
-    if not path.exists():
-        path.write_text(json.dumps({"admin_key": secrets.token_hex(16), "trainer_key": secrets.token_hex(16)}))
+    keys = json.loads(path.read_text()) if path.exists() else {}
+    missing = [f"{role}_key" for role in ("worker", "trainer", "reader", "admin") if f"{role}_key" not in keys]
+    if missing:  # a keys.json of an older run held only admin and trainer keys
+        keys.update({name: secrets.token_hex(16) for name in missing})
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(keys))
         path.chmod(0o600)
-    keys = json.loads(path.read_text())
-    keys["admin_key"] = os.environ.get("ROLLBOOK_ADMIN_KEY", keys["admin_key"])
-    keys["trainer_key"] = os.environ.get("ROLLBOOK_TRAINER_KEY", keys["trainer_key"])
-    return keys
+    return {name: os.environ.get(f"ROLLBOOK_{name.upper()}") or key for name, key in keys.items()}
 
 
 class MetricsLog:

@@ -38,7 +38,7 @@ def run_separated(config: RunConfig, client, address: str, keys: dict) -> dict:
                               spool_dir=str(run_dir / "spool"))
     path = write_worker_config(worker_cfg, run_dir / "worker.json")
     worker = subprocess.Popen([sys.executable, "-m", "rollbook.cli", "rollout", "--config", str(path)],
-                              env={**os.environ, "ROLLBOOK_ADMIN_KEY": keys["admin_key"]})
+                              env={**os.environ, "ROLLBOOK_WORKER_KEY": keys["worker_key"]})  # the worker role only
     try:
         first = {"step": trainer.state.step, **judge.evaluate()}
         metrics.write(first)

@@ -52,7 +52,9 @@ def open_channel(spec: str):
     if kind == "grpc":
         from rollbook.rollout.weights.network import NetworkReceiver
 
-        return NetworkReceiver(where)
+        from rollbook.tls import ClientTLS
+
+        return NetworkReceiver(where, tls=ClientTLS.from_env())
     raise ValueError(f"weights must be 'shm:NAME' or 'grpc:HOST:PORT', got {spec!r}")
 
 
@@ -80,7 +82,8 @@ def run_worker(config: WorkerConfig, stop: threading.Event | None = None) -> dic
     group = config.rollout.group_size
     want = group * config.rollout.num_prompts
     rounds = 0
-    with StoreClient(config.server) as client, Submitter(client, Spool(config.spool_dir, max_bytes=config.spool_max_bytes)) as sub:
+    # keys and TLS from the environment (ROLLBOOK_WORKER_KEY, ROLLBOOK_TLS_CA, ...), never from the config file
+    with StoreClient.from_env(config.server) as client, Submitter(client, Spool(config.spool_dir, max_bytes=config.spool_max_bytes)) as sub:
         while not stop.is_set() and (config.max_rounds == 0 or rounds < config.max_rounds):
             latest = _fetch_or_none(channel)
             if latest is not None:

@@ -1,7 +1,7 @@
 """``Submitter``: deliver a rollout worker's trajectories to the store, surviving store outages.
 
     spool = Spool("runs/w0/spool", max_bytes=256 << 20)
-    with Submitter(StoreClient(address), spool) as submitter:
+    with Submitter(StoreClient.from_env(address), spool) as submitter:   # worker key: ROLLBOOK_WORKER_KEY
         submitter.submit(trajectories)     # durable in the spool when it returns; blocks while full
         ...
         submitter.flush(timeout=60)        # every spooled batch has its verdicts

@@ -1,12 +1,19 @@
 """Create and run the store's gRPC server.
 
 ``create_server(config) -> (server, port, ledger)`` builds everything without blocking (tests use
-it in-process); ``serve(config)`` runs it until SIGINT/SIGTERM, printing ``listening on HOST:PORT``
-as its first line (``rollbook serve --port 0`` relies on that).
+it in-process): ``server`` is a ``StoreServer``, a ``grpc.aio`` server on its own event-loop thread
+with the blocking ``start()`` / ``stop(grace).wait()`` of a classic gRPC server. ``serve(config)``
+runs it until SIGINT/SIGTERM, printing ``listening on HOST:PORT`` as its first line (``rollbook
+serve --port 0`` relies on that).
+
+Why aio: a classic gRPC server ties one handler thread to every open stream, so a few dozen idle
+Submit streams starved every other caller. Here an open stream is a coroutine; the blocking work of
+a batch, a query or a control call runs on one of three bounded thread pools (service.py).
 """
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 import logging
 import os
@@ -19,9 +26,11 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 from pydantic import BaseModel, Field, model_validator
 
+from rollbook.store.access import ROLES, KeyRing, check_keys
 from rollbook.store.ledger import Ledger
-from rollbook.store.service import TrajectoryStoreService, handlers
+from rollbook.store.service import AsyncStore, Pools, StreamLimits, TrajectoryStoreService, handlers
 from rollbook.store.sql import QueryLimits
+from rollbook.tls import ServerTLS, add_port
 from rollbook.validator.ingest import IngestConfig
 from rollbook.validator.settle import ValidatorConfig
 
@@ -30,16 +39,35 @@ log = logging.getLogger("rollbook.store")
 MAX_MESSAGE_BYTES = 64 << 20
 
 
+def _key_field(role: str, rpcs: str):
+    # repr=False and exclude=True: a key never shows in a log line or a dumped config
+    return Field(None, repr=False, exclude=True, description=f"The {role} role's key, for {rpcs} "
+                 f"(env ROLLBOOK_{role.upper()}_KEY). Unset on loopback leaves those RPCs open; required off loopback.")
+
+
 class StoreConfig(BaseModel):
     """Configuration of ``rollbook serve``."""
 
     db: pathlib.Path = Field(pathlib.Path("runs/default/rollbook.duckdb"), description="DuckDB ledger file (created if missing); the write-ahead log lives beside it.")
-    host: str = Field("127.0.0.1", description="Address to bind. A non-loopback address requires both keys.")
+    host: str = Field("127.0.0.1", description="Address to bind. A non-loopback address requires all four role keys, and TLS unless `insecure`.")
     port: int = Field(50551, ge=0, le=65535, description="Port to bind; 0 picks a free one.")
-    admin_key: str | None = Field(None, description="Key for RegisterModel (env ROLLBOOK_ADMIN_KEY).")
-    trainer_key: str | None = Field(None, description="Key for PublishVersion (env ROLLBOOK_TRAINER_KEY).")
+    worker_key: str | None = _key_field("worker", "Submit and SetReward")
+    trainer_key: str | None = _key_field("trainer", "PullBatch, AckBatch, PublishVersion and ReportTrainStep")
+    reader_key: str | None = _key_field("reader", "Query and GetStats")
+    admin_key: str | None = _key_field("admin", "RegisterModel and every other RPC")
+    tls_cert: pathlib.Path | None = Field(None, description="PEM certificate (chain) of the server; with tls_key turns TLS on (env ROLLBOOK_TLS_CERT).")
+    tls_key: pathlib.Path | None = Field(None, description="PEM private key of tls_cert (env ROLLBOOK_TLS_KEY).")
+    tls_client_ca: pathlib.Path | None = Field(None, description="PEM CA that must have signed every client's certificate: mutual TLS (env ROLLBOOK_TLS_CLIENT_CA).")
+    insecure: bool = Field(False, description="Allow a non-loopback address without TLS (keys then cross the network in clear text).")
     max_message_bytes: int = Field(MAX_MESSAGE_BYTES, ge=1 << 20, description="Largest gRPC message accepted; a bigger one is RESOURCE_EXHAUSTED.")
-    num_workers: int = Field(32, ge=2, description="gRPC handler threads (each open Submit stream holds one).")
+    num_workers: int = Field(8, ge=1, description="Threads that prepare and commit Submit batches (an open stream holds none while it waits).")
+    control_workers: int = Field(8, ge=1, description="Threads for PullBatch, AckBatch, SetReward, GetStats and the other unary RPCs.")
+    query_threads: int = Field(4, ge=1, description="Threads that run Query calls (so slow queries cannot hold up the control RPCs).")
+    max_submit_streams: int = Field(1024, ge=1, description="Open Submit streams in all; one more is RESOURCE_EXHAUSTED.")
+    max_submit_streams_per_host: int = Field(256, ge=1, description="Open Submit streams from one client address (host); one more is RESOURCE_EXHAUSTED.")
+    max_streams_per_connection: int = Field(128, ge=1, description="Concurrent RPCs on one connection (HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS); more wait in the client.")
+    max_concurrent_rpcs: int = Field(8192, ge=16, description="Open RPCs in all; one more is RESOURCE_EXHAUSTED.")
+    stream_idle_timeout_s: float = Field(120.0, gt=0, le=86400, description="A Submit stream that sends no batch, or reads no answer, for this long is closed (DEADLINE_EXCEEDED; StoreClient reconnects).")
     # The SQL sandbox (docs/sql.md). Every query_* field can also be set as env ROLLBOOK_<FIELD>.
     query_max_rows: int = Field(100_000, ge=1, description="Row cap of one Query; the last chunk says when it cut.")
     query_timeout_s: float = Field(30.0, gt=0, le=3600, description="Per-query timeout in seconds: the default, and the most a caller may ask for (0, negative, NaN or inf mean this). A query still running query_kill_grace_s later has its sandbox process killed.")
@@ -47,7 +75,7 @@ class StoreConfig(BaseModel):
     query_max_result_bytes: int = Field(256 << 20, ge=1 << 20, description="Byte cap of one Query's result (Arrow bytes); the result is cut there and the last chunk says so.")
     query_memory_limit_mb: int = Field(1024, ge=64, description="DuckDB memory_limit of each sandbox process, in MiB.")
     query_process_headroom_mb: int = Field(768, ge=128, description="Each sandbox process's data-segment limit (RLIMIT_DATA) is query_memory_limit_mb plus this; allocations past it fail inside the sandbox.")
-    query_threads: int = Field(2, ge=1, le=64, description="DuckDB threads per sandbox process.")
+    query_duckdb_threads: int = Field(2, ge=1, le=64, description="DuckDB threads per sandbox process.")
     query_temp_limit_mb: int = Field(1024, ge=0, description="Spill space per sandbox process in its private temp folder, in MiB (0: no spilling).")
     query_workers: int = Field(2, ge=1, le=64, description="Sandbox processes: at most this many queries run at once. Query-engine memory is bounded by query_workers x (query_memory_limit_mb + query_process_headroom_mb).")
     query_queue: int = Field(8, ge=0, description="Queries that may wait for a free sandbox process; more are refused with RESOURCE_EXHAUSTED.")
@@ -57,20 +85,35 @@ class StoreConfig(BaseModel):
     validate_evidence: bool = Field(True, description="Run the evidence rules at ingest. Off only to measure their cost (env ROLLBOOK_BENCH_NOVALIDATE=1).")
 
     @model_validator(mode="after")
-    def _keys_off_loopback(self) -> "StoreConfig":
-        if not is_loopback(self.host) and not (self.admin_key and self.trainer_key):
-            raise ValueError(
-                f"refusing to bind non-loopback address {self.host!r} without keys: set ROLLBOOK_ADMIN_KEY and "
-                "ROLLBOOK_TRAINER_KEY (or --admin-key/--trainer-key), or bind 127.0.0.1"
-            )
+    def _access(self) -> "StoreConfig":
+        loopback = is_loopback(self.host)
+        check_keys(self.keys(), loopback=loopback)
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key go together (--tls-cert/--tls-key, env ROLLBOOK_TLS_CERT/ROLLBOOK_TLS_KEY)")
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise ValueError("tls_client_ca (mutual TLS) needs tls_cert and tls_key")
+        if not loopback and self.tls_cert is None and not self.insecure:
+            raise ValueError(f"refusing to bind non-loopback address {self.host!r} without TLS: give --tls-cert and "
+                             "--tls-key (env ROLLBOOK_TLS_CERT/ROLLBOOK_TLS_KEY), or --insecure to send keys in clear text")
         return self
+
+    def keys(self) -> dict[str, str | None]:
+        return {role: getattr(self, f"{role}_key") for role in ROLES}
+
+    def tls(self) -> ServerTLS | None:
+        if self.tls_cert is None:
+            return None
+        return ServerTLS(str(self.tls_cert), str(self.tls_key), str(self.tls_client_ca) if self.tls_client_ca else None)
 
     @classmethod
     def from_env(cls, **overrides) -> "StoreConfig":
-        values = {"admin_key": os.environ.get("ROLLBOOK_ADMIN_KEY"), "trainer_key": os.environ.get("ROLLBOOK_TRAINER_KEY"),
-                  "validate_evidence": os.environ.get("ROLLBOOK_BENCH_NOVALIDATE", "") != "1"}
+        values = {f"{role}_key": os.environ.get(f"ROLLBOOK_{role.upper()}_KEY") for role in ROLES}
+        values.update(tls_cert=os.environ.get("ROLLBOOK_TLS_CERT"), tls_key=os.environ.get("ROLLBOOK_TLS_KEY"),
+                      tls_client_ca=os.environ.get("ROLLBOOK_TLS_CLIENT_CA"),
+                      validate_evidence=os.environ.get("ROLLBOOK_BENCH_NOVALIDATE", "") != "1")
+        values = {k: v for k, v in values.items() if v not in (None, "")}
         for name in cls.model_fields:
-            if name.startswith("query_") and f"ROLLBOOK_{name.upper()}" in os.environ:
+            if name.startswith("query_") and os.environ.get(f"ROLLBOOK_{name.upper()}"):
                 values[name] = os.environ[f"ROLLBOOK_{name.upper()}"]
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
@@ -80,7 +123,7 @@ class StoreConfig(BaseModel):
             max_rows=self.query_max_rows, timeout_s=self.query_timeout_s, kill_grace_s=self.query_kill_grace_s,
             max_result_bytes=self.query_max_result_bytes, max_chunk_bytes=self.max_message_bytes - (1 << 20),
             memory_limit_mb=self.query_memory_limit_mb, process_headroom_mb=self.query_process_headroom_mb,
-            threads=self.query_threads, temp_limit_mb=self.query_temp_limit_mb, workers=self.query_workers,
+            threads=self.query_duckdb_threads, temp_limit_mb=self.query_temp_limit_mb, workers=self.query_workers,
             queue=self.query_queue, snapshot_max_age_s=self.query_snapshot_max_age_s)
 
 
@@ -93,36 +136,91 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def create_server(config: StoreConfig, ledger: Ledger | None = None) -> tuple[grpc.Server, int, Ledger]:
+class StoreServer:
+    """A ``grpc.aio`` server and its event loop, on a thread of their own, behind a blocking API."""
+
+    def __init__(self, build, pools: Pools):
+        self.pools = pools
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="rollbook-grpc-loop", daemon=True)
+        self._thread.start()
+        try:
+            self.server, self.port = self._call(build())
+        except BaseException:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            raise
+
+    def _call(self, coro, timeout: float | None = None):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def start(self) -> None:
+        self._call(self.server.start())
+
+    def stop(self, grace: float | None = None) -> threading.Event:
+        """Stop accepting calls, give open ones ``grace`` seconds, then cancel them; the returned
+        event is set once the server, its pools and its loop are down."""
+        done = threading.Event()
+
+        def finish(_future) -> None:
+            for pool in (self.pools.ingest, self.pools.query, self.pools.control):
+                pool.shutdown(wait=True)
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(timeout=30)
+            done.set()
+
+        future = asyncio.run_coroutine_threadsafe(self.server.stop(grace), self.loop)
+        future.add_done_callback(lambda f: threading.Thread(target=finish, args=(f,), daemon=True).start())
+        return done
+
+
+def create_server(config: StoreConfig, ledger: Ledger | None = None) -> tuple[StoreServer, int, Ledger]:
     """The server (not started), its port and its ledger."""
     ledger = ledger or Ledger(config.db, ingest_config=config.ingest, validator_config=config.validator,
                               validate=config.validate_evidence)
     service = TrajectoryStoreService(
-        ledger,
-        admin_key=config.admin_key,
-        trainer_key=config.trainer_key,
-        query_limits=config.query_limits(),
-    )
+        ledger, query_limits=config.query_limits())
+    pools = Pools(ingest=ThreadPoolExecutor(config.num_workers, thread_name_prefix="rollbook-ingest"),
+                  # enough threads for every query the sandbox admits (running + waiting), so an excess
+                  # one reaches the sandbox's RESOURCE_EXHAUSTED at once instead of an untimed backlog
+                  query=ThreadPoolExecutor(max(config.query_threads, config.query_workers + config.query_queue),
+                                           thread_name_prefix="rollbook-query"),
+                  control=ThreadPoolExecutor(config.control_workers, thread_name_prefix="rollbook-control"))
+    store = AsyncStore(service, KeyRing(config.keys()),
+                       StreamLimits(config.max_submit_streams, config.max_submit_streams_per_host,
+                                    config.stream_idle_timeout_s), pools)
     options = [
         ("grpc.max_receive_message_length", config.max_message_bytes),
         ("grpc.max_send_message_length", config.max_message_bytes),
         ("grpc.so_reuseport", 0),
+        ("grpc.max_concurrent_streams", config.max_streams_per_connection),
+        # find dead peers: ping a silent connection every minute, drop it after 20 s without an answer
+        ("grpc.keepalive_time_ms", 60_000),
+        ("grpc.keepalive_timeout_ms", 20_000),
     ]
-    server = grpc.server(ThreadPoolExecutor(max_workers=config.num_workers), options=options,
-                         maximum_concurrent_rpcs=config.num_workers * 4)
-    server.add_generic_rpc_handlers((handlers(service),))
     host = f"[{config.host}]" if ":" in config.host else config.host
-    port = server.add_insecure_port(f"{host}:{config.port}")
-    if port == 0:
+    tls = config.tls()
+
+    async def build():
+        server = grpc.aio.server(options=options, maximum_concurrent_rpcs=config.max_concurrent_rpcs)
+        server.add_generic_rpc_handlers((handlers(store),))
+        return server, add_port(server, f"{host}:{config.port}", tls)
+
+    try:
+        server = StoreServer(build, pools)
+    except RuntimeError as exc:  # grpc.aio raises RuntimeError when it cannot bind
+        raise OSError(f"could not bind {config.host}:{config.port}: {exc}") from exc
+    if server.port == 0:
         raise OSError(f"could not bind {config.host}:{config.port}")
-    return server, port, ledger
+    return server, server.port, ledger
 
 
 def serve(config: StoreConfig) -> None:
     server, port, ledger = create_server(config)
     server.start()
     print(f"listening on {config.host}:{port}", flush=True)
-    log.info("ledger %s", config.db)
+    log.info("ledger %s, TLS %s", config.db, "on" if config.tls_cert else "off")
+    if config.tls_cert is None and not is_loopback(config.host):
+        log.warning("--insecure: serving %s without TLS; keys cross the network in clear text", config.host)
     done = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: done.set())

@@ -1,5 +1,12 @@
 """The ``rollbook.v1.TrajectoryStore`` gRPC servicer: thin methods over the ledger and the sandbox.
 
+The server is ``grpc.aio`` (store/server.py): an open stream is a coroutine, not a thread, so idle or
+slow streams cannot starve other callers. ``AsyncStore`` is the async face: it authorizes every call
+(store/access.py: role keys, numeric field ranges), enforces the stream limits, and runs the
+blocking work (``TrajectoryStoreService``'s plain methods: DuckDB, fsync, Arrow) on bounded thread
+pools, one for Submit batches, one for queries and one for the other RPCs. Those plain methods take a
+``SyncContext`` whose ``abort`` raises, so their bodies read like ordinary servicer methods.
+
 Handlers are registered by hand (``handlers()``) rather than through the generated
 ``add_..._to_server`` so that a request that does not parse as its message answers
 ``INVALID_ARGUMENT`` with the decoder's message instead of gRPC's generic ``INTERNAL``.
@@ -7,17 +14,21 @@ Handlers are registered by hand (``handlers()``) rather than through the generat
 
 from __future__ import annotations
 
-import hmac
+import asyncio
 import io
 import json
 import logging
 import shutil
+import threading
 import time
+from concurrent.futures import Executor
+from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import grpc
 import pyarrow as pa
 
+from rollbook.store.access import Denied, KeyRing, field_error
 from rollbook.store.ledger import Ledger, NotRewardable, Outcome
 from rollbook.store.prepare import MalformedRequest, Prepared, parse_message, prepare_bytes
 from rollbook.store.sql import QueryError, QueryLimits
@@ -46,7 +57,7 @@ def _tolerant(message_type) -> Callable[[bytes], object]:
     return parse
 
 
-def _check_parsed(request, context: grpc.ServicerContext) -> None:
+def _check_parsed(request, context: "SyncContext") -> None:
     if isinstance(request, _Malformed):
         context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.error)
 
@@ -55,33 +66,56 @@ def _verdict(o: Outcome) -> pb.Verdict:
     return pb.Verdict(trajectory_id=o.trajectory_id, status=_STATUS[o.status], reason=o.reason, detail=o.detail)
 
 
+class Abort(Exception):
+    """Raised by ``SyncContext.abort``; the async face turns it into the RPC's status."""
+
+    def __init__(self, code: grpc.StatusCode, details: str):
+        super().__init__(details)
+        self.code, self.details = code, details
+
+
+class SyncContext:
+    """What a blocking handler body gets instead of a ``grpc.ServicerContext``."""
+
+    def __init__(self, metadata=(), peer: str = "", role: str | None = None):
+        self._metadata = tuple(metadata or ())
+        self._peer = peer
+        self.role = role  # the caller's authenticated role (None: the RPC's role is open)
+
+    def abort(self, code: grpc.StatusCode, details: str):
+        raise Abort(code, details)
+
+    def invocation_metadata(self):
+        return self._metadata
+
+    def peer(self) -> str:
+        return self._peer
+
+
 class TrajectoryStoreService:
-    def __init__(self, ledger: Ledger, *, admin_key: str | None, trainer_key: str | None,
-                 query_limits: QueryLimits):
+    """The blocking bodies of the RPCs (roles and numeric field ranges were checked before)."""
+
+    def __init__(self, ledger: Ledger, *, query_limits: QueryLimits):
         self.ledger = ledger
-        self.admin_key = admin_key
-        self.trainer_key = trainer_key
         self.query_limits = query_limits
         self.sandbox = _sandbox(ledger, query_limits)
 
     # ---- Submit ---------------------------------------------------------------------------------
 
-    def Submit(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext):
-        """Each batch (raw bytes) is prepared (parsed, decoded, validated, converted), deduplicated
-        and group-committed across streams, and answered, all in this handler thread and in order;
-        clients keep several batches in flight. (Reader/worker/committer thread hand-offs, and
-        worker processes, were measured slower on the 2-core reference machine.)"""
-        for data in request_iterator:
-            try:
-                prepared = self._prepare(data)
-            except MalformedRequest as exc:
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-            try:
-                outcomes = self.ledger.commit(prepared)
-            except Exception as exc:  # commit failed: nothing in this batch was acknowledged
-                log.exception("submit failed")
-                context.abort(grpc.StatusCode.UNAVAILABLE, f"commit failed, retry: {exc}")
-            yield pb.SubmitResponse(verdicts=[_verdict(o) for o in outcomes])
+    def submit_batch(self, data: bytes) -> pb.SubmitResponse:
+        """One Submit batch (raw bytes): prepared (parsed, decoded, validated, converted),
+        deduplicated and group-committed across streams (the ledger's leader/follower commit),
+        answered. Runs on the ingest pool; a stream's batches run one after another, in order."""
+        try:
+            prepared = self._prepare(data)
+        except MalformedRequest as exc:
+            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+        try:
+            outcomes = self.ledger.commit(prepared)
+        except Exception as exc:  # commit failed: nothing in this batch was acknowledged
+            log.exception("submit failed")
+            raise Abort(grpc.StatusCode.UNAVAILABLE, f"commit failed, retry: {exc}") from None
+        return pb.SubmitResponse(verdicts=[_verdict(o) for o in outcomes])
 
     def _prepare(self, data: bytes) -> Prepared:
         return prepare_bytes(data, self.ledger.registry, self.ledger.ingest_config,
@@ -91,7 +125,6 @@ class TrajectoryStoreService:
 
     def RegisterModel(self, request, context):
         _check_parsed(request, context)
-        self._require(context, self.admin_key, "admin")
         if not request.model_id or request.vocab_size == 0:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "model_id and a positive vocab_size are required")
         self.ledger.register_model(request.model_id, request.vocab_size)
@@ -99,7 +132,6 @@ class TrajectoryStoreService:
 
     def PublishVersion(self, request, context):
         _check_parsed(request, context)
-        self._require(context, self.trainer_key, "trainer")
         if request.version < 0:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"version must be >= 0, got {request.version}")
         try:
@@ -107,16 +139,6 @@ class TrajectoryStoreService:
         except KeyError as exc:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc.args[0]))
         return pb.PublishVersionResponse(latest_version=latest)
-
-    def _require(self, context: grpc.ServicerContext, key: str | None, role: str) -> None:
-        if key is None:
-            return  # no key configured: only allowed on loopback (checked at server creation)
-        given = ""
-        for k, v in context.invocation_metadata():
-            if k == "authorization" and v.startswith("Bearer "):
-                given = v[len("Bearer "):]
-        if not hmac.compare_digest(given.encode(), key.encode()):
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, f"missing or wrong {role} key")
 
     # ---- reading --------------------------------------------------------------------------------
 
@@ -192,7 +214,6 @@ class TrajectoryStoreService:
 
     def ReportTrainStep(self, request, context):
         _check_parsed(request, context)
-        self._require(context, self.trainer_key, "trainer")
         try:
             json.loads(request.stats_json or "{}")
         except json.JSONDecodeError as exc:
@@ -223,29 +244,163 @@ def _ipc(batches: list[pa.RecordBatch]) -> bytes:
     return sink.getvalue()
 
 
-def handlers(service: TrajectoryStoreService) -> grpc.GenericRpcHandler:
-    def unary(name, req):
+@dataclass(frozen=True)
+class StreamLimits:
+    """Bounds on open streams (StoreConfig's fields of the same names; docs/security.md)."""
+
+    max_submit_streams: int = 1024
+    max_submit_streams_per_host: int = 256
+    stream_idle_timeout_s: float = 120.0
+
+
+@dataclass
+class Pools:
+    """Where blocking work runs: Submit batches, queries, everything else."""
+
+    ingest: Executor
+    query: Executor
+    control: Executor
+
+
+_END = object()
+
+
+class _Stepper:
+    """Steps a blocking generator from pool threads; ``close`` waits for a step in progress."""
+
+    def __init__(self, gen: Iterator):
+        self.gen, self.lock = gen, threading.Lock()
+
+    def step(self):
+        with self.lock:
+            return next(self.gen, _END)
+
+    def close(self) -> None:
+        with self.lock:
+            self.gen.close()
+
+
+class AsyncStore:
+    """The ``grpc.aio`` face of ``TrajectoryStoreService``: authorization, field checks, stream
+    limits, and the hop of blocking work onto ``pools``. Runs on the server's event loop thread
+    (the stream counters need no lock)."""
+
+    def __init__(self, service: TrajectoryStoreService, keys: KeyRing, limits: StreamLimits, pools: Pools):
+        self.service, self.keys, self.limits, self.pools = service, keys, limits, pools
+        self.open_streams = 0
+        self.streams_by_host: dict[str, int] = {}
+
+    async def _admit(self, rpc: str, request, context) -> SyncContext:
+        metadata = context.invocation_metadata()
+        try:
+            role = self.keys.authorize(rpc, metadata)
+        except Denied as exc:
+            await context.abort(exc.code, exc.message)
+        if request is not None and not isinstance(request, _Malformed):
+            error = field_error(rpc, request)
+            if error:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, error)
+        return SyncContext(metadata, context.peer(), role)
+
+    def unary(self, rpc: str, pool: Executor):
+        method = getattr(self.service, rpc)
+
+        async def handle(request, context):
+            ctx = await self._admit(rpc, request, context)
+            try:
+                return await asyncio.get_running_loop().run_in_executor(pool, method, request, ctx)
+            except Abort as exc:
+                await context.abort(exc.code, exc.details)
+
+        handle.__name__ = rpc
+        return handle
+
+    async def Query(self, request, context):
+        ctx = await self._admit("Query", request, context)
+        loop = asyncio.get_running_loop()
+        stepper = _Stepper(self.service.Query(request, ctx))
+        try:
+            while True:
+                try:
+                    chunk = await loop.run_in_executor(self.pools.query, stepper.step)
+                except Abort as exc:
+                    await context.abort(exc.code, exc.details)
+                if chunk is _END:
+                    return
+                yield chunk
+        finally:
+            self.pools.query.submit(stepper.close)  # after a step still running (a cancelled call)
+
+    async def Submit(self, request_iterator, context):
+        """Batches are read and answered in order; each one's work runs on the ingest pool while this
+        coroutine waits (no thread is held between batches). A stream over the per-host or total
+        limit is refused with RESOURCE_EXHAUSTED; one that sends nothing (or reads no answer) for
+        ``stream_idle_timeout_s`` is closed with DEADLINE_EXCEEDED (a client retries it)."""
+        await self._admit("Submit", None, context)
+        host = context.peer().rsplit(":", 1)[0]
+        limits = self.limits
+        if self.open_streams >= limits.max_submit_streams:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"the store holds its limit of {limits.max_submit_streams} open Submit streams; retry later")
+        if self.streams_by_host.get(host, 0) >= limits.max_submit_streams_per_host:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"{host} holds its limit of {limits.max_submit_streams_per_host} open Submit streams; "
+                                "close some or send on fewer streams")
+        self.open_streams += 1
+        self.streams_by_host[host] = self.streams_by_host.get(host, 0) + 1
+        loop = asyncio.get_running_loop()
+        await context.send_initial_metadata(())  # the stream is admitted (a client may wait for this)
+        idle = limits.stream_idle_timeout_s
+        try:
+            while True:
+                try:
+                    data = await asyncio.wait_for(context.read(), idle)
+                except asyncio.TimeoutError:
+                    await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"Submit stream idle for {idle:g} s; closed")
+                if data is grpc.aio.EOF:
+                    return
+                try:
+                    response = await loop.run_in_executor(self.pools.ingest, self.service.submit_batch, data)
+                except Abort as exc:
+                    await context.abort(exc.code, exc.details)
+                try:
+                    await asyncio.wait_for(context.write(response), idle)
+                except asyncio.TimeoutError:
+                    await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                        f"Submit stream read no answer for {idle:g} s; closed")
+        finally:
+            self.open_streams -= 1
+            left = self.streams_by_host[host] - 1
+            if left:
+                self.streams_by_host[host] = left
+            else:
+                del self.streams_by_host[host]
+
+
+def handlers(store: AsyncStore) -> grpc.GenericRpcHandler:
+    def unary(name, req, pool):
         return grpc.unary_unary_rpc_method_handler(
-            getattr(service, name), request_deserializer=_tolerant(req), response_serializer=lambda m: m.SerializeToString()
+            store.unary(name, pool), request_deserializer=_tolerant(req), response_serializer=lambda m: m.SerializeToString()
         )
 
+    control = store.pools.control
     return grpc.method_handlers_generic_handler(
         "rollbook.v1.TrajectoryStore",
         {
             "Submit": grpc.stream_stream_rpc_method_handler(
-                service.Submit, request_deserializer=None,  # raw bytes: parsed in _prepare
+                store.Submit, request_deserializer=None,  # raw bytes: parsed in submit_batch
                 response_serializer=pb.SubmitResponse.SerializeToString,
             ),
             "Query": grpc.unary_stream_rpc_method_handler(
-                service.Query, request_deserializer=_tolerant(pb.QueryRequest),
+                store.Query, request_deserializer=_tolerant(pb.QueryRequest),
                 response_serializer=pb.QueryChunk.SerializeToString,
             ),
-            "SetReward": unary("SetReward", pb.SetRewardRequest),
-            "PullBatch": unary("PullBatch", pb.PullBatchRequest),
-            "AckBatch": unary("AckBatch", pb.AckBatchRequest),
-            "PublishVersion": unary("PublishVersion", pb.PublishVersionRequest),
-            "RegisterModel": unary("RegisterModel", pb.RegisterModelRequest),
-            "GetStats": unary("GetStats", pb.GetStatsRequest),
-            "ReportTrainStep": unary("ReportTrainStep", pb.ReportTrainStepRequest),
+            "SetReward": unary("SetReward", pb.SetRewardRequest, control),
+            "PullBatch": unary("PullBatch", pb.PullBatchRequest, control),
+            "AckBatch": unary("AckBatch", pb.AckBatchRequest, control),
+            "PublishVersion": unary("PublishVersion", pb.PublishVersionRequest, control),
+            "RegisterModel": unary("RegisterModel", pb.RegisterModelRequest, control),
+            "GetStats": unary("GetStats", pb.GetStatsRequest, control),
+            "ReportTrainStep": unary("ReportTrainStep", pb.ReportTrainStepRequest, control),
         },
     )

@@ -51,7 +51,8 @@ class TrainerConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     server: str = Field("127.0.0.1:50551", description="Store address HOST:PORT.")
-    trainer_key: str | None = Field(None, description="PublishVersion / ReportTrainStep key (env ROLLBOOK_TRAINER_KEY).")
+    trainer_key: str | None = Field(None, repr=False, exclude=True,  # never in config.json nor a log line
+                                    description="Trainer role key: PullBatch, AckBatch, PublishVersion, ReportTrainStep (env ROLLBOOK_TRAINER_KEY).")
     trainer_id: str = Field("trainer-0", description="Name recorded in leases and train_steps.")
     model_id: str = Field("tiny", description="Model id in the store's registry.")
     run_dir: str = Field("runs/default", description="Run directory: checkpoints/ and the resolved config go here.")

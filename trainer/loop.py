@@ -1,7 +1,7 @@
 """The training loop: pull a validated batch, update with decoupled PPO (+ MOPD), checkpoint, ack,
 publish the next policy version.
 
-    trainer = Trainer(config, StoreClient(config.server, trainer_key=...), publishers=[channel])
+    trainer = Trainer(config, StoreClient.from_env(config.server, trainer_key=...), publishers=[channel])
     trainer.run()
 
 One step (``Trainer.step``):

@@ -23,15 +23,17 @@ def train(config: TrainerConfig) -> list[dict]:
     publishers, weight_server = [], None
     if config.weight_server:
         from rollbook.rollout.weights.network import NetworkPublisher, create_weight_server
+        from rollbook.tls import ServerTLS
 
         host, _, port = config.weight_server.rpartition(":")
         publisher = NetworkPublisher()
-        weight_server, bound = create_weight_server(publisher, host or "127.0.0.1", int(port))
+        # TLS with the same certificate as the store's when ROLLBOOK_TLS_CERT/ROLLBOOK_TLS_KEY are set
+        weight_server, bound = create_weight_server(publisher, host or "127.0.0.1", int(port), tls=ServerTLS.from_env())
         weight_server.start()
         publishers.append(publisher.publish)
         log.info("serving weights on %s:%d", host or "127.0.0.1", bound)
     try:
-        with StoreClient(config.server, trainer_key=config.trainer_key) as client:
+        with StoreClient.from_env(config.server, trainer_key=config.trainer_key) as client:
             trainer = Trainer(config, client, model=build_student(config.model), teacher=build_teachers(config),
                               publishers=publishers)
             history = trainer.run()

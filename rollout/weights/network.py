@@ -14,7 +14,9 @@ What the server sends a caller holding ``have_version`` when ``version`` is the 
 Every version carries its checksum (base.checksum); the receiver hashes what it assembled and raises
 ``ChecksumMismatch``, keeping its previous version, when they differ.
 
-Serve in-process: ``server, port = create_weight_server(publisher); server.start()``.
+Serve in-process: ``server, port = create_weight_server(publisher); server.start()``. TLS: pass
+``tls=ServerTLS(...)`` to ``create_weight_server`` and ``tls=ClientTLS(...)`` to ``NetworkReceiver``
+(rollbook/tls.py, docs/security.md).
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ from rollbook.v1 import weights_pb2_grpc
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
+
+    from rollbook.tls import ClientTLS, ServerTLS
 
 MAX_MESSAGE_BYTES = 8 << 20  # both ends; a header lists every tensor, a chunk is <= 3 MiB
 
@@ -155,14 +159,17 @@ class WeightServicer(weights_pb2_grpc.WeightServiceServicer):
 
 
 def create_weight_server(publisher: NetworkPublisher, host: str = "127.0.0.1", port: int = 0, *,
-                         num_workers: int = 8) -> tuple[grpc.Server, int]:
-    """A server (not started) serving ``publisher``, and the port it bound (``port=0`` picks one)."""
+                         num_workers: int = 8, tls: "ServerTLS | None" = None) -> tuple[grpc.Server, int]:
+    """A server (not started) serving ``publisher``, and the port it bound (``port=0`` picks one);
+    TLS (and client certificates, with ``tls.client_ca``) when ``tls`` is given."""
+    from rollbook.tls import add_port
+
     options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                ("grpc.so_reuseport", 0)]
     server = grpc.server(ThreadPoolExecutor(max_workers=num_workers), options=options)
     weights_pb2_grpc.add_WeightServiceServicer_to_server(WeightServicer(publisher), server)
-    bound = server.add_insecure_port(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
+    bound = add_port(server, f"[{host}]:{port}" if ":" in host else f"{host}:{port}", tls)
     if bound == 0:
         raise OSError(f"could not bind {host}:{port}")
     return server, bound
@@ -201,9 +208,11 @@ class NetworkReceiver:
     latest update applied.
     """
 
-    def __init__(self, target: str, *, timeout_s: float = 120.0) -> None:
+    def __init__(self, target: str, *, timeout_s: float = 120.0, tls: "ClientTLS | None" = None) -> None:
+        from rollbook.tls import channel
+
         options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
-        self._channel = grpc.insecure_channel(target, options=options)
+        self._channel = channel(target, tls, options)
         self._stub = weights_pb2_grpc.WeightServiceStub(self._channel)
         self._timeout_s = timeout_s
         self._version, self._layout = -1, None

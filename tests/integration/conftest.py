@@ -43,15 +43,20 @@ class StoreProcess:
     to ``LOG`` beside the database so a failing test can show it."""
 
     def __init__(self, db: pathlib.Path, *, port: int = 0, env: dict[str, str] | None = None,
-                 admin_key: str | None = None, trainer_key: str | None = None):
+                 admin_key: str | None = None, trainer_key: str | None = None, worker_key: str | None = None,
+                 reader_key: str | None = None, args: tuple[str, ...] = (), client_tls: Any = None):
         self.db = pathlib.Path(db)
         self.admin_key, self.trainer_key = admin_key, trainer_key
+        self.keys = {"worker_key": worker_key, "trainer_key": trainer_key, "reader_key": reader_key, "admin_key": admin_key}
+        self.client_tls = client_tls  # rollbook.tls.ClientTLS for a store started with --tls-cert
+        env = dict(env if env is not None else clean_env())
+        env.update({f"ROLLBOOK_{name.upper()}": key for name, key in self.keys.items() if key})
         self.log_path = self.db.with_name(self.db.name + f".serve-{time.monotonic_ns()}.log")
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "rollbook.cli", "serve", "--db", str(db), "--port", str(port),
-                 "--log-level", "WARNING"],
-                stdout=subprocess.PIPE, stderr=log, text=True, env=env if env is not None else clean_env())
+                 "--log-level", "WARNING", *args],
+                stdout=subprocess.PIPE, stderr=log, text=True, env=env)
         line = _readline(self.proc, START_TIMEOUT_S)
         if not line.startswith("listening on "):
             self.kill()
@@ -60,7 +65,9 @@ class StoreProcess:
         self.port = int(self.address.rsplit(":", 1)[1])
 
     def client(self, **kwargs: Any) -> StoreClient:
-        return StoreClient(self.address, admin_key=self.admin_key, trainer_key=self.trainer_key, **kwargs)
+        """A client holding every key the store was started with (and its TLS settings)."""
+        given = {k: v for k, v in {**self.keys, "tls": self.client_tls}.items() if v is not None}
+        return StoreClient(self.address, **{**given, **kwargs})
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")

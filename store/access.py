@@ -1,0 +1,181 @@
+"""Who may call what: the four roles, their keys, and the range checks on every numeric request field.
+
+Each RPC belongs to one role (``RPC_ROLE``); the admin key may call every RPC. A caller sends its key
+as gRPC metadata ``authorization: Bearer <key>``. With the RPC's role key configured:
+- no key, or a key that is no role's key: ``UNAUTHENTICATED``;
+- a valid key of a role that may not call the RPC: ``PERMISSION_DENIED``.
+A role with no configured key is open (allowed only on loopback, see ``check_keys``). Keys are
+compared in constant time against every configured key (no early exit that would tell which one
+nearly matched), and never logged. docs/security.md has the table.
+"""
+
+from __future__ import annotations
+
+import hmac
+import math
+
+import grpc
+
+ROLES = ("worker", "trainer", "reader", "admin")
+
+RPC_ROLE = {
+    "Submit": "worker",
+    "SetReward": "worker",
+    "PullBatch": "trainer",
+    "AckBatch": "trainer",
+    "PublishVersion": "trainer",
+    "ReportTrainStep": "trainer",
+    "Query": "reader",
+    "GetStats": "reader",
+    "RegisterModel": "admin",
+}
+
+MIN_KEY_CHARS = 16
+MIN_DISTINCT_CHARS = 8
+
+
+class Denied(Exception):
+    """A request refused before its handler runs: ``code`` and a message for the caller."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+def bearer(metadata) -> bytes | None:
+    """The key of an ``authorization: Bearer <key>`` header, or None."""
+    for k, v in metadata or ():
+        if k == "authorization":
+            if isinstance(v, bytes):
+                v = v.decode("latin-1")
+            return v[len("Bearer "):].encode() if v.startswith("Bearer ") else None
+    return None
+
+
+class KeyRing:
+    """The configured role keys; ``authorize`` is called for every RPC (and once per Submit stream)."""
+
+    def __init__(self, keys: dict[str, str | None]):
+        unknown = set(keys) - set(ROLES)
+        if unknown:
+            raise ValueError(f"unknown roles {sorted(unknown)}")
+        self._keys = {role: keys[role].encode() for role in ROLES if keys.get(role)}
+
+    def is_open(self, role: str) -> bool:
+        return role not in self._keys
+
+    def role_of(self, given: bytes | None) -> str | None:
+        if given is None:
+            return None
+        found = None
+        for role, key in self._keys.items():  # every key, no early exit
+            if hmac.compare_digest(given, key):
+                found = role
+        return found
+
+    def authorize(self, rpc: str, metadata) -> str | None:
+        """The caller's role (None when the RPC's role is open); raises ``Denied``."""
+        need = RPC_ROLE[rpc]
+        if self.is_open(need):
+            return None
+        given = bearer(metadata)
+        role = self.role_of(given)
+        if role == need or role == "admin":
+            return role
+        if role is None:
+            what = "no key" if given is None else "a key that is no role's key"
+            raise Denied(grpc.StatusCode.UNAUTHENTICATED,
+                         f"{rpc} needs the {need} key (metadata 'authorization: Bearer <key>'); got {what}")
+        raise Denied(grpc.StatusCode.PERMISSION_DENIED, f"the {role} key may not call {rpc}; it needs the {need} key")
+
+
+def weak_key_reason(key: str) -> str | None:
+    """Why ``key`` is too weak to guard a store reachable from the network, or None."""
+    if any(c.isspace() for c in key):
+        return "contains whitespace"
+    if not key.isprintable() or not key.isascii():
+        return "contains non-printable or non-ASCII characters"
+    if len(key) < MIN_KEY_CHARS:
+        return f"is shorter than {MIN_KEY_CHARS} characters"
+    if len(set(key)) < MIN_DISTINCT_CHARS:
+        return f"has fewer than {MIN_DISTINCT_CHARS} distinct characters"
+    return None
+
+
+def check_keys(keys: dict[str, str | None], *, loopback: bool) -> None:
+    """Off loopback every role needs its own key of reasonable strength (``secrets.token_hex(16)``
+    is one); raises ``ValueError`` with a one-line message naming the env variable to fix. On
+    loopback a missing key leaves its role open, but a configured key still may not hold whitespace
+    nor be shared by two roles."""
+    missing = [r for r in ROLES if not keys.get(r)]
+    if not loopback and missing:
+        names = ", ".join(f"ROLLBOOK_{r.upper()}_KEY" for r in missing)
+        raise ValueError(f"a non-loopback store needs all four role keys; missing {names} "
+                         f"(make them with: python -c 'import secrets; print(secrets.token_hex(16))')")
+    for role in ROLES:
+        key = keys.get(role)
+        if not key:
+            continue
+        reason = weak_key_reason(key) if not loopback else ("contains whitespace" if any(c.isspace() for c in key) else None)
+        if reason:
+            raise ValueError(f"ROLLBOOK_{role.upper()}_KEY {reason}; use e.g. python -c 'import secrets; print(secrets.token_hex(16))'")
+    given = [(r, keys[r]) for r in ROLES if keys.get(r)]
+    for i, (a, ka) in enumerate(given):
+        for b, kb in given[i + 1:]:
+            if hmac.compare_digest(ka.encode(), kb.encode()):
+                raise ValueError(f"ROLLBOOK_{a.upper()}_KEY and ROLLBOOK_{b.upper()}_KEY are the same key; each role needs its own")
+
+
+# ---- numeric request fields ------------------------------------------------------------------------
+
+MAX_LEASE_SECONDS = 7 * 86400.0
+MAX_BATCH = 1_000_000  # num_samples / num_groups
+MAX_VERSION = 1 << 53
+MAX_STEP = 1 << 53
+MAX_VOCAB = 1 << 24
+MAX_REWARD = 1e9
+MAX_QUERY_TIMEOUT_S = 3600.0
+MIN_TIME, MAX_TIME = 0.0, 1e11  # unix seconds
+
+
+def _finite_in(name: str, value: float, lo: float, hi: float) -> str | None:
+    if not math.isfinite(value):
+        return f"{name} must be a finite number, got {value}"
+    if not lo <= value <= hi:
+        return f"{name} must be in [{lo:g}, {hi:g}], got {value:g}"
+    return None
+
+
+def _int_in(name: str, value: int, lo: int, hi: int) -> str | None:
+    return None if lo <= value <= hi else f"{name} must be in [{lo}, {hi}], got {value}"
+
+
+def _pull(r) -> list[str | None]:
+    return [_finite_in("lease_seconds", r.lease_seconds, 0.0, MAX_LEASE_SECONDS),
+            _int_in("num_samples", r.num_samples, 0, MAX_BATCH), _int_in("num_groups", r.num_groups, 0, MAX_BATCH),
+            _int_in("max_staleness", r.max_staleness, 0, MAX_VERSION),
+            _int_in("trainer_version", r.trainer_version, 0, MAX_VERSION), _int_in("step", r.step, 0, MAX_STEP)]
+
+
+def _report(r) -> list[str | None]:
+    return [_int_in("step", r.step, 0, MAX_STEP), _int_in("version", r.version, 0, MAX_VERSION),
+            _finite_in("started_at", r.started_at, MIN_TIME, MAX_TIME),
+            _finite_in("finished_at", r.finished_at, MIN_TIME, MAX_TIME)]
+
+
+_FIELD_CHECKS = {
+    "PullBatch": _pull,
+    "SetReward": lambda r: [_finite_in("reward", r.reward, -MAX_REWARD, MAX_REWARD)],
+    "Query": lambda r: [_finite_in("timeout_seconds", r.timeout_seconds, 0.0, MAX_QUERY_TIMEOUT_S)],
+    "PublishVersion": lambda r: [_int_in("version", r.version, 0, MAX_VERSION)],
+    "RegisterModel": lambda r: [_int_in("vocab_size", r.vocab_size, 0, MAX_VOCAB)],
+    "ReportTrainStep": _report,
+}
+
+
+def field_error(rpc: str, request) -> str | None:
+    """The first numeric field of ``request`` out of range (NaN, inf, negative or absurd), or None."""
+    check = _FIELD_CHECKS.get(rpc)
+    if check is None:
+        return None
+    return next((e for e in check(request) if e), None)
