@@ -1,9 +1,10 @@
 """``rollbook query``: SQL through the server, or straight on the DuckDB file when it is down.
 
-Offline, the file is opened read-only with the same sandbox as the server. Batches the server
-acknowledged but had not yet folded into DuckDB when it stopped (a kill -9) are still in the
-write-ahead log beside the file; they are overlaid as temporary views so the answer includes every
-acknowledged row, without writing to the file.
+Offline, the query runs in the same sandbox as the server's (``rollbook.store.sandbox``): a limited
+worker process over a private copy of the file. Batches the server acknowledged but had not yet
+folded into DuckDB when it stopped (a kill -9) are still in the write-ahead log beside the file;
+they are folded into the copy (``status`` NULL) so the answer includes every acknowledged row,
+without writing to the ledger's files.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ def run_query_command(args: argparse.Namespace) -> int:
             return 1
     _write(table, args.format, args.output)
     if table.schema.metadata and table.schema.metadata.get(b"rollbook.truncated") == b"true":
-        print(f"rollbook query: result cut at {table.num_rows} rows (--max-rows)", file=sys.stderr)
+        print(f"rollbook query: result cut at {table.num_rows} rows (--max-rows, or the server's byte cap)", file=sys.stderr)
     return 0
 
 
@@ -59,35 +60,64 @@ def _via_server(server: str, args: argparse.Namespace, *, fallback: bool) -> pa.
 
 
 def _via_file(path: pathlib.Path, args: argparse.Namespace) -> pa.Table | None:
+    """The same sandbox as the server (rollbook.store.sandbox): a private copy of the file, with
+    the unfolded log folded into the copy, queried by a limited read-only worker process."""
+    import tempfile
+
     import duckdb
 
-    from rollbook.store.sql import SANDBOX_CONFIG, QueryError, QueryLimits, run_query
+    from rollbook.client import read_query_chunks
+    from rollbook.store.sandbox import FixedSnapshot, SandboxPool
+    from rollbook.store.sql import QueryError, QueryLimits
 
     if not path.exists():
         print(f"rollbook query: error: no such ledger file {path}", file=sys.stderr)
         return None
+    with tempfile.TemporaryDirectory(prefix="rollbook-query-") as tmp:
+        snapshot = pathlib.Path(tmp) / "snapshot.duckdb"
+        try:
+            _private_copy(path, snapshot)
+        except duckdb.IOException as exc:
+            print(f"rollbook query: error: cannot open {path} ({exc}); if a server holds it, use --server", file=sys.stderr)
+            return None
+        pool = SandboxPool(QueryLimits(workers=1, queue=0), pathlib.Path(tmp) / "workers", FixedSnapshot(snapshot))
+        try:
+            chunks = list(pool.run(args.sql, max_rows=args.max_rows, timeout_s=args.timeout))
+        except QueryError as exc:
+            print(f"rollbook query: error: {exc}", file=sys.stderr)
+            return None
+        finally:
+            pool.close()
+    from rollbook.v1 import rollbook_pb2 as pb
+
+    return read_query_chunks(pb.QueryChunk(arrow_ipc=ipc, truncated=cut) for ipc, cut in chunks)
+
+
+def _private_copy(path: pathlib.Path, dest: pathlib.Path) -> None:
+    """Copy the ledger (and DuckDB's own .wal) while holding a read-only connection, so no server
+    writes meanwhile; then fold the acknowledged log batches DuckDB lacks into the copy (their
+    ``status`` NULL) and checkpoint it. The ledger's files are only read."""
+    import duckdb
+
+    from rollbook.store.sandbox import clone_file
+
+    own_wal = path.with_name(path.name + ".wal")
+    guard = duckdb.connect(str(path), read_only=True)  # fails while a server holds the file
     try:
-        con = duckdb.connect(str(path), read_only=True, config=SANDBOX_CONFIG)
-    except duckdb.IOException as exc:
-        print(f"rollbook query: error: cannot open {path} ({exc}); if a server holds it, use --server", file=sys.stderr)
-        return None
+        clone_file(path, dest)
+        if own_wal.exists():
+            clone_file(own_wal, dest.with_name(dest.name + ".wal"))
+    finally:
+        guard.close()
+    con = duckdb.connect(str(dest))
     try:
-        _overlay_unfolded_log(con, path)
-        limits = QueryLimits(max_rows=args.max_rows or 100_000, timeout_s=args.timeout or 30.0)
-        batches, truncated = [], False
-        for batch, cut in run_query(con, args.sql, limits):  # not a cursor: the overlay views are per connection
-            batches.append(batch)
-            truncated = truncated or cut
-        table = pa.Table.from_batches(batches)
-        return table.replace_schema_metadata({"rollbook.truncated": "true" if truncated else "false"})
-    except QueryError as exc:
-        print(f"rollbook query: error: {exc}", file=sys.stderr)
-        return None
+        _fold_unfolded_log(con, path)
+        con.execute("CHECKPOINT")
     finally:
         con.close()
 
 
-def _overlay_unfolded_log(con, path: pathlib.Path) -> None:
+def _fold_unfolded_log(con, path: pathlib.Path) -> None:
     from rollbook.store import wal
 
     root = path.with_name(path.name + ".log")
@@ -95,14 +125,14 @@ def _overlay_unfolded_log(con, path: pathlib.Path) -> None:
         return
     folded = dict(con.execute("SELECT segment, folded_batches FROM _log_state").fetchall())
     batches = [b for seg in wal.list_segments(root) for b in wal.read_segment(root, seg) if b.index >= folded.get(seg, 0)]
-    catalog = con.execute("SELECT current_database()").fetchall()[0][0]  # fetchone() would leave the result open
-    for kind, table_name in (("trajectories", "trajectories"), ("rejections", "rejections")):
+    for kind in ("trajectories", "rejections"):
         tables = [getattr(b, kind) for b in batches if getattr(b, kind) is not None]
         if not tables:
             continue
         con.register(f"_unfolded_{kind}", pa.concat_tables(tables))
-        con.execute(f'CREATE TEMP VIEW {table_name} AS SELECT * FROM "{catalog}".main.{table_name} '
-                    f"UNION ALL BY NAME SELECT * FROM _unfolded_{kind}")  # the table has columns the log lacks (status)
+        status = ", NULL::VARCHAR AS status" if kind == "trajectories" else ""  # not yet seen by the validator
+        con.execute(f"INSERT INTO {kind} BY NAME SELECT *{status} FROM _unfolded_{kind}")
+        con.unregister(f"_unfolded_{kind}")
     if batches:
         print(f"rollbook query: including {len(batches)} acknowledged batch(es) not yet folded into {path.name}", file=sys.stderr)
 

@@ -161,6 +161,8 @@ class Ledger:
         self._index_lock = threading.Lock()
         self._db_lock = threading.RLock()  # serialises writes on self.con
         self.counters = {"duplicates": 0}
+        self._generation = 0  # bumped by every committed write to DuckDB (snapshots compare it)
+        self._close_hooks: list = []
         self.wal_root = self.db_path.with_name(self.db_path.name + ".log")
         self._unfolded: list[wal.LoggedCommit] = []
         self._unfolded_bytes = 0
@@ -220,6 +222,7 @@ class Ledger:
             self.con.execute(
                 "INSERT OR REPLACE INTO models VALUES (?, ?, ?)", [model_id, vocab_size, time.time()]
             )
+            self._generation += 1
         self.registry.set_vocab(model_id, vocab_size)
 
     def publish_version(self, model_id: str, version: int, checksum: str) -> int:
@@ -231,6 +234,7 @@ class Ledger:
                 "INSERT OR REPLACE INTO policy_versions VALUES (?, ?, ?, ?)",
                 [model_id, version, checksum, time.time()],
             )
+            self._generation += 1
         self.registry.add_version(model_id, version)
         return int(self.registry.published_versions(model_id).latest)
 
@@ -316,6 +320,7 @@ class Ledger:
                 self.con.execute("ROLLBACK")
                 raise
             self.con.execute("COMMIT")
+            self._generation += 1
 
     def stats(self) -> dict:
         """Counters over the whole ledger (folds first, so every acknowledged row counts)."""
@@ -348,7 +353,45 @@ class Ledger:
         cur.execute(f"USE {_CATALOG}")  # a cursor starts in the in-memory catalog
         return cur
 
+    # ---- snapshots for the SQL sandbox -----------------------------------------------------------
+
+    def changed_since(self, generation: int) -> bool:
+        """Whether a snapshot taken at ``generation`` misses anything: a later write to DuckDB, or
+        acknowledged batches not yet folded."""
+        with self._unfolded_lock:
+            unfolded = bool(self._unfolded)
+        return unfolded or generation != self._generation
+
+    def snapshot(self, dest: str | pathlib.Path) -> int:
+        """Write a consistent copy of the database file to ``dest`` and return its generation.
+
+        Under the ledger's lock: fold every acknowledged batch, CHECKPOINT (so the file alone holds
+        every committed row; DuckDB's own ``.wal`` is then empty), then clone the file (a reflink
+        where the file system has one, else a kernel-side copy: about the file's size in disk
+        writes, see docs/sql.md). The copy is the only thing the SQL sandbox ever opens."""
+        from rollbook.store.sandbox import clone_file
+
+        dest = pathlib.Path(dest)
+        with self._db_lock:
+            self._fold()
+            self.con.execute("CHECKPOINT")
+            generation = self._generation
+            clone_file(self.db_path, dest)
+            own_wal = self.db_path.with_name(self.db_path.name + ".wal")
+            if own_wal.exists() and own_wal.stat().st_size > 0:  # a checkpoint deferred by a reader
+                clone_file(own_wal, dest.with_name(dest.name + ".wal"))
+        return generation
+
+    def on_close(self, hook) -> None:
+        """Call ``hook()`` first thing in ``close()`` (the SQL sandbox stops its processes)."""
+        self._close_hooks.append(hook)
+
     def close(self) -> None:
+        for hook in self._close_hooks:
+            try:
+                hook()
+            except Exception:
+                log.exception("close hook failed")
         self._stop.set()
         self._folder.join()
         self._fold()
@@ -467,6 +510,7 @@ class Ledger:
             for seg, n in marks.items():
                 cur.execute("INSERT OR REPLACE INTO _log_state VALUES (?, ?)", [seg, n])
             cur.execute("COMMIT")
+            self._generation += 1
         except Exception:
             cur.execute("ROLLBACK")
             raise

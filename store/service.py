@@ -18,6 +18,7 @@ import asyncio
 import io
 import json
 import logging
+import shutil
 import threading
 import time
 from concurrent.futures import Executor
@@ -30,14 +31,13 @@ import pyarrow as pa
 from rollbook.store.access import Denied, KeyRing, field_error
 from rollbook.store.ledger import InvalidReward, Ledger, ModelNotRegistered, NotRewardable, Outcome, UnknownTrajectory
 from rollbook.store.prepare import MalformedRequest, Prepared, parse_message, prepare_bytes
-from rollbook.store.sql import QueryError, QueryLimits, run_query
+from rollbook.store.sql import QueryError, QueryLimits
 from rollbook.v1 import rollbook_pb2 as pb
 from rollbook.validator.pull import InvalidPull, LeaseError, NotLeaseOwner, UnknownLease
 
 log = logging.getLogger("rollbook.store.service")
 
 _STATUS = {"ACCEPTED": pb.Verdict.ACCEPTED, "DUPLICATE": pb.Verdict.DUPLICATE, "REJECTED": pb.Verdict.REJECTED}
-_CHUNK_BYTES = 2 << 20  # Arrow bytes per QueryChunk, well under the client's message limit
 
 
 class _Malformed:
@@ -119,6 +119,7 @@ class TrajectoryStoreService:
     def __init__(self, ledger: Ledger, *, query_limits: QueryLimits):
         self.ledger = ledger
         self.query_limits = query_limits
+        self.sandbox = _sandbox(ledger, query_limits)
 
     def call(self, rpc: str, request, context: "SyncContext"):
         """Run the unary RPC ``rpc``'s body; a domain error becomes ``Abort`` with its status
@@ -169,19 +170,14 @@ class TrajectoryStoreService:
 
     def Query(self, request, context):
         _check_parsed(request, context)
-        limits = QueryLimits(
-            max_rows=min(request.max_rows or self.query_limits.max_rows, self.query_limits.max_rows),
-            timeout_s=min(request.timeout_seconds or self.query_limits.timeout_s, self.query_limits.timeout_s),
-            batch_rows=self.query_limits.batch_rows,
-        )
-        self.ledger.flush()
-        cursor = self.ledger.cursor()
+        # Runs in a sandbox process over a snapshot (store/sandbox.py, docs/sql.md); the timeout
+        # and caps are the server's (a NaN, inf, negative or zero timeout means the default).
         try:
-            yield from _chunks(run_query(cursor, request.sql, limits))
+            for ipc, truncated in self.sandbox.run(request.sql, max_rows=request.max_rows,
+                                                   timeout_s=request.timeout_seconds):
+                yield pb.QueryChunk(arrow_ipc=ipc, truncated=truncated)
         except QueryError as exc:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        finally:
-            cursor.close()
+            context.abort(getattr(grpc.StatusCode, exc.code, grpc.StatusCode.INVALID_ARGUMENT), str(exc))
 
     def GetStats(self, request, context):
         _check_parsed(request, context)
@@ -227,19 +223,17 @@ class TrajectoryStoreService:
         return pb.ReportTrainStepResponse()
 
 
-def _chunks(batches: Iterator[tuple[pa.RecordBatch, bool]]) -> Iterator[pb.QueryChunk]:
-    """Group record batches into self-contained IPC streams of about ``_CHUNK_BYTES`` each."""
-    pending: list[pa.RecordBatch] = []
-    size = 0
-    truncated = False
-    for batch, truncated in batches:
-        pending.append(batch)
-        size += batch.nbytes
-        if size >= _CHUNK_BYTES:
-            yield pb.QueryChunk(arrow_ipc=_ipc(pending), truncated=False)
-            pending, size = [], 0
-    if pending or truncated:
-        yield pb.QueryChunk(arrow_ipc=_ipc(pending) if pending else b"", truncated=truncated)
+def _sandbox(ledger: Ledger, limits: QueryLimits):
+    """The query sandbox: worker processes over snapshots in ``<db>.sandbox/`` (same file system
+    as the ledger, so a reflink clone can work), stopped when the ledger closes."""
+    from rollbook.store.sandbox import SandboxPool, Snapshots
+
+    workdir = ledger.db_path.with_name(ledger.db_path.name + ".sandbox")
+    shutil.rmtree(workdir, ignore_errors=True)  # a previous run's leftovers (killed server)
+    workdir.mkdir(mode=0o700)
+    pool = SandboxPool(limits, workdir / "workers", Snapshots(ledger, workdir / "snapshots", limits.snapshot_max_age_s))
+    ledger.on_close(pool.close)
+    return pool
 
 
 def _ipc(batches: list[pa.RecordBatch]) -> bytes:

@@ -8,6 +8,7 @@ Run: ``python -m pytest tests/integration/test_sql_sandbox.py -q``.
 from __future__ import annotations
 
 import csv
+import math
 import io
 import json
 
@@ -18,12 +19,13 @@ import pytest
 
 from rollbook import cli
 from tests.integration.conftest import (
-    count, query_file, register, rollbook_cli, rows, rpc_error, start_store, traj,
+    MODEL, count, query_file, register, rollbook_cli, rows, rpc_error, start_store, traj,
 )
 
 SEQUENCE = "rollbook_test_seq"
-# Cross join of 10^16 rows: never finishes, so only the timeout can end it.
-ENDLESS = "SELECT sum(a.range * b.range) FROM range(100000000) a, range(100000000) b"
+# 10^13 rows streamed through an aggregate in constant memory: never finishes, so only the timeout
+# can end it (a cross join would meet the sandbox's memory limit first).
+ENDLESS = "SELECT sum(hash(range)) FROM range(10000000000000)"
 
 
 @pytest.fixture(scope="module")
@@ -252,6 +254,19 @@ def test_query_db_is_sandboxed_too(offline_db, tmp_path, capsys):
     assert len(query_file(offline_db, "SELECT * FROM trajectories")) == 3
 
 
+def test_query_db_runs_in_the_same_sandbox_and_leaves_the_file_alone(offline_db):
+    """``rollbook query --db`` queries a private copy in a sandbox process: a memory bomb meets the
+    sandbox's limit, nested SQL is refused, and the ledger's files do not change."""
+    before = _ledger_files(offline_db)
+    done = rollbook_cli("query", "--db", str(offline_db), "SELECT length(repeat('x', 4000000000))")
+    assert done.returncode != 0 and "memory limit" in done.stderr, done.stderr
+    done = rollbook_cli("query", "--db", str(offline_db), "SELECT * FROM checkpoint()")
+    assert done.returncode != 0 and "not allowed" in done.stderr, done.stderr
+    done = rollbook_cli("query", "--db", str(offline_db), f"SELECT * FROM query('SELECT * FROM read_blob(''{offline_db}'')')")
+    assert done.returncode != 0 and "not allowed" in done.stderr, done.stderr
+    assert _ledger_files(offline_db) == before
+
+
 def test_query_db_sees_acknowledged_rows_the_killed_server_had_not_folded(tmp_path, stores):
     db = tmp_path / "rollbook.duckdb"
     acked: list[str] = []
@@ -287,3 +302,285 @@ def test_query_db_sees_acknowledged_rows_the_killed_server_had_not_folded(tmp_pa
     assert s.terminate() == 0
     done = rollbook_cli("query", "--db", str(db), "--format", "json", "SELECT count(*) AS n FROM trajectories")
     assert json.loads(done.stdout) == {"n": len(acked)} and "not yet folded" not in done.stderr
+
+
+# ---- issue 11: a query cannot hurt the store (findings 1, 2, 3, 6, 7, 8) --------------------------
+# A store with tight sandbox limits (env ROLLBOOK_QUERY_*, read by StoreConfig.from_env).
+
+LIMITED_TIMEOUT_S = 3.0
+LIMITED_GRACE_S = 1.0
+LIMITED_ENV = {
+    "ROLLBOOK_QUERY_TIMEOUT_S": str(LIMITED_TIMEOUT_S),
+    "ROLLBOOK_QUERY_KILL_GRACE_S": str(LIMITED_GRACE_S),
+    "ROLLBOOK_QUERY_MEMORY_LIMIT_MB": "512",
+    "ROLLBOOK_QUERY_PROCESS_HEADROOM_MB": "512",
+    "ROLLBOOK_QUERY_DUCKDB_THREADS": "2",
+    "ROLLBOOK_QUERY_WORKERS": "2",
+    "ROLLBOOK_QUERY_TEMP_LIMIT_MB": "64",
+}
+# The documented bound (docs/sql.md): query engine <= workers x (memory limit + headroom)
+ENGINE_BOUND_MB = 2 * (512 + 512)
+SLACK_MB = 300  # the server's own buffers while it streams answers and errors
+# Finishing in this long past the timeout counts as "not overrunning it" (a loaded 2-core machine).
+OVERRUN_S = LIMITED_GRACE_S + 4.0
+RECURSIVE_CTE = "WITH RECURSIVE t(s) AS (SELECT 'x' UNION ALL SELECT s || s FROM t) SELECT count(*) FROM t"
+# One long call that never checks for interrupts (~13 s of CPU): only the kill can end it on time.
+UNINTERRUPTIBLE = "SELECT length(regexp_replace(repeat('ab', 50000000), 'a', 'xyz', 'g')) AS n"
+
+
+def tree_rss_mb(pid: int) -> float:
+    """Resident memory of ``pid`` and all its descendants (the sandbox processes), in MiB."""
+    import os
+
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    total, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        todo.extend(children.get(p, []))
+        try:
+            with open(f"/proc/{p}/status") as f:
+                total += next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+        except (OSError, StopIteration):
+            pass
+    return total / 1024
+
+
+class RssSampler:
+    """Samples ``tree_rss_mb(pid)`` every 20 ms in a thread; ``peak`` is the highest seen."""
+
+    def __init__(self, pid: int):
+        import threading
+
+        self.pid, self.peak, self._stop = pid, 0.0, threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, tree_rss_mb(self.pid))
+            self._stop.wait(0.02)
+
+    def __enter__(self) -> "RssSampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def raw_query(store, sql: str, timeout_seconds: float = 0.0, max_rows: int = 0, deadline: float = 60.0):
+    """``Query`` through the generated stub (any ``timeout_seconds``, NaN included); the table, or
+    the RpcError it raised, and the seconds it took."""
+    import time
+
+    from rollbook.client import read_query_chunks
+    from rollbook.v1 import rollbook_pb2 as pb
+    from rollbook.v1 import rollbook_pb2_grpc as pb_grpc
+
+    t0 = time.monotonic()
+    with grpc.insecure_channel(store.address) as channel:
+        stub = pb_grpc.TrajectoryStoreStub(channel)
+        try:
+            result = read_query_chunks(stub.Query(pb.QueryRequest(sql=sql, max_rows=max_rows, timeout_seconds=timeout_seconds),
+                                                  timeout=deadline))
+        except grpc.RpcError as exc:
+            result = exc
+    return result, time.monotonic() - t0
+
+
+@pytest.fixture(scope="module")
+def limited(tmp_path_factory):
+    from tests.integration.conftest import clean_env
+
+    db = tmp_path_factory.mktemp("limited") / "rollbook.duckdb"
+    s = start_store(db, env=clean_env(**LIMITED_ENV))
+    with s.client() as client:
+        register(client)
+        client.submit([traj(f"lim-{i}", n=8) for i in range(40)])
+    yield s
+    s.kill()
+
+
+def _serving(store, expect_rows: int = 40) -> None:
+    """Every read RPC still answers: GetStats, Query, PullBatch (then the lease is acked)."""
+    with store.client() as client:
+        assert client.stats().accepted == expect_rows
+        assert client.query("SELECT count(*) AS n FROM trajectories").to_pylist() == [{"n": expect_rows}]
+        batch = client.pull_batch(trainer_id="t-sql", trainer_version=0, max_staleness=4, model_id=MODEL, num_samples=1)
+        assert batch.num_rows == 1
+        assert client.ack_batch(batch.lease_id, "t-sql") == 1
+
+
+def test_f1_an_internal_error_in_a_query_never_reaches_the_ledger(limited):
+    """Issue 11, finding 1: the recursive CTE invalidated the ledger's DuckDB instance; now it only
+    meets its sandbox's memory limit, and every read RPC keeps working without a restart."""
+    result, took = raw_query(limited, RECURSIVE_CTE)
+    assert isinstance(result, grpc.RpcError), result
+    assert result.code() in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INVALID_ARGUMENT), result.details()
+    assert "invalidated" not in result.details()
+    _serving(limited)
+    assert limited.alive
+
+
+MEMORY_BOMBS = [
+    "SELECT len(list(range)) AS n FROM range(500000000)",  # first: ~4 GB on a store without a bound
+    "SELECT len(list(range)) AS n FROM range(2000000000)",
+    "SELECT sum(x) AS s FROM (SELECT unnest(range(1000000000)) AS x)",
+    "SELECT length(repeat('x', 4000000000)) AS n",
+    "SELECT length(string_agg(repeat('x', 1000), '')) AS n FROM range(10000000)",
+    "SELECT count(DISTINCT repeat(range::VARCHAR, 100)) AS n FROM range(100000000)",
+    RECURSIVE_CTE,
+]
+
+
+def test_f2_memory_bombs_stay_within_the_documented_bound(limited):
+    """Issue 11, finding 2: single queries took the host's memory past 14 GB. Now the server and its
+    sandbox processes together stay under the server's own size plus the documented engine bound,
+    and each bomb ends (with a clear error) well within the timeout."""
+    import concurrent.futures
+
+    base = tree_rss_mb(limited.proc.pid)
+    bound = base + ENGINE_BOUND_MB + SLACK_MB
+    with RssSampler(limited.proc.pid) as sampler:
+        for sql in MEMORY_BOMBS:
+            result, took = raw_query(limited, sql)
+            assert sampler.peak < bound, (sql, sampler.peak, bound)
+            assert isinstance(result, grpc.RpcError), (sql, result)
+            assert result.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, (sql, result.details())
+            assert "memory" in result.details(), result.details()
+            assert took < LIMITED_TIMEOUT_S + OVERRUN_S, (sql, took)
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:  # three at once: two run, one waits
+            outcomes = list(pool.map(lambda _: raw_query(limited, "SELECT length(repeat('x', 4000000000)) AS n"), range(3)))
+        for result, took in outcomes:
+            assert isinstance(result, grpc.RpcError) and result.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, result
+    assert sampler.peak < bound, (sampler.peak, bound)
+    print(f"\nserver + sandboxes: {base:.0f} MiB at rest, peak {sampler.peak:.0f} MiB, bound {bound:.0f} MiB")
+    _serving(limited)
+
+
+@pytest.mark.parametrize("asked", [-1.0, float("nan"), float("inf"), 0.0, 1e9, -float("inf")])
+def test_f3_the_caller_cannot_switch_off_the_timeout(limited, asked):
+    """Issue 11, finding 3: timeout_seconds of -1 or NaN disabled the limit. Now such a value is
+    refused before the query runs (the request field check), and the sandbox itself treats any
+    value that is not a finite positive number up to the server's as the server's
+    (``test_timeouts_the_caller_asks_for_are_validated``): either way nothing runs past it."""
+    result, took = raw_query(limited, ENDLESS, timeout_seconds=asked, deadline=30.0)
+    assert isinstance(result, grpc.RpcError), result
+    assert result.code() == grpc.StatusCode.INVALID_ARGUMENT, result.details()
+    if "timeout_seconds" in result.details():  # refused before it runs by the request field check
+        assert asked < 0 or not math.isfinite(asked) or asked > 3600, result.details()
+    else:  # run, under the server's timeout
+        assert f"exceeded its timeout of {LIMITED_TIMEOUT_S:g} s" in result.details(), result.details()
+    assert took < LIMITED_TIMEOUT_S + OVERRUN_S, took
+
+
+def test_f3_a_call_that_ignores_interrupts_is_killed_at_the_timeout(limited):
+    """A single long function call never checks DuckDB's interrupt; the server kills its sandbox
+    process, answers, and a fresh process serves the next query."""
+    result, took = raw_query(limited, UNINTERRUPTIBLE, timeout_seconds=1.0)
+    assert isinstance(result, grpc.RpcError), result
+    assert "exceeded its timeout of 1 s" in result.details(), result.details()
+    assert took < 1.0 + OVERRUN_S, took
+    _serving(limited)
+
+
+def test_f6_nested_and_serialized_sql_cannot_reach_files(limited, tmp_path):
+    """Issue 11, finding 6: nested query(), json_execute_serialized_sql, SUMMARIZE over query() read
+    the ledger file, and read_csv/glob reached other files. None answers with a file's bytes."""
+    secret = limited.db.parent / "secret.csv"
+    secret.write_text("marker\nSECRET-f6\n")
+    db = str(limited.db)
+    tricks = [
+        f"SELECT * FROM query('SELECT * FROM read_blob(''{db}'')')",
+        f"SELECT * FROM query('SELECT * FROM query(''SELECT * FROM read_text(''''{secret}'''')'')')",
+        f"SELECT json_execute_serialized_sql(json_serialize_sql('SELECT * FROM read_blob(''{db}'')'))",
+        f"SELECT * FROM json_execute_serialized_sql(json_serialize_sql('SELECT content FROM read_text(''{secret}'')'))",
+        f"SUMMARIZE SELECT * FROM query('SELECT * FROM read_blob(''{db}'')')",
+        f"SELECT * FROM query('SELECT * FROM read_csv(''{secret}'')')",
+        f"SELECT * FROM query_table('{secret}')",
+        f"SELECT * FROM query('SELECT * FROM glob(''{limited.db.parent}/*'')')",
+        f"SELECT * FROM query('FROM ''{secret}''')",
+    ]
+    for sql in tricks:
+        result, _ = raw_query(limited, sql)
+        assert isinstance(result, grpc.RpcError), (sql, result.to_pylist()[:2])
+        assert result.code() == grpc.StatusCode.INVALID_ARGUMENT, (sql, result.details())
+        assert "SECRET-f6" not in result.details()
+
+
+def _ledger_files(db) -> dict[str, tuple[int, int]]:
+    files = [db, db.with_name(db.name + ".wal")] + sorted(db.with_name(db.name + ".log").glob("*"))
+    return {str(p): (p.stat().st_size, p.stat().st_mtime_ns) for p in files if p.exists()}
+
+
+def test_f7_table_functions_that_write_cannot_touch_the_ledger(tmp_path):
+    """Issue 11, finding 7: ``SELECT * FROM checkpoint()`` wrote the ledger (the file grew).
+    Now no query changes any ledger file, whatever it calls."""
+    from tests.integration.conftest import clean_env
+
+    s = start_store(tmp_path / "rollbook.duckdb", env=clean_env(**LIMITED_ENV))
+    try:
+        with s.client() as client:
+            register(client)
+            client.submit([traj(f"f7-{i}", n=64) for i in range(200)])
+            client.query("SELECT count(*) FROM trajectories")  # the store's own snapshot checkpoint
+            before = _ledger_files(s.db)
+            for sql in ("SELECT * FROM checkpoint()", "SELECT * FROM force_checkpoint()",
+                        "SELECT * FROM checkpoint('memory')", "SELECT * FROM truncate_duckdb_logs()",
+                        "SELECT write_log('x')", "SELECT setseed(0.5)", "CHECKPOINT", "FORCE CHECKPOINT",
+                        "SELECT * FROM pragma_database_size()"):
+                raw_query(s, sql)  # refused by the fence, or harmless on the sandbox's read-only snapshot
+                assert _ledger_files(s.db) == before, sql
+            assert count(client, "trajectories") == 200
+    finally:
+        s.kill()
+
+
+@pytest.mark.parametrize("terms", [1000, 5000])
+def test_f8_a_deeply_nested_expression_is_invalid_argument(limited, terms):
+    """Issue 11, finding 8 (SQL half): ``SELECT 1+1+...+1`` with 1,000 terms answered UNKNOWN (a
+    Python recursion error); it is INVALID_ARGUMENT with a message that says why."""
+    result, _ = raw_query(limited, "SELECT " + "+".join(["1"] * terms) + " AS n")
+    assert isinstance(result, grpc.RpcError), result
+    assert result.code() == grpc.StatusCode.INVALID_ARGUMENT, (result.code(), result.details())
+    assert "depth" in result.details() or "nested" in result.details(), result.details()
+    _serving(limited)
+
+
+def test_sandbox_processes_do_not_outlive_a_killed_server(tmp_path):
+    """A SIGKILLed server leaves no sandbox process behind burning CPU on a query."""
+    import os
+    import threading
+    import time
+
+    s = start_store(tmp_path / "rollbook.duckdb")
+    try:
+        with s.client() as client:
+            client.query("SELECT 1")
+            threading.Thread(target=lambda: raw_query(s, ENDLESS), daemon=True).start()  # busy when the server dies
+            time.sleep(1.0)
+        kids = [int(p) for p in os.listdir("/proc") if p.isdigit() and _ppid(int(p)) == s.proc.pid]
+        assert kids, "no sandbox process was running"
+    finally:
+        s.kill()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(os.path.exists(f"/proc/{k}") and _ppid(k) is not None for k in kids):
+        time.sleep(0.1)
+    assert not [k for k in kids if os.path.exists(f"/proc/{k}") and _ppid(k) is not None]
+
+
+def _ppid(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return None if fields[0] == "Z" else int(fields[1])
