@@ -247,7 +247,7 @@ class Ledger:
             raise InvalidReward(f"{Reason.NONFINITE_REWARD}: reward = {reward}")
         if abs(reward) > self.ingest_config.max_abs_reward:
             raise InvalidReward(f"{Reason.REWARD_OUT_OF_RANGE}: reward = {reward:g}; |reward| must be <= "
-                             f"max_abs_reward {self.ingest_config.max_abs_reward:g}")
+                                f"max_abs_reward {self.ingest_config.max_abs_reward:g}")
         if bool(trajectory_id) == bool(session_id):
             raise InvalidReward("give exactly one of trajectory_id and session_id")
         self.flush()

@@ -14,6 +14,7 @@ import grpc
 import pytest
 
 from rollbook.store.ledger import InvalidReward, ModelNotRegistered, NotRewardable, UnknownTrajectory
+from rollbook.store import service as service_module
 from rollbook.store.service import Abort, SyncContext, TrajectoryStoreService
 from rollbook.store.sql import QueryLimits
 from rollbook.v1 import rollbook_pb2 as pb
@@ -43,6 +44,11 @@ REQUESTS = {
     "AckBatch": pb.AckBatchRequest(lease_id="l", trainer_id="t"),
     "PullBatch": pb.PullBatchRequest(trainer_id="t", model_id="m", num_samples=1),
 }
+
+
+@pytest.fixture(autouse=True)
+def no_sandbox(monkeypatch):
+    monkeypatch.setattr(service_module, "_sandbox", lambda ledger, limits: None)  # no Query here
 
 
 def call(rpc: str, exc: BaseException):
