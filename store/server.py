@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import logging
-import os
 import pathlib
 import signal
 import sys
@@ -24,7 +23,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from rollbook.store.access import ROLES, KeyRing, check_keys
 from rollbook.store.ledger import Ledger
@@ -46,7 +45,11 @@ def _key_field(role: str, rpcs: str):
 
 
 class StoreConfig(BaseModel):
-    """Configuration of ``rollbook serve``."""
+    """Configuration of ``rollbook serve`` (``--config FILE``, dotted overrides such as
+    ``--validator.norm.mode group_mean``, ``rollbook serve --help-config``) and of the ``[store]``
+    section of ``rollbook run``."""
+
+    model_config = ConfigDict(extra="forbid")
 
     db: pathlib.Path = Field(pathlib.Path("runs/default/rollbook.duckdb"), description="DuckDB ledger file (created if missing); the write-ahead log lives beside it.")
     host: str = Field("127.0.0.1", description="Address to bind. A non-loopback address requires all four role keys, and TLS unless `insecure`.")
@@ -97,13 +100,20 @@ class StoreConfig(BaseModel):
 
     @classmethod
     def from_env(cls, **overrides) -> "StoreConfig":
-        values = {f"{role}_key": os.environ.get(f"ROLLBOOK_{role.upper()}_KEY") for role in ROLES}
-        values.update(tls_cert=os.environ.get("ROLLBOOK_TLS_CERT"), tls_key=os.environ.get("ROLLBOOK_TLS_KEY"),
-                      tls_client_ca=os.environ.get("ROLLBOOK_TLS_CLIENT_CA"),
-                      validate_evidence=os.environ.get("ROLLBOOK_BENCH_NOVALIDATE", "") != "1")
-        values = {k: v for k, v in values.items() if v not in (None, "")}
-        values.update({k: v for k, v in overrides.items() if v is not None})
-        return cls(**values)
+        return cls(**{**env_values(), **{k: v for k, v in overrides.items() if v is not None}})
+
+
+def env_values() -> dict:
+    """The StoreConfig fields the environment sets: the four keys, the TLS files and
+    ``ROLLBOOK_BENCH_NOVALIDATE`` (read in rollbook/env.py)."""
+    from rollbook import env
+
+    tls = env.server_tls()
+    values = {**env.keys(), "tls_cert": tls["cert"], "tls_key": tls["key"], "tls_client_ca": tls["client_ca"]}
+    values = {k: v for k, v in values.items() if v is not None}
+    if not env.validate_evidence():
+        values["validate_evidence"] = False
+    return values
 
 
 def is_loopback(host: str) -> bool:
@@ -191,7 +201,21 @@ def create_server(config: StoreConfig, ledger: Ledger | None = None) -> tuple[St
 
 
 def serve(config: StoreConfig) -> None:
-    server, port, ledger = create_server(config)
+    """Run the store until SIGINT/SIGTERM. A ledger another process holds, or an address that cannot
+    be bound, is a ``CommandError`` (one line from the CLI)."""
+    import duckdb
+
+    from rollbook.errors import CommandError
+
+    try:
+        server, port, ledger = create_server(config)
+    except duckdb.IOException as exc:
+        if "lock" not in str(exc).lower():
+            raise
+        raise CommandError(f"ledger {config.db} is held by another process (another rollbook serve on it?): "
+                           f"{' '.join(str(exc).split())[:300]}") from None
+    except OSError as exc:
+        raise CommandError(f"{exc} (is the port in use? --port 0 picks a free one)") from None
     server.start()
     print(f"listening on {config.host}:{port}", flush=True)
     log.info("ledger %s, TLS %s", config.db, "on" if config.tls_cert else "off")
