@@ -200,6 +200,30 @@ def create_server(config: StoreConfig, ledger: Ledger | None = None) -> tuple[St
     return server, server.port, ledger
 
 
+def _check_port_free(host: str, port: int) -> None:
+    """Refuse a port another process listens on in one line (before gRPC tries, which would log its
+    own multi-line error first)."""
+    import errno
+    import socket
+
+    from rollbook.errors import CommandError
+
+    if port == 0:
+        return
+    try:
+        infos = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM)
+    except OSError:
+        return  # gRPC reports an address it cannot resolve
+    family, _, _, _, address = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise CommandError(f"cannot bind {host}:{port}: address already in use (another store? "
+                                   "--port 0 picks a free one)") from None
+
+
 def serve(config: StoreConfig) -> None:
     """Run the store until SIGINT/SIGTERM. A ledger another process holds, or an address that cannot
     be bound, is a ``CommandError`` (one line from the CLI)."""
@@ -207,6 +231,7 @@ def serve(config: StoreConfig) -> None:
 
     from rollbook.errors import CommandError
 
+    _check_port_free(config.host, config.port)
     try:
         server, port, ledger = create_server(config)
     except duckdb.IOException as exc:
