@@ -132,7 +132,10 @@ def _wait_for_channel(config: WorkerConfig, stop: threading.Event):
             return open_channel(config.weights)
         except FileNotFoundError:
             if stop.is_set() or time.monotonic() > deadline:
-                raise
+                from rollbook.errors import CommandError
+
+                raise CommandError(f"no weight channel {config.weights} within {config.first_weights_timeout_s:g} s "
+                                   "(first_weights_timeout_s): is the trainer running on this host?") from None
             stop.wait(0.2)
 
 
@@ -172,7 +175,10 @@ def _first_snapshot(channel, config: WorkerConfig, stop: threading.Event):
         if time.monotonic() > deadline:
             break
         stop.wait(0.1)
-    raise TimeoutError(f"no weights on {config.weights} within {config.first_weights_timeout_s:g} s")
+    from rollbook.errors import CommandError
+
+    raise CommandError(f"no weights on {config.weights} within {config.first_weights_timeout_s:g} s "
+                       "(first_weights_timeout_s): is the trainer running and publishing there?")
 
 
 def _stop_on_signals() -> threading.Event:

@@ -3,7 +3,7 @@ published to the store's version registry; rollout workers get them through a we
 
 The model must be registered first (``rollbook admin register-model``, admin key); with
 ``ROLLBOOK_ADMIN_KEY`` in its environment ``train`` registers it itself. While no batch is ready it
-logs one progress line every ``PROGRESS_EVERY_S`` seconds, and gives up after ``max_wait_s`` in one
+logs one progress line every ``PROGRESS_EVERY_S`` seconds (a third of ``max_wait_s`` if less), and gives up after ``max_wait_s`` in one
 line (a ``CommandError``).
 """
 
@@ -85,6 +85,7 @@ def _run(trainer, config: TrainerConfig) -> list[dict]:
     from rollbook.errors import CommandError
 
     history: list[dict] = []
+    every = min(PROGRESS_EVERY_S, config.max_wait_s / 3)
     waited_since = last_said = time.monotonic()
     while trainer.state.step < config.num_steps:
         stats = trainer.step()
@@ -97,7 +98,7 @@ def _run(trainer, config: TrainerConfig) -> list[dict]:
             raise CommandError(f"no batch from the store for {config.max_wait_s:g} s at step {trainer.state.step} "
                                f"(model {config.model_id!r}, version {trainer.state.version}); is a rollout worker "
                                "submitting? (max_wait_s)")
-        if now - last_said >= PROGRESS_EVERY_S:
+        if now - last_said >= every:
             log.info("waiting for a batch: step %d, version %d, %d samples, %.0f s of max_wait_s %g",
                      trainer.state.step, trainer.state.version, config.num_samples, now - waited_since, config.max_wait_s)
             last_said = now

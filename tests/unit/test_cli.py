@@ -278,3 +278,32 @@ def test_admin_register_model_then_publish_version(tmp_path):
             assert client.query("SELECT vocab_size FROM models WHERE model_id = 'tiny'").column(0).to_pylist() == [64]
     finally:
         proc.stop()
+
+
+def test_train_against_a_fresh_store_says_how_to_register_the_model(store):
+    done = _rollbook("train", "--server", store.address, "--run_dir", str(store.db.parent / "t"), "--max_wait_s", "3",
+                     env=_clean_env(), timeout=240)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 1, done.stderr
+    assert lines[-1].startswith("rollbook train: error: ") and "rollbook admin register-model tiny" in lines[-1]
+    assert "Traceback" not in done.stderr
+
+
+def test_train_reports_progress_while_it_waits_for_a_batch(store):
+    with store.client() as client:
+        client.register_model("tiny", vocab_size=64)
+    done = _rollbook("train", "--server", store.address, "--run_dir", str(store.db.parent / "t"), "--max_wait_s", "3",
+                     "--poll_interval_s", "0.1", env=_clean_env(), timeout=240)
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.count("waiting for a batch: step 0") >= 2, done.stderr
+    assert done.stderr.strip().splitlines()[-1].startswith("rollbook train: error: no batch from the store for 3 s")
+    assert "Traceback" not in done.stderr
+
+
+def test_rollout_says_weight_channel_unreachable_once_not_per_poll():
+    port = _free_port()
+    done = _rollbook("rollout", "--weights", f"grpc:127.0.0.1:{port}", "--first_weights_timeout_s", "3",
+                     "--server", f"127.0.0.1:{_free_port()}", env=_clean_env(), timeout=240)
+    assert done.stderr.count("weight channel unreachable") == 1, done.stderr  # ~30 polls in 3 s
+    assert done.returncode == 1 and done.stderr.strip().splitlines()[-1].startswith("rollbook rollout: error: no weights on")
+    assert "Traceback" not in done.stderr
