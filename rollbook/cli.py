@@ -23,9 +23,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from rollbook.cli_common import client_flags, store_client, unreachable
+from rollbook.cli_common import client_flags, store_client
 from rollbook.env import DEFAULT_SERVER
-from rollbook.errors import CommandError, ConfigError
+from rollbook.errors import CommandError, ConfigError, unreachable
 
 # serve's flags -> StoreConfig fields (flags given win over --config and dotted overrides)
 _SERVE_FLAGS = {"db": "db", "host": "host", "port": "port", "worker_key": "worker_key", "trainer_key": "trainer_key",

@@ -24,18 +24,3 @@ def store_client(args: argparse.Namespace, **kwargs):
         tls = ClientTLS(args.tls_ca or (tls and tls.ca), args.tls_client_cert or (tls and tls.cert),
                         args.tls_client_key or (tls and tls.key), tls and tls.server_name)
     return StoreClient.from_env(args.server, reader_key=getattr(args, "reader_key", None), tls=tls, **kwargs)
-
-
-def unreachable(exc, address: str) -> str | None:
-    """The one-line reason when ``exc`` is a gRPC error that says the store cannot be reached (or
-    refuses the key); None for anything else."""
-    import grpc
-
-    if not isinstance(exc, grpc.RpcError):
-        return None
-    code = exc.code()
-    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-        return f"store at {address} is not reachable ({code.name}): start it with `rollbook serve` or pass --server HOST:PORT"
-    if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
-        return f"store at {address} refused the key ({code.name}: {exc.details()}); set the role's ROLLBOOK_*_KEY"
-    return None

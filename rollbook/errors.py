@@ -32,3 +32,18 @@ def one_line(exc: BaseException) -> str:
 def _where(error: dict) -> str:
     loc = ".".join(str(p) for p in error.get("loc", ()))
     return f"{loc}: " if loc else ""
+
+
+def unreachable(exc, address: str) -> str | None:
+    """The one-line reason when ``exc`` is a gRPC error that says the store cannot be reached (or
+    refuses the key); None for anything else."""
+    import grpc
+
+    if not isinstance(exc, grpc.RpcError):
+        return None
+    code = exc.code()
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+        return f"store at {address} is not reachable ({code.name}): start it with `rollbook serve` or pass --server HOST:PORT"
+    if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+        return f"store at {address} refused the key ({code.name}: {exc.details()}); set the role's ROLLBOOK_*_KEY"
+    return None

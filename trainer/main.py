@@ -61,8 +61,7 @@ def _start(trainer, client, config: TrainerConfig) -> None:
     down or a model nobody registered is a one-line ``CommandError``."""
     import grpc
 
-    from rollbook.cli_common import unreachable
-    from rollbook.errors import CommandError
+    from rollbook.errors import CommandError, unreachable
 
     if client.admin_key:
         from rollbook.rollout.tasks import TOKENIZER
