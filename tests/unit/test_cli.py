@@ -307,3 +307,57 @@ def test_rollout_says_weight_channel_unreachable_once_not_per_poll():
     assert done.stderr.count("weight channel unreachable") == 1, done.stderr  # ~30 polls in 3 s
     assert done.returncode == 1 and done.stderr.strip().splitlines()[-1].startswith("rollbook rollout: error: no weights on")
     assert "Traceback" not in done.stderr
+
+
+def test_rollout_stops_after_max_rounds_and_when_the_gate_stays_closed(store, tmp_path):
+    """A real worker process on a shared-memory channel that publishes version 0 and nothing more
+    (a trainer that has gone): --max_rounds 1 stops after one round; with eta 0 the gate closes after
+    one batch and max_idle_s stops the worker (it used to wait forever)."""
+    import uuid
+
+    from rollbook.rollout.weights.shm import SharedMemoryPublisher
+    from rollbook.trainer.config import ModelConfig
+    from rollbook.trainer.setup import build_student
+
+    with store.client() as client:
+        client.register_model("tiny", vocab_size=64)
+        client.publish_version("tiny", 0)
+    state = build_student(ModelConfig(hidden_size=16, intermediate_size=16, num_layers=1, num_heads=2, num_kv_heads=1)).state_dict()
+    channel = f"rollbook-test-{uuid.uuid4().hex[:10]}"
+    publisher = SharedMemoryPublisher(channel, state)
+    publisher.publish(0, state)
+    common = ["rollout", "--server", store.address, "--weights", f"shm:{channel}", "--model.hidden_size", "16",
+              "--model.intermediate_size", "16", "--model.num_layers", "1", "--model.num_heads", "2",
+              "--model.num_kv_heads", "1", "--batch_size", "8", "--rollout.group_size", "4", "--rollout.num_prompts", "2",
+              "--rollout.num_eval_tasks", "4", "--log_every", "1"]
+    try:
+        done = _rollbook(*common, "--spool_dir", str(tmp_path / "s1"), "--rollout.max_staleness", "5", "--max_rounds", "1",
+                         timeout=240)
+        assert done.returncode == 0, done.stderr
+        assert "round 1: 8 trajectories so far, version 0" in done.stderr
+        assert "'rounds': 1" in done.stderr
+        done = _rollbook(*common, "--spool_dir", str(tmp_path / "s2"), "--rollout.max_staleness", "0", "--max_idle_s", "2",
+                         timeout=240)
+        assert done.returncode == 0, done.stderr
+        assert "no round for 2 s" in done.stderr and "'rounds': 1" in done.stderr
+    finally:
+        publisher.close()
+
+
+def test_the_readme_commands_work_after_the_quick_start():
+    """The README says how to get ``rollbook`` on PATH after the quick start, names only config files
+    that ship, and only subcommands (and admin actions) that exist."""
+    import re
+
+    from rollbook.cli import build_parser
+
+    readme = (REPO / "README.md").read_text()
+    assert "source .venv/bin/activate" in readme and ".venv/bin/rollbook" in readme
+    for path in set(re.findall(r"configs/[\w.-]+\.toml", readme)):
+        assert (REPO / path).exists(), path
+    commands = build_parser()._subparsers._group_actions[0].choices
+    for line in re.findall(r"^(?:\.venv/bin/)?rollbook +(\S+)(?: +(\S+))?", readme, flags=re.M):
+        assert line[0] in commands, line
+        if line[0] == "admin":
+            assert line[1] in ("register-model", "publish-version"), line
+    assert "rollbook rollout --config configs/worker.toml" in readme
