@@ -216,6 +216,9 @@ def _check_port_free(host: str, port: int) -> None:
         return  # gRPC reports an address it cannot resolve
     family, _, _, _, address = infos[0]
     with socket.socket(family, socket.SOCK_STREAM) as probe:
+        # as gRPC binds: a port whose old connections linger in TIME_WAIT (a store just restarted on it)
+        # is free; only a listener makes it busy
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             probe.bind(address)
         except OSError as exc:
