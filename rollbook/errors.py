@@ -4,7 +4,8 @@
 refused, two settings that disagree): exit code 2. ``CommandError``: the command cannot do what it
 was asked and the reason is the user's to fix (the store is down, the port is taken, the ledger is
 held by another server, the run is already past the requested step): exit code 1. Anything else is a
-bug or a failure mid-work and keeps its traceback.
+bug or a failure mid-work and keeps its traceback. ``unreachable`` words a gRPC error that means
+"the store is down or refused the key" for a ``CommandError``.
 """
 
 from __future__ import annotations
