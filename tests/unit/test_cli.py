@@ -289,15 +289,17 @@ def test_train_against_a_fresh_store_says_how_to_register_the_model(store):
     assert "Traceback" not in done.stderr
 
 
-def test_train_reports_progress_while_it_waits_for_a_batch(store):
-    with store.client() as client:
-        client.register_model("tiny", vocab_size=64)
+def test_train_registers_its_model_with_the_admin_key_and_reports_progress_while_it_waits(store):
+    # a fresh store; the admin key in the environment lets train register "tiny" itself (this store
+    # has no keys configured, so any key is accepted on loopback)
     done = _rollbook("train", "--server", store.address, "--run_dir", str(store.db.parent / "t"), "--max_wait_s", "3",
-                     "--poll_interval_s", "0.1", env=_clean_env(), timeout=240)
+                     "--poll_interval_s", "0.1", env=_clean_env() | {"ROLLBOOK_ADMIN_KEY": "a" * 32}, timeout=240)
     assert done.returncode == 1, done.stderr
     assert done.stderr.count("waiting for a batch: step 0") >= 2, done.stderr
     assert done.stderr.strip().splitlines()[-1].startswith("rollbook train: error: no batch from the store for 3 s")
     assert "Traceback" not in done.stderr
+    with store.client() as client:
+        assert client.query("SELECT model_id FROM models").column(0).to_pylist() == ["tiny"]
 
 
 def test_rollout_says_weight_channel_unreachable_once_not_per_poll():
