@@ -1,58 +1,63 @@
 """The ``rollbook`` command.
 
     rollbook serve  --db runs/demo/rollbook.duckdb --port 0     # the store (gRPC)
+    rollbook serve  --config configs/store.toml --validator.norm.mode group_mean   # store policies
     rollbook query  --server 127.0.0.1:50551 "SELECT count(*) FROM trajectories"
     rollbook query  --db runs/demo/rollbook.duckdb "SHOW TABLES"  # file, read-only, server down
     rollbook stats  --server 127.0.0.1:50551
+    rollbook admin  register-model tiny                          # admin key from ROLLBOOK_ADMIN_KEY
     rollbook demo   --run-dir runs/demo                          # store + generated workload + SQL
 
-Keys travel in the environment (ROLLBOOK_WORKER_KEY, ROLLBOOK_TRAINER_KEY, ROLLBOOK_READER_KEY,
-ROLLBOOK_ADMIN_KEY), TLS files in flags or ROLLBOOK_TLS_* (docs/security.md).
+``run``, ``train``, ``rollout`` and ``serve`` take ``--config FILE`` and any config field as a
+dotted flag; ``--help-config`` lists the fields. Environment variables are read in rollbook/env.py
+(keys, TLS files, ROLLBOOK_SERVER; docs/security.md).
 
-Each subcommand imports what it needs only when it runs: ``rollbook --help`` stays instant and no
-subcommand here imports torch.
+Errors: a configuration error (``ConfigError``, exit 2) and a condition the user must fix
+(``CommandError``, exit 1: store down, port taken, ledger held) print one line; anything else keeps
+its traceback. Each subcommand imports what it needs only when it runs: ``rollbook --help`` stays
+instant and no subcommand here imports torch.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
-DEFAULT_SERVER = "127.0.0.1:50551"
+from rollbook.cli_common import client_flags, store_client
+from rollbook.env import DEFAULT_SERVER
+from rollbook.errors import CommandError, ConfigError, unreachable
+
+# serve's flags -> StoreConfig fields (flags given win over --config and dotted overrides)
+_SERVE_FLAGS = {"db": "db", "host": "host", "port": "port", "worker_key": "worker_key", "trainer_key": "trainer_key",
+                "reader_key": "reader_key", "admin_key": "admin_key", "tls_cert": "tls_cert", "tls_key": "tls_key",
+                "tls_client_ca": "tls_client_ca", "insecure": "insecure", "stream_idle_timeout": "stream_idle_timeout_s",
+                "max_submit_streams_per_host": "max_submit_streams_per_host"}
+_KEY_FIELDS = ("worker_key", "trainer_key", "reader_key", "admin_key")
 
 
-def _serve(args: argparse.Namespace) -> int:
+def load_store_config(path: str | None, overrides: list[str], flags: dict | None = None):
+    """StoreConfig from the environment, then ``path``, then dotted overrides, then ``flags``."""
+    from rollbook.config import load_config, read_config_file
+    from rollbook.store.server import StoreConfig, env_values
+
+    if path:
+        in_file = sorted(set(_KEY_FIELDS) & read_config_file(path).keys())
+        if in_file:
+            raise ConfigError(f"{in_file[0]} in {path}: keys come from the environment (ROLLBOOK_*_KEY), never a config file")
+    given = {k: v for k, v in (flags or {}).items() if v is not None}
+    return load_config(StoreConfig, path, overrides, base=env_values(), final=given)
+
+
+def _serve(args: argparse.Namespace, overrides: list[str]) -> int:
     from rollbook.logs import setup_logging
-    from rollbook.store.server import StoreConfig, serve
+    from rollbook.store.server import serve
 
+    flags = {field: getattr(args, flag) for flag, field in _SERVE_FLAGS.items()}
+    flags["insecure"] = args.insecure or None
+    config = load_store_config(args.config, overrides, flags)
     setup_logging(args.log_level)
-    config = StoreConfig.from_env(db=args.db, host=args.host, port=args.port, admin_key=args.admin_key,
-                                  trainer_key=args.trainer_key, worker_key=args.worker_key, reader_key=args.reader_key,
-                                  tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
-                                  insecure=args.insecure or None, stream_idle_timeout_s=args.stream_idle_timeout,
-                                  max_submit_streams_per_host=args.max_submit_streams_per_host)
     serve(config)
     return 0
-
-
-def _client(args: argparse.Namespace, **kwargs):
-    """A ``StoreClient`` with the keys of the environment and the TLS files of the flags (or env)."""
-    from rollbook.client import StoreClient
-    from rollbook.tls import ClientTLS
-
-    tls = ClientTLS.from_env()
-    if args.tls_ca or args.tls_client_cert or args.tls_client_key:
-        tls = ClientTLS(args.tls_ca or (tls and tls.ca), args.tls_client_cert or (tls and tls.cert),
-                        args.tls_client_key or (tls and tls.key), tls and tls.server_name)
-    return StoreClient.from_env(args.server, reader_key=getattr(args, "reader_key", None), tls=tls, **kwargs)
-
-
-def _client_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--reader-key", default=None, help="reader (or admin) key (default: env ROLLBOOK_READER_KEY, else ROLLBOOK_ADMIN_KEY)")
-    p.add_argument("--tls-ca", default=None, help="PEM CA that signed the store's certificate: connect with TLS (env ROLLBOOK_TLS_CA)")
-    p.add_argument("--tls-client-cert", default=None, help="PEM client certificate, for a store that requires one (env ROLLBOOK_TLS_CLIENT_CERT)")
-    p.add_argument("--tls-client-key", default=None, help="PEM key of --tls-client-cert (env ROLLBOOK_TLS_CLIENT_KEY)")
 
 
 def _query(args: argparse.Namespace) -> int:
@@ -64,13 +69,52 @@ def _query(args: argparse.Namespace) -> int:
 def _stats(args: argparse.Namespace) -> int:
     import json
 
-    with _client(args) as client:
-        response = client.stats()
-    # the fields as plain JSON numbers (protobuf's JSON mapping would write the uint64 counters as strings)
-    stats = {f.name: dict(getattr(response, f.name)) if f.message_type is not None else getattr(response, f.name)
-             for f in response.DESCRIPTOR.fields}
-    stats["stats_json"] = json.loads(response.stats_json or "{}")
+    with store_client(args) as client:
+        try:
+            response = client.stats()
+        except Exception as exc:
+            reason = unreachable(exc, args.server)
+            if reason is None:
+                raise
+            raise CommandError(reason) from None
+    # stats_json holds every counter; the typed fields repeat some of them: print each once
+    stats = json.loads(response.stats_json or "{}")
+    for f in response.DESCRIPTOR.fields:
+        if f.name != "stats_json" and f.name not in stats:
+            value = getattr(response, f.name)
+            stats[f.name] = dict(value) if f.message_type is not None else value
     print(json.dumps(stats, indent=2, sort_keys=True))
+    return 0
+
+
+def _admin(args: argparse.Namespace) -> int:
+    from rollbook.client import StoreClient
+
+    admin_key = args.admin_key or None
+    with StoreClient.from_env(args.server, admin_key=admin_key) as client:
+        if client.admin_key is None:
+            raise CommandError("admin commands need the admin key: set ROLLBOOK_ADMIN_KEY (rollbook run keeps it in "
+                               "RUN_DIR/keys.json)")
+        try:
+            if args.action == "register-model":
+                vocab = args.vocab_size
+                if vocab is None:
+                    from rollbook.tasks import TOKENIZER
+
+                    vocab = TOKENIZER.vocab_size
+                client.register_model(args.model_id, vocab_size=vocab)
+                print(f"registered model {args.model_id!r} (vocab_size {vocab}) at {args.server}")
+            else:
+                latest = client.publish_version(args.model_id, args.version, checksum=args.checksum)
+                print(f"published version {args.version} of {args.model_id!r}; latest is {latest}")
+        except Exception as exc:
+            reason = unreachable(exc, args.server)
+            if reason is None:
+                details = getattr(exc, "details", None)
+                if callable(details):  # another gRPC status: the store's own words
+                    raise CommandError(f"{exc.code().name}: {details()}") from None
+                raise
+            raise CommandError(reason) from None
     return 0
 
 
@@ -93,13 +137,14 @@ def _run(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def _train(args: argparse.Namespace, overrides: list[str]) -> int:
+    from rollbook import env
     from rollbook.config import load_config, write_resolved
     from rollbook.logs import setup_logging
     from rollbook.trainer.config import TrainerConfig
 
     config = load_config(TrainerConfig, args.config, overrides)
     if config.trainer_key is None:
-        config.trainer_key = os.environ.get("ROLLBOOK_TRAINER_KEY")
+        config.trainer_key = env.role_key("trainer")
     setup_logging(args.log_level)
     write_resolved(config, config.run_dir)
     from rollbook.trainer.main import train
@@ -113,6 +158,8 @@ def _rollout(args: argparse.Namespace, overrides: list[str]) -> int:
     from rollbook.logs import setup_logging
     from rollbook.rollout.main import WorkerConfig
 
+    if args.config is None and not overrides:
+        raise ConfigError("rollbook rollout needs a worker config: --config configs/worker.toml (or --weights shm:NAME ...)")
     config = load_config(WorkerConfig, args.config, overrides)
     setup_logging(args.log_level)
     from rollbook.rollout.main import run_worker
@@ -121,14 +168,65 @@ def _rollout(args: argparse.Namespace, overrides: list[str]) -> int:
     return 0
 
 
+def _config_model(command: str):
+    if command == "run":
+        from rollbook.config import RunConfig
+
+        return RunConfig
+    if command == "train":
+        from rollbook.trainer.config import TrainerConfig
+
+        return TrainerConfig
+    if command == "rollout":
+        from rollbook.rollout.main import WorkerConfig
+
+        return WorkerConfig
+    from rollbook.store.server import StoreConfig
+
+    return StoreConfig
+
+
+class _HelpConfig(argparse.Action):
+    """``--help-config``: print every config field (dotted name, type, default, description) and exit."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from rollbook.config import field_help
+
+        command = parser.prog.split()[-1]
+        model = _config_model(command)
+        print(f"Config fields of `rollbook {command}` ({model.__name__}): set them in the --config TOML file "
+              f"(sections for the dotted parts) or as flags, e.g. --{_example(command)}.\n")
+        print("\n".join(field_help(model)))
+        parser.exit(0)
+
+
+def _example(command: str) -> str:
+    return {"run": "trainer.lr 3e-4", "train": "loss.eps_clip 0.1", "rollout": "rollout.group_size 4",
+            "serve": "validator.norm.mode group_mean"}[command]
+
+
+def _config_flags(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument("--config", default=None, help=f"TOML (or .json) {what}; defaults apply without one")
+    p.add_argument("--help-config", action=_HelpConfig,
+                   help="list every config field (dotted flag, type, default, description) and exit")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rollbook", description="A durable, queryable trajectory store for RL on language models.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    p = sub.add_parser("serve", help="run the trajectory store (gRPC) on a DuckDB file")
-    p.add_argument("--db", default="runs/default/rollbook.duckdb", help="DuckDB ledger file (default: %(default)s)")
-    p.add_argument("--host", default="127.0.0.1", help="bind address (default: %(default)s); non-loopback needs all four keys and TLS")
-    p.add_argument("--port", type=int, default=50551, help="port, 0 = any free one, printed as 'listening on HOST:PORT' (default: %(default)s)")
+    p = sub.add_parser("serve", help="run the trajectory store (gRPC) on a DuckDB file",
+                       description="Run the store. Every StoreConfig field (validator and ingest policies, SQL and "
+                       "stream limits) can be set in --config FILE or as a dotted flag, e.g. "
+                       "--validator.norm.mode group_mean --query_max_rows 1000; --help-config lists them. "
+                       "The flags below win over both.")
+    _config_flags(p, "store config (StoreConfig fields at the top level)")
+    p.add_argument("--db", default=None, help="DuckDB ledger file (default: runs/default/rollbook.duckdb)")
+    p.add_argument("--host", default=None, help="bind address (default: 127.0.0.1); non-loopback needs all four keys and TLS")
+    p.add_argument("--port", type=int, default=None, help="port, 0 = any free one, printed as 'listening on HOST:PORT' (default: 50551)")
     p.add_argument("--worker-key", default=None, help="Submit/SetReward key (default: env ROLLBOOK_WORKER_KEY; prefer the env: flags show in ps)")
     p.add_argument("--trainer-key", default=None, help="PullBatch/AckBatch/PublishVersion/ReportTrainStep key (default: env ROLLBOOK_TRAINER_KEY)")
     p.add_argument("--reader-key", default=None, help="Query/GetStats key (default: env ROLLBOOK_READER_KEY)")
@@ -140,7 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stream-idle-timeout", type=float, default=None, help="close a Submit stream idle this many seconds (default: 120)")
     p.add_argument("--max-submit-streams-per-host", type=int, default=None, help="open Submit streams one client host may hold (default: 256)")
     p.add_argument("--log-level", default="INFO")
-    p.set_defaults(func=_serve)
+    p.set_defaults(func=_serve, takes_overrides=True)
 
     p = sub.add_parser("query", help="run read-only SQL through the server, or on the file when the server is down")
     p.add_argument("sql", help="one read-only statement (SELECT/WITH/DESCRIBE/SHOW/SUMMARIZE/EXPLAIN)")
@@ -150,32 +248,50 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", "-o", default=None, help="write to this file instead of stdout (required for parquet on a terminal)")
     p.add_argument("--max-rows", type=int, default=0, help="row cap (0 = server default, 100000)")
     p.add_argument("--timeout", type=float, default=0.0, help="query timeout in seconds (0 = server default, 30)")
-    _client_flags(p)
+    client_flags(p)
     p.set_defaults(func=_query)
 
     p = sub.add_parser("stats", help="print the store's counters as JSON")
-    p.add_argument("--server", default=os.environ.get("ROLLBOOK_SERVER", DEFAULT_SERVER))
-    _client_flags(p)
+    p.add_argument("--server", default=None, help=f"store address HOST:PORT (default: env ROLLBOOK_SERVER, else {DEFAULT_SERVER})")
+    client_flags(p)
     p.set_defaults(func=_stats)
+
+    p = sub.add_parser("admin", help="register a model or publish a policy version (admin key: env ROLLBOOK_ADMIN_KEY)",
+                       description="Prepare a fresh store for `rollbook train`: register the model (admin key), "
+                       "optionally publish a version (the trainer publishes its own on start).")
+    asub = p.add_subparsers(dest="action", required=True, metavar="ACTION")
+    a = asub.add_parser("register-model", help="register MODEL_ID with its vocabulary size")
+    a.add_argument("model_id")
+    a.add_argument("--vocab-size", type=int, default=None, help="vocabulary size (default: the task tokenizer's, rollbook/tasks.py)")
+    a = asub.add_parser("publish-version", help="publish VERSION of MODEL_ID (normally the trainer does this)")
+    a.add_argument("model_id")
+    a.add_argument("version", type=int)
+    a.add_argument("--checksum", default="", help="checksum of the weights (the trainer's state_checksum)")
+    for a in asub.choices.values():
+        a.add_argument("--server", default=None, help=f"store address HOST:PORT (default: env ROLLBOOK_SERVER, else {DEFAULT_SERVER})")
+        a.add_argument("--admin-key", default=None, help="admin key (default: env ROLLBOOK_ADMIN_KEY; prefer the env)")
+    p.set_defaults(func=_admin)
 
     p = sub.add_parser("run", help="the whole loop on one machine: store + rollout + trainer on RUN_DIR/rollbook.duckdb",
                        description="Run store, rollout and trainer on one machine. Any config field can be overridden "
-                       "with a dotted flag, e.g. --num_steps 10 --trainer.lr 1e-3 --rollout.group_size 4.")
-    p.add_argument("--config", default=None, help="TOML run config (see configs/); defaults apply without one")
+                       "with a dotted flag, e.g. --num_steps 10 --trainer.lr 1e-3 --rollout.group_size 4 "
+                       "--store.validator.norm.mode group_mean; --help-config lists them.")
+    _config_flags(p, "run config (see configs/)")
     p.add_argument("--log-level", default="WARNING")
     p.set_defaults(func=_run, takes_overrides=True)
 
     p = sub.add_parser("train", help="run the trainer against a store: pull, update, checkpoint, ack, publish",
-                       description="Train on validated batches from a running store. Dotted overrides set any "
-                       "TrainerConfig field, e.g. --server 127.0.0.1:50551 --num_steps 20 --loss.eps_clip 0.1.")
-    p.add_argument("--config", default=None, help="TOML trainer config; defaults apply without one")
+                       description="Train on validated batches from a running store (register the model first: "
+                       "`rollbook admin register-model`). Dotted overrides set any TrainerConfig field, e.g. "
+                       "--server 127.0.0.1:50551 --num_steps 20 --loss.eps_clip 0.1; --help-config lists them.")
+    _config_flags(p, "trainer config")
     p.add_argument("--log-level", default="INFO")
     p.set_defaults(func=_train, takes_overrides=True)
 
     p = sub.add_parser("rollout", help="run a rollout worker: weights from a channel, generation, spooled submission",
                        description="Run a rollout worker against a store. Dotted overrides set any WorkerConfig field, "
-                       "e.g. --server 127.0.0.1:50551 --weights shm:NAME --rollout.group_size 4.")
-    p.add_argument("--config", default=None, help="TOML or JSON worker config")
+                       "e.g. --server 127.0.0.1:50551 --weights shm:NAME --rollout.group_size 4; --help-config lists them.")
+    _config_flags(p, "worker config (example: configs/worker.toml)")
     p.add_argument("--log-level", default="INFO")
     p.set_defaults(func=_rollout, takes_overrides=True)
 
@@ -187,27 +303,24 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from rollbook import env
+
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra and not getattr(args, "takes_overrides", False):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if hasattr(args, "server") and args.command != "query" and args.server is None:
+        args.server = env.server()
     try:
         return args.func(args, extra) if getattr(args, "takes_overrides", False) else args.func(args)
     except KeyboardInterrupt:
         return 130
-    except ValueError as exc:  # user-facing configuration errors, one line each
-        print(f"rollbook {args.command}: error: {_one_line(exc)}", file=sys.stderr)
+    except ConfigError as exc:  # the configuration: one line, exit 2
+        print(f"rollbook {args.command}: error: {exc}", file=sys.stderr)
         return 2
-
-
-def _one_line(exc: ValueError) -> str:
-    errors = getattr(exc, "errors", None)  # a pydantic ValidationError: its messages, not its report
-    if callable(errors):
-        try:
-            return "; ".join(str(e.get("msg", "")).removeprefix("Value error, ") for e in errors())
-        except Exception:  # noqa: BLE001 - fall back to the plain text
-            pass
-    return " ".join(str(exc).split())
+    except CommandError as exc:  # a condition the user must fix: one line, exit 1
+        print(f"rollbook {args.command}: error: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -121,9 +121,9 @@ class StoreClient:
         """A client with the keys of ``ROLLBOOK_{WORKER,TRAINER,READER,ADMIN}_KEY`` and the TLS
         settings of ``ROLLBOOK_TLS_CA`` / ``ROLLBOOK_TLS_CLIENT_CERT`` / ``ROLLBOOK_TLS_CLIENT_KEY``;
         ``kwargs`` that are not None win."""
-        import os
+        from rollbook import env
 
-        values: dict[str, Any] = {f"{r}_key": os.environ.get(f"ROLLBOOK_{r.upper()}_KEY") or None for r in KEY_ROLES}
+        values: dict[str, Any] = {f"{r}_key": env.role_key(r) for r in KEY_ROLES}
         values["tls"] = ClientTLS.from_env()
         values.update({k: v for k, v in kwargs.items() if v is not None})
         return cls(address, **values)

@@ -1,6 +1,12 @@
 """Run configuration: one TOML per runnable scenario in ``configs/``, dotted overrides on the
 command line (``--trainer.lr 1e-4 --rollout.group_size 4``), the resolved config written into the run
-directory. Parsing and validation import no torch.
+directory. Every command (``run``, ``train``, ``rollout``, ``serve``) loads its config through
+``load_config`` and lists its fields with ``--help-config`` (``field_help``). Parsing and validation
+import no torch.
+
+One source of truth in ``RunConfig``: ``run_dir``, ``num_steps`` and ``max_staleness`` are set once at
+the top and the trainer's and the worker's copies follow them; a copy set explicitly to another
+value is an error, never silently overwritten.
 """
 
 from __future__ import annotations
@@ -8,11 +14,15 @@ from __future__ import annotations
 import json
 import pathlib
 import tomllib
+import types
+import typing
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from rollbook.errors import ConfigError
 from rollbook.rollout.worker import RolloutConfig
+from rollbook.store.server import StoreConfig
 from rollbook.trainer.config import TrainerConfig
 
 M = TypeVar("M", bound=BaseModel)
@@ -31,29 +41,67 @@ class WarmStartConfig(BaseModel):
     seed: int = Field(1, description="Seed of the supervised data order (distinct from the RL task seed).")
 
 
+SEPARATED_MAX_STALENESS = 2  # eta of the separated placement when none is configured
+
+# [store] fields rollbook run sets itself: the ledger is RUN_DIR/rollbook.duckdb on a loopback port,
+# the keys are the run's own (RUN_DIR/keys.json)
+_RUN_OWNS = ("db", "host", "port", "worker_key", "trainer_key", "reader_key", "admin_key", "tls_cert", "tls_key",
+             "tls_client_ca", "insecure")
+
+
 class RunConfig(BaseModel):
     """Configuration of ``rollbook run``: the store, a rollout worker and the trainer on one machine."""
 
     model_config = ConfigDict(extra="forbid")
 
-    run_dir: str = Field("runs/quickstart", description="Run directory: rollbook.duckdb, checkpoints/, metrics.jsonl, config.json.")
+    run_dir: str = Field("runs/quickstart", description="Run directory: rollbook.duckdb, checkpoints/, metrics.jsonl, "
+                         "config.json, keys.json (see the README). trainer.run_dir follows it.")
     placement: Literal["colocated", "separated"] = Field(
         "colocated", description="colocated: rollout and training alternate in one process (eta = 0 is strictly on-policy). "
         "separated: a rollout worker process runs asynchronously, weights over shared memory, bounded staleness.")
-    num_steps: int = Field(40, ge=1, description="Trainer steps.")
+    num_steps: int = Field(40, ge=1, description="Trainer steps in all (a resumed run trains up to this count). "
+                           "trainer.num_steps follows it.")
+    max_staleness: int | None = Field(
+        None, ge=0, description="eta, the staleness bound of both the trainer's pulls and the worker's gate "
+        f"(trainer.max_staleness and rollout.max_staleness follow it). None: 0 colocated (on-policy), "
+        f"{SEPARATED_MAX_STALENESS} separated (asynchronous).")
     eval_every: int = Field(5, ge=1, description="Evaluate held-out reward every N steps (and before the first and after the last).")
     warm_start: WarmStartConfig = Field(default_factory=WarmStartConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    store: StoreConfig = Field(default_factory=StoreConfig, description="Store policies (validator, ingest, SQL and "
+                               "stream limits) of the store process the run starts; db, host, port, keys and TLS are the run's.")
 
     @model_validator(mode="after")
     def _consistent(self) -> "RunConfig":
-        self.trainer.run_dir = self.run_dir
-        self.trainer.num_steps = self.num_steps
+        owned = sorted(f for f in set(_RUN_OWNS) & self.store.model_fields_set  # config.json repeats the defaults
+                       if getattr(self.store, f) != StoreConfig.model_fields[f].default)
+        if owned:
+            raise ValueError(f"store.{owned[0]} is set by rollbook run itself (ledger RUN_DIR/rollbook.duckdb on a "
+                             "loopback port, keys in RUN_DIR/keys.json); remove it from [store]")
+        self.run_dir = _one_value("run_dir", self, ("trainer", self.trainer, "run_dir"))
+        self.num_steps = _one_value("num_steps", self, ("trainer", self.trainer, "num_steps"))
+        eta = _one_value("max_staleness", self, ("trainer", self.trainer, "max_staleness"),
+                         ("rollout", self.rollout, "max_staleness"))
+        self.max_staleness = eta if eta is not None else (0 if self.placement == "colocated" else SEPARATED_MAX_STALENESS)
+        self.trainer.run_dir, self.trainer.num_steps = self.run_dir, self.num_steps
+        self.trainer.max_staleness = self.rollout.max_staleness = self.max_staleness
         if self.trainer.loss.distill_coef > 0 and self.warm_start.teacher_steps == 0 and not self.trainer.teachers:
             raise ValueError("MOPD (trainer.loss.distill_coef > 0) needs a teacher: set warm_start.teacher_steps > 0 "
                              "or list [[trainer.teachers]]")
         return self
+
+
+def _one_value(name: str, top: BaseModel, *copies: tuple[str, BaseModel, str]) -> Any:
+    """The value of the top-level field ``name`` or of the explicitly set copies of it; two
+    explicitly set values that differ are an error. None when none is set and the top has no default."""
+    given = {name: getattr(top, name)} if name in top.model_fields_set else {}
+    given.update({f"{prefix}.{field}": getattr(model, field) for prefix, model, field in copies
+                  if field in model.model_fields_set})
+    if len(set(given.values())) > 1:
+        spelled = ", ".join(f"{k} = {v!r}" for k, v in given.items())
+        raise ValueError(f"{spelled} disagree: set {name} once (the others follow it)")
+    return next(iter(given.values())) if given else getattr(top, name)
 
 
 def parse_overrides(items: list[str]) -> dict[str, Any]:
@@ -63,12 +111,12 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
     it = iter(items)
     for item in it:
         if not item.startswith("--"):
-            raise ValueError(f"expected --dotted.key VALUE, got {item!r}")
+            raise ConfigError(f"expected --dotted.key VALUE, got {item!r}")
         key, _, value = item[2:].partition("=")
         if not _:
             value = next(it, None)
             if value is None:
-                raise ValueError(f"override {item} has no value")
+                raise ConfigError(f"override {item} has no value")
         node = out
         *parents, leaf = key.replace("-", "_").split(".")
         for p in parents:
@@ -90,12 +138,86 @@ def _merge(base: dict, extra: dict) -> dict:
     return base
 
 
-def load_config(model: type[M], path: str | None, overrides: list[str]) -> M:
-    data: dict[str, Any] = {}
+def read_config_file(path: str | pathlib.Path) -> dict[str, Any]:
+    """A TOML (or, by its ``.json`` suffix, JSON) config file as a dict; ``ConfigError`` when it is
+    missing or does not parse."""
+    path = pathlib.Path(path)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise ConfigError(f"config file {str(path)!r} not found (the examples are in configs/)") from None
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {str(path)!r}: {exc.strerror or exc}") from None
+    try:
+        return json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
+    except (ValueError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"config file {str(path)!r} does not parse: {exc}") from None
+
+
+def load_config(model: type[M], path: str | None, overrides: list[str], base: dict[str, Any] | None = None,
+                final: dict[str, Any] | None = None) -> M:
+    """``base`` (e.g. values from the environment), then the file, then the dotted overrides, then
+    ``final`` (e.g. explicit flags); a missing file, a bad override or a refused value is a
+    ``ConfigError`` in one line."""
+    data: dict[str, Any] = dict(base or {})
     if path:
-        text = pathlib.Path(path).read_text()
-        data = json.loads(text) if str(path).endswith(".json") else tomllib.loads(text)
-    return model.model_validate(_merge(data, parse_overrides(overrides)))
+        data = _merge(data, read_config_file(path))
+    try:
+        data = _merge(_merge(data, parse_overrides(overrides)), dict(final or {}))
+        return model.model_validate(data)
+    except ValidationError as exc:
+        from rollbook.errors import one_line
+
+        raise ConfigError(one_line(exc)) from None
+    except ConfigError:
+        raise
+    except ValueError as exc:  # parse_overrides
+        raise ConfigError(str(exc)) from None
+
+
+def field_help(model: type[BaseModel], prefix: str = "") -> list[str]:
+    """Every field of ``model`` as ``--dotted.name  TYPE  (default: VALUE)`` and its description,
+    nested models expanded: what ``--help-config`` prints."""
+    lines: list[str] = []
+    for name, info in model.model_fields.items():
+        nested = _model_of(info.annotation)
+        dotted = f"{prefix}{name}"
+        if nested is not None:
+            if info.description:
+                lines.append(f"[{dotted}]  {info.description}")
+            lines += field_help(nested, f"{dotted}.")
+            continue
+        if info.exclude:  # keys: never in a config file, read from the environment
+            default = "from the environment"
+        elif info.is_required():
+            default = "required"
+        else:
+            value = info.get_default(call_default_factory=True)
+            default = repr(str(value) if isinstance(value, pathlib.PurePath) else value)
+        lines.append(f"--{dotted}  {_type_name(info.annotation)}  (default: {default})")
+        if info.description:
+            lines.append(f"      {info.description}")
+    return lines
+
+
+def _model_of(annotation: Any) -> type[BaseModel] | None:
+    return annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+
+
+def _type_name(annotation: Any) -> str:
+    if annotation is type(None):
+        return "None"
+    if isinstance(annotation, type) and not typing.get_args(annotation):
+        return annotation.__name__
+    origin = typing.get_origin(annotation)
+    args = typing.get_args(annotation)
+    if origin is Literal:
+        return "|".join(repr(a) for a in args)
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in args)
+    if origin is not None:
+        return f"{getattr(origin, '__name__', str(origin))}[{', '.join(_type_name(a) for a in args)}]"
+    return str(annotation).replace("typing.", "")
 
 
 def write_resolved(config: BaseModel, run_dir: str | pathlib.Path) -> pathlib.Path:

@@ -12,17 +12,17 @@ from __future__ import annotations
 import argparse
 import io
 import json
-import os
 import pathlib
 import sys
 
 import pyarrow as pa
 
-from rollbook.cli import DEFAULT_SERVER
+from rollbook import env
+from rollbook.env import DEFAULT_SERVER
 
 
 def run_query_command(args: argparse.Namespace) -> int:
-    server = args.server or os.environ.get("ROLLBOOK_SERVER") or (None if args.db else DEFAULT_SERVER)
+    server = args.server or env.get("ROLLBOOK_SERVER") or (None if args.db else DEFAULT_SERVER)
     table = None
     if server:
         table = _via_server(server, args, fallback=bool(args.db))
@@ -42,7 +42,7 @@ def run_query_command(args: argparse.Namespace) -> int:
 def _via_server(server: str, args: argparse.Namespace, *, fallback: bool) -> pa.Table | None:
     import grpc
 
-    from rollbook.cli import _client
+    from rollbook.cli_common import store_client as _client
 
     args.server = server
     with _client(args, timeout_s=max(args.timeout, 30.0)) as client:

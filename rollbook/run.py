@@ -12,7 +12,9 @@ file in a run directory.
    gate and receives weights over shared memory, while this process trains;
 4. evaluates greedy held-out reward every ``eval_every`` steps, writes ``metrics.jsonl`` and prints
    SQL answers about the run.
-Kill it and run the same command again: the trainer resumes from its checkpoint.
+Kill it and run the same command again: the trainer resumes from its checkpoint. A run directory
+already past ``num_steps`` is refused in one line (and its config.json left as it is). The ``[store]``
+section reaches the store process as RUN_DIR/store.json (``rollbook serve --config``).
 """
 
 from __future__ import annotations
@@ -24,9 +26,11 @@ import pathlib
 import secrets
 import subprocess
 import sys
-import time
 
+from rollbook import env as rollbook_env
 from rollbook.config import RunConfig, write_resolved
+from rollbook.errors import CommandError
+from rollbook.run_support import MetricsLog, install_weights, step_line, steps_done
 from rollbook.tasks import TOKENIZER
 
 log = logging.getLogger("rollbook.run")
@@ -53,17 +57,16 @@ class StoreProcess:
 
     def __init__(self, db: pathlib.Path, *, admin_key: str | None = None, trainer_key: str | None = None,
                  worker_key: str | None = None, reader_key: str | None = None, port: int = 0,
-                 env: dict[str, str] | None = None, tls=None, client_tls=None, extra_args: tuple[str, ...] = ()):
+                 env: dict[str, str] | None = None, tls=None, client_tls=None, extra_args: tuple[str, ...] = (),
+                 config_file: str | pathlib.Path | None = None):
         self.db = pathlib.Path(db)
         self.keys = {"worker_key": worker_key, "trainer_key": trainer_key, "reader_key": reader_key, "admin_key": admin_key}
         self.admin_key, self.trainer_key = admin_key, trainer_key
         self.client_tls = client_tls
-        env = dict(os.environ if env is None else env)
-        for name, key in self.keys.items():
-            env.pop(f"ROLLBOOK_{name.upper()}", None)
-            if key:
-                env[f"ROLLBOOK_{name.upper()}"] = key
+        env = rollbook_env.with_keys(dict(os.environ if env is None else env), self.keys)
         args = ["--db", str(db), "--port", str(port), "--log-level", "WARNING", *extra_args]
+        if config_file is not None:  # store policies (StoreConfig fields); the flags above win
+            args += ["--config", str(config_file)]
         if tls is not None:
             args += ["--tls-cert", tls.cert, "--tls-key", tls.key] + (["--tls-client-ca", tls.client_ca] if tls.client_ca else [])
         self.proc = subprocess.Popen([sys.executable, "-m", "rollbook.cli", "serve", *args],
@@ -91,11 +94,19 @@ def run(config: RunConfig) -> dict:
 
     from rollbook.client import StoreClient
 
-    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
     run_dir = pathlib.Path(config.run_dir)
+    done = steps_done(run_dir)
+    if done > config.num_steps:
+        raise CommandError(f"{run_dir} is already past step {config.num_steps}: its checkpoint holds {done} steps "
+                           f"(train_steps rows 0..{done - 1}); ask for --num_steps above {done} to train on, or "
+                           "use a new --run_dir")
+    if done == config.num_steps:
+        print(f"{run_dir} has already finished its {done} steps: nothing to train (raise --num_steps to go on)",
+              flush=True)
+    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
     write_resolved(config, run_dir)
     keys = _run_keys(run_dir)
-    store = StoreProcess(run_dir / "rollbook.duckdb", **keys)
+    store = StoreProcess(run_dir / "rollbook.duckdb", **keys, config_file=write_store_config(config, run_dir))
     print(f"store: {store.address}, ledger {run_dir / 'rollbook.duckdb'}", flush=True)
     try:
         client = StoreClient.from_env(store.address, **keys)
@@ -103,7 +114,7 @@ def run(config: RunConfig) -> dict:
         if config.placement == "colocated":
             summary = _colocated(config, client)
         else:
-            from rollbook.separated import run_separated
+            from rollbook.run_separated import run_separated
 
             summary = run_separated(config, client, store.address, keys)
         _print_sql(client)
@@ -126,7 +137,7 @@ def _colocated(config: RunConfig, client) -> dict:
     worker = RolloutWorker(engine, config.rollout, model_id=config.trainer.model_id)
     metrics = MetricsLog(pathlib.Path(config.run_dir) / "metrics.jsonl")
     trainer = Trainer(config.trainer, client, model=student, teacher=teacher,
-                      publishers=[lambda v, sd: _install(engine, v, sd)])
+                      publishers=[lambda v, sd: install_weights(engine, v, sd)])
     trainer.start()
     first = {"step": trainer.state.step, **worker.evaluate()}
     metrics.write(first)
@@ -138,18 +149,20 @@ def _colocated(config: RunConfig, client) -> dict:
             log.warning("no ready batch after a rollout round (%s rejected)", result.rejected_by_reason())
             continue
         row = {**stats, **worker.stats.metrics()}
-        step = trainer.state.step
-        if step % config.eval_every == 0 or step == config.num_steps:
+        done = trainer.state.step
+        if done % config.eval_every == 0 or done == config.num_steps:
             row.update(worker.evaluate())
-            print(f"step {step:4d}  train reward {stats['reward/mean']:.3f}  held-out {row['eval/reward']:.3f}  "
-                  f"loss {stats['loss/total']:+.4f}  {stats['perf/tokens_per_s']:.0f} tok/s", flush=True)
+            print(step_line(row, config.num_steps), flush=True)
         metrics.write(row)
     return {"first": first, "last": metrics.last_eval()}
 
 
-def _install(engine, version: int, state_dict) -> None:
-    if version > engine.version:
-        engine.update_weights(state_dict, version)
+def write_store_config(config: RunConfig, run_dir: pathlib.Path) -> pathlib.Path:
+    """The ``[store]`` section as RUN_DIR/store.json, for ``rollbook serve --config`` (no key, db,
+    host or port in it: the run gives those)."""
+    path = run_dir / "store.json"
+    path.write_text(json.dumps(config.store.model_dump(mode="json", exclude={"db", "host", "port"}), indent=2) + "\n")
+    return path
 
 
 def _run_keys(run_dir: pathlib.Path) -> dict:
@@ -164,25 +177,8 @@ def _run_keys(run_dir: pathlib.Path) -> dict:
         with os.fdopen(fd, "w") as f:
             f.write(json.dumps(keys))
         path.chmod(0o600)
-    return {name: os.environ.get(f"ROLLBOOK_{name.upper()}") or key for name, key in keys.items()}
-
-
-class MetricsLog:
-    """Appends one JSON object per line; remembers the latest evaluation."""
-
-    def __init__(self, path: pathlib.Path):
-        self.path = path
-        self._last_eval: dict = {}
-
-    def write(self, row: dict) -> None:
-        row = {"time": time.time(), **row}
-        if "eval/reward" in row:
-            self._last_eval = {k: v for k, v in row.items() if k.startswith("eval/") or k == "step"}
-        with open(self.path, "a") as f:
-            f.write(json.dumps(row) + "\n")
-
-    def last_eval(self) -> dict:
-        return self._last_eval
+    from_env = rollbook_env.keys()
+    return {name: from_env.get(name) or key for name, key in keys.items()}
 
 
 def _print_sql(client) -> None:

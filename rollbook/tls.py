@@ -45,12 +45,14 @@ class ServerTLS:
 
     @classmethod
     def from_env(cls) -> "ServerTLS | None":
-        cert, key = os.environ.get("ROLLBOOK_TLS_CERT"), os.environ.get("ROLLBOOK_TLS_KEY")
-        if not cert and not key:
+        from rollbook import env
+
+        values = env.server_tls()
+        if not values["cert"] and not values["key"]:
             return None
-        if not (cert and key):
+        if not (values["cert"] and values["key"]):
             raise ValueError("ROLLBOOK_TLS_CERT and ROLLBOOK_TLS_KEY go together")
-        return cls(cert, key, os.environ.get("ROLLBOOK_TLS_CLIENT_CA") or None)
+        return cls(**values)
 
 
 @dataclass(frozen=True)
@@ -74,8 +76,9 @@ class ClientTLS:
 
     @classmethod
     def from_env(cls) -> "ClientTLS | None":
-        values = {f: os.environ.get(f"ROLLBOOK_TLS_{env}") or None
-                  for f, env in (("ca", "CA"), ("cert", "CLIENT_CERT"), ("key", "CLIENT_KEY"), ("server_name", "SERVER_NAME"))}
+        from rollbook import env
+
+        values = env.client_tls()
         return cls(**values) if any(values.values()) else None
 
 

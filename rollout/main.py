@@ -41,6 +41,9 @@ class WorkerConfig(BaseModel):
     spool_max_bytes: int = Field(256 << 20, ge=1 << 16, description="Spool bound; admission stops when it is full.")
     first_weights_timeout_s: float = Field(300.0, gt=0, description="How long to wait for the first published weights.")
     max_rounds: int = Field(0, ge=0, description="Stop after this many rollout rounds (0 = until signalled).")
+    max_idle_s: float = Field(600.0, ge=0, description="Stop when no round could run for this long (the staleness gate "
+                              "closed and no newer weights, e.g. the trainer has exited); 0 = wait until signalled.")
+    log_every: int = Field(10, ge=1, description="Log one progress line every N rounds.")
 
 
 def open_channel(spec: str):
@@ -55,7 +58,9 @@ def open_channel(spec: str):
         from rollbook.tls import ClientTLS
 
         return NetworkReceiver(where, tls=ClientTLS.from_env())
-    raise ValueError(f"weights must be 'shm:NAME' or 'grpc:HOST:PORT', got {spec!r}")
+    from rollbook.errors import ConfigError
+
+    raise ConfigError(f"weights must be 'shm:NAME' or 'grpc:HOST:PORT', got {spec!r}")
 
 
 def run_worker(config: WorkerConfig, stop: threading.Event | None = None) -> dict:
@@ -82,6 +87,7 @@ def run_worker(config: WorkerConfig, stop: threading.Event | None = None) -> dic
     group = config.rollout.group_size
     want = group * config.rollout.num_prompts
     rounds = 0
+    idle_since = time.monotonic()
     # keys and TLS from the environment (ROLLBOOK_WORKER_KEY, ROLLBOOK_TLS_CA, ...), never from the config file
     with StoreClient.from_env(config.server) as client, Submitter(client, Spool(config.spool_dir, max_bytes=config.spool_max_bytes)) as sub:
         while not stop.is_set() and (config.max_rounds == 0 or rounds < config.max_rounds):
@@ -98,12 +104,20 @@ def run_worker(config: WorkerConfig, stop: threading.Event | None = None) -> dic
             if admitted > whole:
                 gate.on_finished(admitted - whole, accepted=False)  # give back a partial group's slots
             if whole == 0:
+                if config.max_idle_s and time.monotonic() - idle_since > config.max_idle_s:
+                    log.warning("no round for %.0f s (staleness gate closed at version %d, no newer weights): stopping "
+                                "(max_idle_s)", config.max_idle_s, engine.version)
+                    break
                 stop.wait(0.05)
                 continue
             trajectories = worker.produce(whole // group)
             sub.submit(trajectories)
             gate.on_finished(whole, accepted=True)
             rounds += 1
+            idle_since = time.monotonic()
+            if rounds % config.log_every == 0 or rounds == config.max_rounds:
+                log.info("round %d: %d trajectories so far, version %d, %s", rounds, worker.stats.num_trajectories,
+                         engine.version, sub.stats().metrics())
         sub.flush(timeout=120)
         stats = {**worker.stats.metrics(), **sub.stats().metrics(), "rounds": rounds, "version": engine.version}
     channel.close()
@@ -118,19 +132,31 @@ def _wait_for_channel(config: WorkerConfig, stop: threading.Event):
             return open_channel(config.weights)
         except FileNotFoundError:
             if stop.is_set() or time.monotonic() > deadline:
-                raise
+                from rollbook.errors import CommandError
+
+                raise CommandError(f"no weight channel {config.weights} within {config.first_weights_timeout_s:g} s "
+                                   "(first_weights_timeout_s): is the trainer running on this host?") from None
             stop.wait(0.2)
+
+
+UNREACHABLE_LOG_EVERY_S = 30.0
+_last_unreachable_log = [float("-inf")]
 
 
 def _fetch_or_none(channel):
     """The newest version, or None when there is none newer or the weight server is unreachable
-    (generation goes on with the resident weights; the staleness gate bounds how far)."""
+    (generation goes on with the resident weights; the staleness gate bounds how far). The
+    unreachable warning is logged at most once every ``UNREACHABLE_LOG_EVERY_S`` seconds."""
     import grpc
 
     try:
         return channel.fetch()
     except grpc.RpcError as exc:
-        log.warning("weight channel unreachable (%s); keeping version %s", exc.code().name, channel.version)
+        now = time.monotonic()
+        if now - _last_unreachable_log[0] >= UNREACHABLE_LOG_EVERY_S:
+            _last_unreachable_log[0] = now
+            log.warning("weight channel unreachable (%s); keeping version %s (said at most every %.0f s)",
+                        exc.code().name, channel.version, UNREACHABLE_LOG_EVERY_S)
         return None
 
 
@@ -149,7 +175,10 @@ def _first_snapshot(channel, config: WorkerConfig, stop: threading.Event):
         if time.monotonic() > deadline:
             break
         stop.wait(0.1)
-    raise TimeoutError(f"no weights on {config.weights} within {config.first_weights_timeout_s:g} s")
+    from rollbook.errors import CommandError
+
+    raise CommandError(f"no weights on {config.weights} within {config.first_weights_timeout_s:g} s "
+                       "(first_weights_timeout_s): is the trainer running and publishing there?")
 
 
 def _stop_on_signals() -> threading.Event:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import logging
-import os
 import pathlib
 import signal
 import sys
@@ -24,7 +23,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from rollbook.store.access import ROLES, KeyRing, check_keys
 from rollbook.store.ledger import Ledger
@@ -46,7 +45,11 @@ def _key_field(role: str, rpcs: str):
 
 
 class StoreConfig(BaseModel):
-    """Configuration of ``rollbook serve``."""
+    """Configuration of ``rollbook serve`` (``--config FILE``, dotted overrides such as
+    ``--validator.norm.mode group_mean``, ``rollbook serve --help-config``) and of the ``[store]``
+    section of ``rollbook run``."""
+
+    model_config = ConfigDict(extra="forbid")
 
     db: pathlib.Path = Field(pathlib.Path("runs/default/rollbook.duckdb"), description="DuckDB ledger file (created if missing); the write-ahead log lives beside it.")
     host: str = Field("127.0.0.1", description="Address to bind. A non-loopback address requires all four role keys, and TLS unless `insecure`.")
@@ -107,16 +110,21 @@ class StoreConfig(BaseModel):
 
     @classmethod
     def from_env(cls, **overrides) -> "StoreConfig":
-        values = {f"{role}_key": os.environ.get(f"ROLLBOOK_{role.upper()}_KEY") for role in ROLES}
-        values.update(tls_cert=os.environ.get("ROLLBOOK_TLS_CERT"), tls_key=os.environ.get("ROLLBOOK_TLS_KEY"),
-                      tls_client_ca=os.environ.get("ROLLBOOK_TLS_CLIENT_CA"),
-                      validate_evidence=os.environ.get("ROLLBOOK_BENCH_NOVALIDATE", "") != "1")
-        values = {k: v for k, v in values.items() if v not in (None, "")}
-        for name in cls.model_fields:
-            if name.startswith("query_") and os.environ.get(f"ROLLBOOK_{name.upper()}"):
-                values[name] = os.environ[f"ROLLBOOK_{name.upper()}"]
-        values.update({k: v for k, v in overrides.items() if v is not None})
-        return cls(**values)
+        return cls(**{**env_values(), **{k: v for k, v in overrides.items() if v is not None}})
+
+
+def env_values() -> dict:
+    """The StoreConfig fields the environment sets: the four keys, the TLS files and
+    ``ROLLBOOK_BENCH_NOVALIDATE`` (read in rollbook/env.py)."""
+    from rollbook import env
+
+    tls = env.server_tls()
+    values = {**env.keys(), "tls_cert": tls["cert"], "tls_key": tls["key"], "tls_client_ca": tls["client_ca"]}
+    values = {k: v for k, v in values.items() if v is not None}
+    if not env.validate_evidence():
+        values["validate_evidence"] = False
+    values.update(env.query_settings([name for name in StoreConfig.model_fields if name.startswith("query_")]))
+    return values
 
     def query_limits(self) -> QueryLimits:
         return QueryLimits(
@@ -214,8 +222,50 @@ def create_server(config: StoreConfig, ledger: Ledger | None = None) -> tuple[St
     return server, server.port, ledger
 
 
+def _check_port_free(host: str, port: int) -> None:
+    """Refuse a port another process listens on in one line (before gRPC tries, which would log its
+    own multi-line error first)."""
+    import errno
+    import socket
+
+    from rollbook.errors import CommandError
+
+    if port == 0:
+        return
+    try:
+        infos = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM)
+    except OSError:
+        return  # gRPC reports an address it cannot resolve
+    family, _, _, _, address = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        # as gRPC binds: a port whose old connections linger in TIME_WAIT (a store just restarted on it)
+        # is free; only a listener makes it busy
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise CommandError(f"cannot bind {host}:{port}: address already in use (another store? "
+                                   "--port 0 picks a free one)") from None
+
+
 def serve(config: StoreConfig) -> None:
-    server, port, ledger = create_server(config)
+    """Run the store until SIGINT/SIGTERM. A ledger another process holds, or an address that cannot
+    be bound, is a ``CommandError`` (one line from the CLI)."""
+    import duckdb
+
+    from rollbook.errors import CommandError
+
+    _check_port_free(config.host, config.port)
+    try:
+        server, port, ledger = create_server(config)
+    except duckdb.IOException as exc:
+        if "lock" not in str(exc).lower():
+            raise
+        raise CommandError(f"ledger {config.db} is held by another process (another rollbook serve on it?): "
+                           f"{' '.join(str(exc).split())[:300]}") from None
+    except OSError as exc:
+        raise CommandError(f"{exc} (is the port in use? --port 0 picks a free one)") from None
     server.start()
     print(f"listening on {config.host}:{port}", flush=True)
     log.info("ledger %s, TLS %s", config.db, "on" if config.tls_cert else "off")

@@ -6,6 +6,9 @@ place (atomic on POSIX), so a kill -9 leaves either the old checkpoint or the ne
 acked only after the checkpoint holding it exists; on restart the trainer re-acks the checkpoint's
 leases (acks are idempotent) and republishes its version, so a crash between checkpoint and ack
 loses nothing, and a crash before the checkpoint lets the lease expire and its rows return.
+
+The newest ``keep_last`` checkpoints are kept (``checkpoints/step-NNNNNN/``, ``LATEST`` names the
+newest; TrainerConfig.keep_last, default 2), so a checkpoint found bad can be rolled back by hand.
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ class TrainerState:
     consumed_leases: list[str] = field(default_factory=list)  # leases trained since the previous checkpoint (re-acked on restart)
 
 
-def save_checkpoint(run_dir: pathlib.Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: TrainerState) -> pathlib.Path:
+def save_checkpoint(run_dir: pathlib.Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: TrainerState,
+                    keep_last: int = 2) -> pathlib.Path:
     root = run_dir / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{state.step:06d}"
@@ -49,7 +53,7 @@ def save_checkpoint(run_dir: pathlib.Path, model: torch.nn.Module, optimizer: to
     (root / "LATEST.tmp").write_text(final.name)
     os.replace(root / "LATEST.tmp", root / "LATEST")
     fsync_dir(root)
-    _prune(root, keep=final.name)
+    _prune(root, newest=final.name, keep_last=keep_last)
     return final
 
 
@@ -77,9 +81,13 @@ def _set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
 
 
-def _prune(root: pathlib.Path, keep: str) -> None:
+def _prune(root: pathlib.Path, newest: str, keep_last: int) -> None:
+    """Keep ``newest`` and the ``keep_last - 1`` checkpoints before it; a checkpoint of a later step
+    (left by a run that was rolled back by hand) is removed, as LATEST no longer leads to it."""
+    older = sorted(p for p in root.glob("step-*") if p.name < newest)
+    keep = {newest, *(p.name for p in older[len(older) - (keep_last - 1):] if keep_last > 1)}
     for p in root.glob("step-*"):
-        if p.name != keep:
+        if p.name not in keep:
             shutil.rmtree(p, ignore_errors=True)
 
 

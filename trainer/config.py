@@ -66,6 +66,7 @@ class TrainerConfig(BaseModel):
     max_wait_s: float = Field(600.0, gt=0, description="Give up when no batch arrives for this long.")
     checkpoint_every: int = Field(1, ge=1, description="Checkpoint every N steps. A batch is acked only once checkpointed, so the "
                                   "lease time must cover N steps; versions published between checkpoints are redone after a crash.")
+    keep_last: int = Field(2, ge=1, description="Checkpoints kept in RUN_DIR/checkpoints/ (the newest N; LATEST names the newest).")
     seed: int = Field(0, description="Trainer RNG seed.")
 
     @model_validator(mode="after")

@@ -146,7 +146,7 @@ class Trainer:
         self._unacked.append(batch.lease_id)
         self.state = TrainerState(step=self.state.step + 1, version=self.state.version + 1, consumed_leases=list(self._unacked))
         if self.state.step % cfg.checkpoint_every == 0 or self.state.step == cfg.num_steps:
-            save_checkpoint(self.run_dir, self.model, self.optimizer, self.state)
+            save_checkpoint(self.run_dir, self.model, self.optimizer, self.state, keep_last=cfg.keep_last)
             for lease in self._unacked:  # only now are these batches safe: the weights holding them are on disk
                 self.client.ack_batch(lease, cfg.trainer_id)
             self._unacked = []

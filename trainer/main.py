@@ -1,14 +1,23 @@
 """``rollbook train``: the trainer as its own process against a running store (weights are
-published to the store's version registry; rollout workers get them through a weight channel)."""
+published to the store's version registry; rollout workers get them through a weight channel).
+
+The model must be registered first (``rollbook admin register-model``, admin key); with
+``ROLLBOOK_ADMIN_KEY`` in its environment ``train`` registers it itself. While no batch is ready it
+logs one progress line every ``PROGRESS_EVERY_S`` seconds (a third of ``max_wait_s`` if less), and gives up after ``max_wait_s`` in one
+line (a ``CommandError``).
+"""
 
 from __future__ import annotations
 
 import logging
+import time
 
 from rollbook.client import StoreClient
 from rollbook.trainer.config import TrainerConfig
 
 log = logging.getLogger("rollbook.trainer")
+
+PROGRESS_EVERY_S = 10.0
 
 
 def train(config: TrainerConfig) -> list[dict]:
@@ -18,8 +27,10 @@ def train(config: TrainerConfig) -> list[dict]:
     from rollbook.models import build_student
     from rollbook.trainer.model_builders import build_teachers
 
+    from rollbook.errors import ConfigError
+
     if config.loss.distill_coef > 0 and not config.teachers:
-        raise ValueError("loss.distill_coef > 0 needs at least one [[teachers]] entry (or set loss.distill_coef = 0)")
+        raise ConfigError("loss.distill_coef > 0 needs at least one [[teachers]] entry (or set loss.distill_coef = 0)")
     torch.set_num_threads(2)
     publishers, weight_server = [], None
     if config.weight_server:
@@ -37,9 +48,59 @@ def train(config: TrainerConfig) -> list[dict]:
         with StoreClient.from_env(config.server, trainer_key=config.trainer_key) as client:
             trainer = Trainer(config, client, model=build_student(config.model), teacher=build_teachers(config),
                               publishers=publishers)
-            history = trainer.run()
+            _start(trainer, client, config)
+            history = _run(trainer, config)
     finally:
         if weight_server is not None:
             weight_server.stop(grace=5)
     log.info("done: %d steps, version %d", trainer.state.step, trainer.state.version)
+    return history
+
+
+def _start(trainer, client, config: TrainerConfig) -> None:
+    """``trainer.start()``, registering the model first when the admin key is at hand; a store that is
+    down or a model nobody registered is a one-line ``CommandError``."""
+    import grpc
+
+    from rollbook.errors import CommandError, unreachable
+
+    if client.admin_key:
+        from rollbook.tasks import TOKENIZER
+
+        client.register_model(config.model_id, vocab_size=config.model.vocab_size or TOKENIZER.vocab_size)
+    try:
+        trainer.start()
+    except grpc.RpcError as exc:
+        reason = unreachable(exc, config.server)
+        if reason is not None:
+            raise CommandError(reason) from None
+        if exc.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION) and "register" in exc.details():
+            raise CommandError(f"{exc.details()} at {config.server}: register it first with `rollbook admin "
+                               f"register-model {config.model_id}` (admin key in ROLLBOOK_ADMIN_KEY)") from None
+        raise
+
+
+def _run(trainer, config: TrainerConfig) -> list[dict]:
+    """Train to ``num_steps``; while no batch is ready, say so every ``PROGRESS_EVERY_S`` seconds."""
+    from rollbook.errors import CommandError
+
+    history: list[dict] = []
+    every = min(PROGRESS_EVERY_S, config.max_wait_s / 3)
+    waited_since = last_said = time.monotonic()
+    while trainer.state.step < config.num_steps:
+        stats = trainer.step()
+        now = time.monotonic()
+        if stats is not None:
+            history.append(stats)
+            waited_since = last_said = now
+            continue
+        if now - waited_since > config.max_wait_s:
+            raise CommandError(f"no batch from the store for {config.max_wait_s:g} s at step {trainer.state.step} "
+                               f"(model {config.model_id!r}, version {trainer.state.version}); is a rollout worker "
+                               "submitting? (max_wait_s)")
+        if now - last_said >= every:
+            log.info("waiting for a batch: step %d, version %d, %d samples, %.0f s of max_wait_s %g",
+                     trainer.state.step, trainer.state.version, config.num_samples, now - waited_since, config.max_wait_s)
+            last_said = now
+        time.sleep(config.poll_interval_s)
     return history

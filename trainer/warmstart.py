@@ -4,6 +4,8 @@ RL on language models always starts from a pretrained model; on CPU the stand-in
 cross-entropy steps on training problems (``prompt -> answer <eos>``), so that the policy's first
 samples earn some reward and the RL signal is not all zeros. A longer warm start makes a better
 model: that is the MOPD teacher. Models are cached as transformers directories in the run dir.
+A warm start prints one progress line every ``PROGRESS_EVERY`` steps (``rollbook run``'s console);
+transformers' own progress bars ("Writing model shards", "Loading weights") are switched off.
 """
 
 from __future__ import annotations
@@ -19,9 +21,13 @@ from rollbook.tasks import TOKENIZER, Task
 
 log = logging.getLogger("rollbook.trainer")
 
+PROGRESS_EVERY = 20  # warm-start steps between progress lines
 
-def supervised_steps(model: torch.nn.Module, tasks: list[Task], *, steps: int, batch_size: int, lr: float, seed: int) -> list[float]:
-    """Cross-entropy on the answer tokens (prompt tokens are context only); returns the losses."""
+
+def supervised_steps(model: torch.nn.Module, tasks: list[Task], *, steps: int, batch_size: int, lr: float, seed: int,
+                     on_progress=None) -> list[float]:
+    """Cross-entropy on the answer tokens (prompt tokens are context only); returns the losses.
+    ``on_progress(step_done, loss)`` is called every ``PROGRESS_EVERY`` steps."""
     rng = random.Random(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     history = []
@@ -35,6 +41,8 @@ def supervised_steps(model: torch.nn.Module, tasks: list[Task], *, steps: int, b
         loss.backward()
         opt.step()
         history.append(loss.item())
+        if on_progress is not None and (len(history) % PROGRESS_EVERY == 0 or len(history) == steps):
+            on_progress(len(history), history[-1])
     return history
 
 
@@ -58,11 +66,27 @@ def cached_warm_start(path: pathlib.Path, build, tasks: list[Task], *, steps: in
     """Load the warm-started model from ``path`` or build it (``build()`` -> fresh model) and save it."""
     from transformers import AutoModelForCausalLM
 
+    quiet_transformers()
     if (path / "config.json").exists():
         return AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32)
     model = build()
     if steps:
-        losses = supervised_steps(model, tasks, steps=steps, batch_size=batch_size, lr=lr, seed=seed)
+        print(f"warm start {path.name}: {steps} supervised steps (cached in {path})", flush=True)
+        losses = supervised_steps(model, tasks, steps=steps, batch_size=batch_size, lr=lr, seed=seed,
+                                  on_progress=lambda done, loss: print(f"warm start {path.name}: step {done}/{steps}  "
+                                                                       f"loss {loss:.3f}", flush=True))
         log.info("warm start %s: %d steps, loss %.3f -> %.3f", path.name, steps, losses[0], losses[-1])
     model.save_pretrained(path)
     return model
+
+
+def quiet_transformers() -> None:
+    """No tqdm bars from transformers or huggingface_hub (they would interleave with the console)."""
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    try:
+        from huggingface_hub.utils import disable_progress_bars
+    except ImportError:  # pragma: no cover - an older huggingface_hub
+        return
+    disable_progress_bars()

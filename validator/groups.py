@@ -21,7 +21,7 @@ from __future__ import annotations
 from typing import Literal
 
 import duckdb
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from rollbook.validator.normalize import NormConfig
 from rollbook.validator.reasons import Reason
@@ -31,6 +31,8 @@ GROUP_KEY = "CASE WHEN group_id = '' THEN 'traj:' || trajectory_id ELSE group_id
 
 class ValidatorConfig(BaseModel):
     """Group readiness, normalization and lease settings of the store."""
+
+    model_config = ConfigDict(extra="forbid")
 
     norm: NormConfig = Field(default_factory=NormConfig, description="Grouped reward normalization applied when rows are served.")
     incomplete_group_policy: Literal["wait", "drop", "keep"] = Field(

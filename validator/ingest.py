@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
 import numpy as np
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from rollbook.trajectories import Ragged, TrajectoryColumns
 from rollbook.validator.reasons import Reason
@@ -24,6 +24,8 @@ Verdict = tuple[Reason, str] | None
 
 class IngestConfig(BaseModel):
     """Limits and tolerances of the ingest rules."""
+
+    model_config = ConfigDict(extra="forbid")
 
     max_output_tokens: int = Field(262_144, ge=1, description="Longest accepted output (tokens); longer is OVERSIZED.")
     max_prompt_tokens: int = Field(262_144, ge=0, description="Longest accepted prompt (tokens); longer is OVERSIZED.")

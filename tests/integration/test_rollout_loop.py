@@ -79,11 +79,18 @@ def _ledger(tmp_path: pathlib.Path) -> duckdb.DuckDBPyConnection:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("placement,eta", [("colocated", 0), ("separated", 2)])
-def test_rollbook_run_trains_and_records_every_step(tmp_path, placement, eta):
-    done = _run(tmp_path, "--placement", placement, "--trainer.max_staleness", str(eta), "--rollout.max_staleness", str(eta))
+@pytest.mark.parametrize("placement,eta,given", [("colocated", 0, True), ("separated", 2, False)],
+                         ids=["colocated", "separated-default-eta"])
+def test_rollbook_run_trains_and_records_every_step(tmp_path, placement, eta, given):
+    # separated without a bound: the run's default eta for the placement (2) reaches both sides
+    bound = ("--trainer.max_staleness", str(eta), "--rollout.max_staleness", str(eta)) if given else ()
+    done = _run(tmp_path, "--placement", placement, *bound)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "held-out reward before step 0" in done.stdout
+    assert "step    2 (3/3 done)" in done.stdout  # the console names the train_steps row (0-based)
+    resolved = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert resolved["max_staleness"] == resolved["trainer"]["max_staleness"] == resolved["rollout"]["max_staleness"] == eta
+    assert (tmp_path / "run" / "store.json").exists()
     con = _ledger(tmp_path)
     steps = con.execute("SELECT step, version, lease_id FROM train_steps ORDER BY step").fetchall()
     assert [s for s, _, _ in steps] == [0, 1, 2] and [v for _, v, _ in steps] == [1, 2, 3]

@@ -1,5 +1,6 @@
 """Separated placement for ``rollbook run``: the trainer here, a ``rollbook rollout`` worker process
-beside it, weights over shared memory, bounded staleness (asynchronous RL)."""
+beside it, weights over shared memory, bounded staleness (asynchronous RL: eta is the run's
+``max_staleness``, 2 unless configured, so the worker generates ahead while the trainer trains)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ import sys
 import time
 import uuid
 
+from rollbook import env as rollbook_env
 from rollbook.config import RunConfig
+from rollbook.run_support import MetricsLog, install_weights, step_line
 
 
 def run_separated(config: RunConfig, client, address: str, keys: dict) -> dict:
@@ -19,7 +22,6 @@ def run_separated(config: RunConfig, client, address: str, keys: dict) -> dict:
     from rollbook.rollout.main import WorkerConfig, write_worker_config
     from rollbook.weights.shm import SharedMemoryPublisher
     from rollbook.rollout.worker import RolloutWorker
-    from rollbook.run import MetricsLog, _install
     from rollbook.trainer.loop import Trainer
     from rollbook.trainer.model_builders import build_models
 
@@ -31,14 +33,14 @@ def run_separated(config: RunConfig, client, address: str, keys: dict) -> dict:
     judge = RolloutWorker(evaluator, config.rollout, model_id=config.trainer.model_id)
     metrics = MetricsLog(run_dir / "metrics.jsonl")
     trainer = Trainer(config.trainer, client, model=student, teacher=teacher,
-                      publishers=[publisher.publish, lambda v, sd: _install(evaluator, v, sd)])
+                      publishers=[publisher.publish, lambda v, sd: install_weights(evaluator, v, sd)])
     trainer.start()
     worker_cfg = WorkerConfig(server=address, weights=f"shm:{channel}", model_id=config.trainer.model_id,
                               model=config.trainer.model, rollout=config.rollout, batch_size=config.trainer.num_samples,
                               spool_dir=str(run_dir / "spool"))
     path = write_worker_config(worker_cfg, run_dir / "worker.json")
     worker = subprocess.Popen([sys.executable, "-m", "rollbook.cli", "rollout", "--config", str(path)],
-                              env={**os.environ, "ROLLBOOK_WORKER_KEY": keys["worker_key"]})  # the worker role only
+                              env=rollbook_env.with_keys(dict(os.environ), {"worker_key": keys["worker_key"]}))  # the worker role only
     try:
         first = {"step": trainer.state.step, **judge.evaluate()}
         metrics.write(first)
@@ -54,11 +56,10 @@ def run_separated(config: RunConfig, client, address: str, keys: dict) -> dict:
                 time.sleep(config.trainer.poll_interval_s)
                 continue
             waited = time.monotonic()
-            step = trainer.state.step
-            if step % config.eval_every == 0 or step == config.num_steps:
+            done = trainer.state.step
+            if done % config.eval_every == 0 or done == config.num_steps:
                 stats.update(judge.evaluate())
-                print(f"step {step:4d}  train reward {stats['reward/mean']:.3f}  held-out {stats['eval/reward']:.3f}  "
-                      f"staleness<={stats['batch/staleness_max']}  {stats['perf/tokens_per_s']:.0f} tok/s", flush=True)
+                print(step_line(stats, config.num_steps, extra=f"staleness<={stats['batch/staleness_max']}  "), flush=True)
             metrics.write(stats)
     finally:
         worker.terminate()

@@ -1,0 +1,26 @@
+"""What the ``rollbook`` subcommands that talk to a store share: the client flags and a
+``StoreClient`` built from them and the environment (rollbook/env.py). Its own module so that
+``cli`` and ``query_cli`` both import it and not each other."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def client_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--reader-key", default=None, help="reader (or admin) key (default: env ROLLBOOK_READER_KEY, else ROLLBOOK_ADMIN_KEY)")
+    p.add_argument("--tls-ca", default=None, help="PEM CA that signed the store's certificate: connect with TLS (env ROLLBOOK_TLS_CA)")
+    p.add_argument("--tls-client-cert", default=None, help="PEM client certificate, for a store that requires one (env ROLLBOOK_TLS_CLIENT_CERT)")
+    p.add_argument("--tls-client-key", default=None, help="PEM key of --tls-client-cert (env ROLLBOOK_TLS_CLIENT_KEY)")
+
+
+def store_client(args: argparse.Namespace, **kwargs):
+    """A ``StoreClient`` with the keys of the environment and the TLS files of the flags (or env)."""
+    from rollbook.client import StoreClient
+    from rollbook.tls import ClientTLS
+
+    tls = ClientTLS.from_env()
+    if args.tls_ca or args.tls_client_cert or args.tls_client_key:
+        tls = ClientTLS(args.tls_ca or (tls and tls.ca), args.tls_client_cert or (tls and tls.cert),
+                        args.tls_client_key or (tls and tls.key), tls and tls.server_name)
+    return StoreClient.from_env(args.server, reader_key=getattr(args, "reader_key", None), tls=tls, **kwargs)

@@ -1,0 +1,95 @@
+"""Every environment variable Rollbook reads is read here, and only here.
+
+==============================  ===================================================================
+``ROLLBOOK_SERVER``             store address HOST:PORT for ``query``, ``stats``, ``admin`` (default
+                                ``127.0.0.1:50551``, ``DEFAULT_SERVER``)
+``ROLLBOOK_WORKER_KEY``         worker role key: Submit, SetReward
+``ROLLBOOK_TRAINER_KEY``        trainer role key: PullBatch, AckBatch, PublishVersion, ReportTrainStep
+``ROLLBOOK_READER_KEY``         reader role key: Query, GetStats
+``ROLLBOOK_ADMIN_KEY``          admin role key: every RPC, and the only one for RegisterModel
+``ROLLBOOK_TLS_CERT``           server: PEM certificate (with ``ROLLBOOK_TLS_KEY``): serve TLS
+``ROLLBOOK_TLS_KEY``            server: PEM key of ``ROLLBOOK_TLS_CERT``
+``ROLLBOOK_TLS_CLIENT_CA``      server: PEM CA of client certificates (mutual TLS)
+``ROLLBOOK_TLS_CA``             client: PEM CA that signed the server's certificate
+``ROLLBOOK_TLS_CLIENT_CERT``    client: PEM certificate to present (mutual TLS)
+``ROLLBOOK_TLS_CLIENT_KEY``     client: PEM key of ``ROLLBOOK_TLS_CLIENT_CERT``
+``ROLLBOOK_TLS_SERVER_NAME``    client: the name checked in the server's certificate
+``ROLLBOOK_BENCH_NOVALIDATE``   ``1``: the store skips the evidence rules (benchmarks only)
+``ROLLBOOK_QUERY_<FIELD>``      store: any ``query_*`` field of ``StoreConfig`` (SQL sandbox limits,
+                                docs/sql.md), e.g. ``ROLLBOOK_QUERY_TIMEOUT_S=5``
+==============================  ===================================================================
+
+Keys and TLS paths live in the environment, never in a config file or on a command line others can
+read in ``ps`` (docs/security.md). An empty value counts as unset. The list is also in the README.
+"""
+
+from __future__ import annotations
+
+import os
+
+DEFAULT_SERVER = "127.0.0.1:50551"
+
+ROLES = ("worker", "trainer", "reader", "admin")
+
+VARIABLES = (
+    "ROLLBOOK_SERVER",
+    *(f"ROLLBOOK_{role.upper()}_KEY" for role in ROLES),
+    "ROLLBOOK_TLS_CERT", "ROLLBOOK_TLS_KEY", "ROLLBOOK_TLS_CLIENT_CA",
+    "ROLLBOOK_TLS_CA", "ROLLBOOK_TLS_CLIENT_CERT", "ROLLBOOK_TLS_CLIENT_KEY", "ROLLBOOK_TLS_SERVER_NAME",
+    "ROLLBOOK_BENCH_NOVALIDATE",
+)
+
+
+def get(name: str) -> str | None:
+    """The value of one of ``VARIABLES`` (None when unset or empty)."""
+    if name not in VARIABLES:
+        raise KeyError(f"{name} is not a Rollbook environment variable (rollbook/env.py lists them)")
+    return os.environ.get(name) or None
+
+
+def server() -> str:
+    """The store address: ``ROLLBOOK_SERVER``, else ``DEFAULT_SERVER``."""
+    return get("ROLLBOOK_SERVER") or DEFAULT_SERVER
+
+
+def role_key(role: str) -> str | None:
+    return get(f"ROLLBOOK_{role.upper()}_KEY")
+
+
+def keys() -> dict[str, str | None]:
+    """``{"worker_key": ..., "trainer_key": ..., "reader_key": ..., "admin_key": ...}``."""
+    return {f"{role}_key": role_key(role) for role in ROLES}
+
+
+def server_tls() -> dict[str, str | None]:
+    """``{"cert", "key", "client_ca"}`` of the store's (and the weight server's) TLS."""
+    return {"cert": get("ROLLBOOK_TLS_CERT"), "key": get("ROLLBOOK_TLS_KEY"), "client_ca": get("ROLLBOOK_TLS_CLIENT_CA")}
+
+
+def client_tls() -> dict[str, str | None]:
+    """``{"ca", "cert", "key", "server_name"}`` of a client's TLS."""
+    return {"ca": get("ROLLBOOK_TLS_CA"), "cert": get("ROLLBOOK_TLS_CLIENT_CERT"), "key": get("ROLLBOOK_TLS_CLIENT_KEY"),
+            "server_name": get("ROLLBOOK_TLS_SERVER_NAME")}
+
+
+def validate_evidence() -> bool:
+    return get("ROLLBOOK_BENCH_NOVALIDATE") != "1"
+
+
+def with_keys(base: dict[str, str], keys: dict[str, str | None]) -> dict[str, str]:
+    """A child process's environment: ``base`` without any role key, plus the given ones (so a child
+    gets exactly the roles it is handed)."""
+    roles = {f"ROLLBOOK_{role.upper()}_KEY" for role in ROLES}
+    env = {k: v for k, v in base.items() if k not in roles}
+    env.update({f"ROLLBOOK_{name.upper()}": key for name, key in keys.items() if key})
+    return env
+
+
+def query_settings(field_names: list[str]) -> dict[str, str]:
+    """``ROLLBOOK_QUERY_<FIELD>`` values for the given ``query_*`` field names, where set."""
+    out = {}
+    for name in field_names:
+        value = os.environ.get(f"ROLLBOOK_{name.upper()}") or None
+        if value is not None:
+            out[name] = value
+    return out
