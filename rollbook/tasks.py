@@ -120,6 +120,7 @@ class ReverseDomain:
     min_len: int = 3
     max_len: int = 6
     alphabet: str = "abcdefghij"
+    per_char: bool = False
     name: str = "reverse"
 
     def sample(self, rng: random.Random) -> tuple[str, str]:
@@ -127,7 +128,14 @@ class ReverseDomain:
         return f"rev:{text}=", text[::-1]
 
     def verify(self, task: Task, completion: str) -> float:
-        return float(completion.strip() == task.answer)
+        """1.0 for the exact reversal; with ``per_char``, the fraction of positions right (over the
+        longer of answer and completion, so extra or missing characters cost): a graded reward,
+        like a fraction of tests passed."""
+        got = completion.strip()
+        if not self.per_char:
+            return float(got == task.answer)
+        width = max(len(got), len(task.answer))
+        return sum(a == b for a, b in zip(got, task.answer)) / width if width else 1.0
 
 
 DOMAINS: dict[str, TaskDomain] = {d.name: d for d in (ArithmeticDomain(), ReverseDomain())}
@@ -137,7 +145,8 @@ def build_domains(config) -> dict[str, TaskDomain]:
     """The domains a ``RolloutConfig`` names (``domains``), shaped by its ``num_digits`` and
     ``reverse_max_len``; the rollout worker samples them, the trainer's warm start trains on them."""
     made = {"arithmetic": ArithmeticDomain(num_digits=config.num_digits),
-            "reverse": ReverseDomain(min_len=1, max_len=config.reverse_max_len, alphabet="abcde")}
+            "reverse": ReverseDomain(min_len=1, max_len=config.reverse_max_len, alphabet="abcde",
+                                     per_char=getattr(config, "reverse_per_char", False))}
     unknown = sorted(set(config.domains) - made.keys() - DOMAINS.keys())
     if unknown:
         raise ValueError(f"unknown domains {unknown}; known: {sorted(made)}")

@@ -38,6 +38,7 @@ class RolloutConfig(BaseModel):
     domains: list[str] = Field(default_factory=lambda: ["arithmetic", "reverse"], description="Task domains to sample (see rollbook/tasks.py).")
     num_digits: int = Field(2, ge=1, le=6, description="arithmetic: operand digits.")
     reverse_max_len: int = Field(4, ge=1, le=12, description="reverse: longest string.")
+    reverse_per_char: bool = Field(False, description="reverse: graded reward, the fraction of characters in the right place (else 1/0 exact match).")
     num_train_tasks: int = Field(400, ge=1, description="Training problems per domain.")
     num_eval_tasks: int = Field(40, ge=1, description="Held-out problems per domain for evaluation.")
     group_size: int = Field(8, ge=1, description="Samples per prompt (one normalization group).")

@@ -112,10 +112,18 @@ class StoreConfig(BaseModel):
     def from_env(cls, **overrides) -> "StoreConfig":
         return cls(**{**env_values(), **{k: v for k, v in overrides.items() if v is not None}})
 
+    def query_limits(self) -> QueryLimits:
+        return QueryLimits(
+            max_rows=self.query_max_rows, timeout_s=self.query_timeout_s, kill_grace_s=self.query_kill_grace_s,
+            max_result_bytes=self.query_max_result_bytes, max_chunk_bytes=self.max_message_bytes - (1 << 20),
+            memory_limit_mb=self.query_memory_limit_mb, process_headroom_mb=self.query_process_headroom_mb,
+            threads=self.query_duckdb_threads, temp_limit_mb=self.query_temp_limit_mb, workers=self.query_workers,
+            queue=self.query_queue, snapshot_max_age_s=self.query_snapshot_max_age_s)
+
 
 def env_values() -> dict:
-    """The StoreConfig fields the environment sets: the four keys, the TLS files and
-    ``ROLLBOOK_BENCH_NOVALIDATE`` (read in rollbook/env.py)."""
+    """The StoreConfig fields the environment sets: the four keys, the TLS files,
+    ``ROLLBOOK_BENCH_NOVALIDATE`` and ``ROLLBOOK_QUERY_<FIELD>`` (read in rollbook/env.py)."""
     from rollbook import env
 
     tls = env.server_tls()
@@ -125,14 +133,6 @@ def env_values() -> dict:
         values["validate_evidence"] = False
     values.update(env.query_settings([name for name in StoreConfig.model_fields if name.startswith("query_")]))
     return values
-
-    def query_limits(self) -> QueryLimits:
-        return QueryLimits(
-            max_rows=self.query_max_rows, timeout_s=self.query_timeout_s, kill_grace_s=self.query_kill_grace_s,
-            max_result_bytes=self.query_max_result_bytes, max_chunk_bytes=self.max_message_bytes - (1 << 20),
-            memory_limit_mb=self.query_memory_limit_mb, process_headroom_mb=self.query_process_headroom_mb,
-            threads=self.query_duckdb_threads, temp_limit_mb=self.query_temp_limit_mb, workers=self.query_workers,
-            queue=self.query_queue, snapshot_max_age_s=self.query_snapshot_max_age_s)
 
 
 def is_loopback(host: str) -> bool:
