@@ -30,7 +30,7 @@ import sys
 from rollbook import env as rollbook_env
 from rollbook.config import RunConfig, write_resolved
 from rollbook.errors import CommandError
-from rollbook.run_support import MetricsLog, install_weights, step_line, steps_done
+from rollbook.run_support import MetricsLog, heldout_text, install_weights, step_line, steps_done
 from rollbook.tasks import TOKENIZER
 
 log = logging.getLogger("rollbook.run")
@@ -141,7 +141,7 @@ def _colocated(config: RunConfig, client) -> dict:
     trainer.start()
     first = {"step": trainer.state.step, **worker.evaluate()}
     metrics.write(first)
-    print(f"held-out reward before step {trainer.state.step}: {first['eval/reward']:.3f}", flush=True)
+    print(f"held-out reward before step {trainer.state.step}: {heldout_text(first)}", flush=True)
     while trainer.state.step < config.num_steps:
         result = client.submit(worker.produce())
         stats = trainer.step()

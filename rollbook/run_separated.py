@@ -14,7 +14,7 @@ import uuid
 
 from rollbook import env as rollbook_env
 from rollbook.config import RunConfig
-from rollbook.run_support import MetricsLog, install_weights, step_line
+from rollbook.run_support import MetricsLog, heldout_text, install_weights, step_line
 
 
 def run_separated(config: RunConfig, client, address: str, keys: dict) -> dict:
@@ -44,7 +44,7 @@ def run_separated(config: RunConfig, client, address: str, keys: dict) -> dict:
     try:
         first = {"step": trainer.state.step, **judge.evaluate()}
         metrics.write(first)
-        print(f"held-out reward before step {trainer.state.step}: {first['eval/reward']:.3f}", flush=True)
+        print(f"held-out reward before step {trainer.state.step}: {heldout_text(first)}", flush=True)
         waited = time.monotonic()
         while trainer.state.step < config.num_steps:
             stats = trainer.step()

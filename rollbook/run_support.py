@@ -34,12 +34,20 @@ def install_weights(engine, version: int, state_dict) -> None:
         engine.update_weights(state_dict, version)
 
 
+def heldout_text(evals: dict) -> str:
+    """``0.611 greedy, 0.540 sampled`` (the sampled figure when the evaluation made one)."""
+    text = f"{evals['eval/reward']:.3f} greedy"
+    if "eval/sampled_reward" in evals:
+        text += f", {evals['eval/sampled_reward']:.3f} sampled"
+    return text
+
+
 def step_line(stats: dict, num_steps: int, *, extra: str = "") -> str:
     """The console line of a finished step. ``step`` is the ``train_steps.step`` of the row the
     trainer reported (0-based, as in SQL); ``done/num_steps`` counts the steps finished."""
     step = int(stats["step"])
     return (f"step {step:4d} ({step + 1}/{num_steps} done)  train reward {stats['reward/mean']:.3f}  "
-            f"held-out {stats['eval/reward']:.3f}  loss {stats['loss/total']:+.4f}  {extra}"
+            f"held-out {heldout_text(stats)}  loss {stats['loss/total']:+.4f}  {extra}"
             f"{stats['perf/tokens_per_s']:.0f} tok/s")
 
 

@@ -110,8 +110,11 @@ class GenerationEngine(Protocol):
         """The policy version of the resident weights."""
         ...
 
-    def generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
-        """Complete every request; results in request order. Blocks while admission is paused."""
+    def generate(self, requests: list[GenerationRequest], *, seed: int | None = None) -> list[GenerationResult]:
+        """Complete every request; results in request order. Blocks while admission is paused.
+        ``seed``: sample this call from its own generator seeded so (the same requests on the same
+        weights draw the same samples: evaluation with common random numbers), leaving the engine's
+        own sampling stream untouched."""
         ...
 
     def update_weights(self, weights: Weights, version: int) -> None:
@@ -279,7 +282,10 @@ class NativeEngine:
         with self._cond:
             self._enqueue(weights, version, at_step=at_step)
 
-    def generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
+    def generate(self, requests: list[GenerationRequest], *, seed: int | None = None) -> list[GenerationResult]:
+        import torch
+
+        generator = self._generator if seed is None else torch.Generator(device=self._device).manual_seed(seed)
         for request in requests:
             if max(request.prompt_token_ids) >= self._num_vocab or min(request.prompt_token_ids) < 0:
                 raise ValueError(f"request {request.request_id}: a prompt token id is outside [0, {self._num_vocab})")
@@ -290,7 +296,7 @@ class NativeEngine:
         try:
             results: list[GenerationResult] = []
             for start in range(0, len(requests), self._max_batch_size):
-                results += self._generate_batch(requests[start : start + self._max_batch_size])
+                results += self._generate_batch(requests[start : start + self._max_batch_size], generator)
             return results
         finally:
             with self._cond:
@@ -356,7 +362,7 @@ class NativeEngine:
             if state is not None:
                 self._model.load_state_dict(state, strict=True)
 
-    def _generate_batch(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
+    def _generate_batch(self, requests: list[GenerationRequest], generator: "torch.Generator") -> list[GenerationResult]:
         import torch
 
         batch = _DecodeState(requests, self._pad_token_id, self._device)
@@ -374,7 +380,7 @@ class NativeEngine:
                 logp = sampling_logprobs(logits, batch.temperature, batch.top_p, batch.top_k)
                 tokens = torch.where(
                     batch.temperature > 0,
-                    torch.multinomial(logp.exp(), 1, generator=self._generator)[:, 0],
+                    torch.multinomial(logp.exp(), 1, generator=generator)[:, 0],
                     logp.argmax(dim=-1),
                 )
                 token_logp = logp.gather(-1, tokens[:, None])[:, 0]

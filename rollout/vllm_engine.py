@@ -48,7 +48,7 @@ class VllmEngine:
             self._paused = False
             self._admit.notify_all()
 
-    def generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
+    def generate(self, requests: list[GenerationRequest], *, seed: int | None = None) -> list[GenerationResult]:
         from vllm import SamplingParams, TokensPrompt
 
         with self._admit:
@@ -57,8 +57,9 @@ class VllmEngine:
             version = self._version
         try:
             params = [SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k if r.top_k > 0 else -1,
-                                     max_tokens=r.max_new_tokens, stop_token_ids=list(r.stop_token_ids), logprobs=0)
-                      for r in requests]
+                                     max_tokens=r.max_new_tokens, stop_token_ids=list(r.stop_token_ids), logprobs=0,
+                                     seed=None if seed is None else seed + i)
+                      for i, r in enumerate(requests)]
             outputs = self._llm.generate([TokensPrompt(prompt_token_ids=list(r.prompt_token_ids)) for r in requests],
                                          params, use_tqdm=False)
             return [_result(r, o.outputs[0], version) for r, o in zip(requests, outputs)]

@@ -41,6 +41,8 @@ class RolloutConfig(BaseModel):
     reverse_per_char: bool = Field(False, description="reverse: graded reward, the fraction of characters in the right place (else 1/0 exact match).")
     num_train_tasks: int = Field(400, ge=1, description="Training problems per domain.")
     num_eval_tasks: int = Field(40, ge=1, description="Held-out problems per domain for evaluation.")
+    num_eval_samples: int = Field(8, ge=0, description="Sampled answers per held-out problem for eval/sampled_reward (0 = greedy only).")
+    eval_seed: int = Field(1234, description="Seed of the sampled evaluation: the same for every evaluation (common random numbers).")
     group_size: int = Field(8, ge=1, description="Samples per prompt (one normalization group).")
     num_prompts: int = Field(8, ge=1, description="Prompts per rollout round.")
     max_new_tokens: int = Field(6, ge=1, description="Longest completion.")
@@ -109,12 +111,36 @@ class RolloutWorker:
         return traj
 
     def evaluate(self, tasks: list[Task] | None = None) -> dict[str, float]:
-        """Greedy held-out reward, per domain and overall (``eval/reward``)."""
+        """Held-out reward, per domain and overall, two ways:
+
+        - greedy (``eval/reward``, ``eval/<domain>``): one answer per problem at temperature 0;
+        - sampled (``eval/sampled_reward``, ``eval/sampled/<domain>``): ``num_eval_samples`` answers
+          per problem at the rollout's temperature and top-p, the policy's expected reward, the
+          quantity RL raises. Drawn with the fixed ``eval_seed`` (common random numbers), so two
+          evaluations differ only by the weights.
+
+        Greedy accuracy is a threshold of the policy: a tiny change in the weights can flip many
+        answers at once, so the sampled figure is the smooth one to compare across steps."""
         tasks = tasks or self.eval_tasks
-        requests = [GenerationRequest(prompt_token_ids=TOKENIZER.encode(t.prompt, add_bos=True),
-                                      max_new_tokens=self.config.max_new_tokens, temperature=0.0,
-                                      stop_token_ids=[TOKENIZER.eos_token_id]) for t in tasks]
-        results = self.engine.generate(requests)
+        cfg = self.config
+        greedy = [GenerationRequest(prompt_token_ids=TOKENIZER.encode(t.prompt, add_bos=True),
+                                    max_new_tokens=cfg.max_new_tokens, temperature=0.0,
+                                    stop_token_ids=[TOKENIZER.eos_token_id]) for t in tasks]
+        out, errors = self._score(tasks, self.engine.generate(greedy), "eval/", "eval/reward")
+        if cfg.num_eval_samples:
+            sampled_tasks = [t for t in tasks for _ in range(cfg.num_eval_samples)]
+            sampled = [GenerationRequest(prompt_token_ids=TOKENIZER.encode(t.prompt, add_bos=True),
+                                         max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+                                         top_p=cfg.top_p, top_k=cfg.top_k, stop_token_ids=[TOKENIZER.eos_token_id])
+                       for t in sampled_tasks]
+            more, more_errors = self._score(sampled_tasks, self.engine.generate(sampled, seed=cfg.eval_seed),
+                                            "eval/sampled/", "eval/sampled_reward")
+            out.update(more)
+            errors += more_errors
+        out["eval/errors"] = errors
+        return out
+
+    def _score(self, tasks: list[Task], results, prefix: str, overall: str) -> tuple[dict[str, float], int]:
         per_domain: dict[str, list[float]] = {}
         errors = 0
         for task, result in zip(tasks, results):
@@ -123,8 +149,7 @@ class RolloutWorker:
                 per_domain.setdefault(task.domain, []).append(outcome.reward)
             else:  # a crashed verifier is not a wrong answer: counted apart, not averaged as 0
                 errors += 1
-        out = {f"eval/{d}": sum(v) / len(v) for d, v in per_domain.items()}
+        out = {f"{prefix}{d}": sum(v) / len(v) for d, v in per_domain.items()}
         scored = sum(len(v) for v in per_domain.values())
-        out["eval/reward"] = sum(sum(v) for v in per_domain.values()) / scored if scored else float("nan")
-        out["eval/errors"] = errors
-        return out
+        out[overall] = sum(sum(v) for v in per_domain.values()) / scored if scored else float("nan")
+        return out, errors

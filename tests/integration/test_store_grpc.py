@@ -129,7 +129,7 @@ def test_rollbook_stats_prints_the_servers_counters_as_json(store):
     assert printed["duplicates"] == expected.duplicates >= 1
     assert printed["rejected"] == expected.rejected
     assert printed["accepted_tokens"] == expected.accepted_tokens > 0
-    assert printed["stats_json"]["accepted"] == expected.accepted
+    assert "stats_json" not in printed  # every counter once, at the top level
     assert printed["rejected_by_reason"] == dict(expected.rejected_by_reason)
 
 
