@@ -143,7 +143,7 @@ class Ledger:
                  validator_config: ValidatorConfig | None = None,
                  fold_interval_s: float = 0.5, fold_bytes: int = 256 << 20, fold_max_delay_s: float = 10.0,
                  validate: bool = True):
-        self.db_path = pathlib.Path(db_path)
+        self.db_path = pathlib.Path(db_path).absolute()  # the SQL sandbox's workers run elsewhere
         self.db_path.parent.mkdir(parents=True, exist_ok=True)
         self.ingest_config = ingest_config or IngestConfig()
         self.validator_config = validator_config or ValidatorConfig()

@@ -72,7 +72,7 @@ class SnapshotSource(Protocol):
 
 class Snapshot:
     def __init__(self, path: pathlib.Path, generation: int):
-        self.path = path
+        self.path = pathlib.Path(path).absolute()  # workers run in their own directories
         self.generation = generation
         self.taken = time.monotonic()
         self.refs = 0
@@ -90,7 +90,7 @@ class Snapshots:
 
     def __init__(self, source: SnapshotSource, directory: pathlib.Path, max_age_s: float = 0.0):
         self.source = source
-        self.directory = directory
+        self.directory = pathlib.Path(directory).absolute()
         self.max_age_s = max_age_s
         self.directory.mkdir(parents=True, exist_ok=True)
         self._current: Snapshot | None = None
@@ -227,7 +227,7 @@ class SandboxPool:
 
     def __init__(self, limits: QueryLimits, workdir: pathlib.Path, snapshots: Snapshots | FixedSnapshot):
         self.limits = limits
-        self.workdir = workdir
+        self.workdir = pathlib.Path(workdir).absolute()
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.snapshots = snapshots
         self._cond = threading.Condition()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import csv
 import math
+import pathlib
 import io
 import json
 
@@ -584,3 +585,18 @@ def _ppid(pid: int) -> int | None:
     except OSError:
         return None
     return None if fields[0] == "Z" else int(fields[1])
+
+
+def test_a_store_on_a_relative_ledger_path_answers_queries(tmp_path, monkeypatch):
+    """`rollbook run` starts its store on `runs/NAME/rollbook.duckdb`, relative to the working
+    directory; the sandbox workers run in their own directories, so every path they get is absolute."""
+    from rollbook.run import StoreProcess
+
+    monkeypatch.chdir(tmp_path)
+    store = StoreProcess(pathlib.Path("runs/rel/rollbook.duckdb"))
+    try:
+        with store.client() as client:
+            assert client.query("SELECT 41 + 1 AS answer").column("answer").to_pylist() == [42]
+            assert client.query("SELECT count(*) AS n FROM trajectories").column("n").to_pylist() == [0]
+    finally:
+        store.stop()
