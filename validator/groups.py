@@ -67,10 +67,12 @@ def reject_rows(con: duckdb.DuckDBPyConnection, select_sql: str, reason: Reason,
 
 def settle(con: duckdb.DuckDBPyConnection, config: ValidatorConfig, now: float) -> dict[str, int]:
     """Resolve retry orphans, then promote complete groups to ``ready``; returns counts."""
-    # first, even with nothing pending: a consumed attempt rejected after its unconsumed retry became
-    # ready orphans that retry
-    counts = {"retry_orphans": _retry_orphans(con, now)}
     (pending,) = con.execute("SELECT count(*) FROM trajectories WHERE status = 'pending'").fetchone()
+    # even with nothing pending: a consumed attempt rejected after its unconsumed retry became ready
+    # orphans that retry (checked from the consumed rejections, usually none, not from every ready row)
+    if pending == 0 and not _ready_attempt_of_a_rejected_consumed_call(con):
+        return {"retry_orphans": 0, "incomplete_groups": 0, "ready": 0}
+    counts = {"retry_orphans": _retry_orphans(con, now)}
     if pending == 0:
         return {**counts, "incomplete_groups": 0, "ready": 0}
     counts["incomplete_groups"] = _incomplete_groups(con, config, now)
@@ -81,6 +83,13 @@ def settle(con: duckdb.DuckDBPyConnection, config: ValidatorConfig, now: float) 
 # One logical call: a request_id names a call within its session and model, so two sessions (or two
 # models) that both number their calls "turn-0" are different calls.
 CALL_KEY = "model_id, session_id, request_id"
+
+
+def _ready_attempt_of_a_rejected_consumed_call(con: duckdb.DuckDBPyConnection) -> bool:
+    return con.execute(
+        """SELECT 1 FROM rejections r WHERE r.consumed AND r.request_id <> '' AND EXISTS (
+             SELECT 1 FROM trajectories t WHERE t.status = 'ready' AND NOT t.consumed AND t.model_id = r.model_id
+               AND t.session_id = r.session_id AND t.request_id = r.request_id) LIMIT 1""").fetchone() is not None
 
 
 def _retry_orphans(con: duckdb.DuckDBPyConnection, now: float) -> int:
