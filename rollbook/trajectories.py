@@ -14,9 +14,10 @@ Imports nothing of rollbook but the wire stubs (``docs/design.md``, "What each f
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from operator import attrgetter
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import pyarrow as pa

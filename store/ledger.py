@@ -22,9 +22,9 @@ import math
 import pathlib
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import duckdb
 import numpy as np
@@ -37,9 +37,9 @@ from rollbook.store.sql import SANDBOX_CONFIG
 from rollbook.trajectories import decode_messages
 from rollbook.v1 import rollbook_pb2 as pb
 from rollbook.validator import groups, pull
+from rollbook.validator.groups import ValidatorConfig
 from rollbook.validator.ingest import IngestConfig, VersionSet
 from rollbook.validator.reasons import Reason
-from rollbook.validator.groups import ValidatorConfig
 
 log = logging.getLogger("rollbook.store")
 

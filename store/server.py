@@ -30,8 +30,8 @@ from rollbook.store.ledger import Ledger
 from rollbook.store.service import AsyncStore, Pools, StreamLimits, TrajectoryStoreService, handlers
 from rollbook.store.sql import QueryLimits
 from rollbook.tls import ServerTLS, add_port
-from rollbook.validator.ingest import IngestConfig
 from rollbook.validator.groups import ValidatorConfig
+from rollbook.validator.ingest import IngestConfig
 
 log = logging.getLogger("rollbook.store")
 

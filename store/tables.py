@@ -3,7 +3,7 @@ schemas (``store/schema.py``): the single place where the wire contract becomes 
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import pyarrow as pa

@@ -22,8 +22,8 @@ import logging
 import pathlib
 import time
 from collections import defaultdict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -171,7 +171,7 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
             tokens = rows.token_slice(minibatch)
             total = len(tokens)
-            for seqs, idx, packed in self._micro_batches(rows, minibatch):
+            for _seqs, idx, packed in self._micro_batches(rows, minibatch):
                 logp = packed_logprobs(self.model, packed, rows.temperatures[idx])
                 loss, stats = self._loss(logp, proximal[idx], rows.behavior[idx], rows.advantages[idx],
                                          teacher[idx] if teacher is not None else None)

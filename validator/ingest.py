@@ -10,8 +10,9 @@ package. The codes are documented in ``docs/evidence.md``.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import Protocol
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field

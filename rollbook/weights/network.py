@@ -31,6 +31,8 @@ import grpc
 import numpy as np
 from pydantic import BaseModel, Field
 
+from rollbook.v1 import weights_pb2 as pb
+from rollbook.v1 import weights_pb2_grpc
 from rollbook.weights.base import (
     ChecksumMismatch,
     Layout,
@@ -42,8 +44,6 @@ from rollbook.weights.base import (
     tensor_views,
 )
 from rollbook.weights.delta import Delta, apply_delta, compute_delta, delta_from_bytes
-from rollbook.v1 import weights_pb2 as pb
-from rollbook.v1 import weights_pb2_grpc
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
