@@ -317,7 +317,7 @@ def _batches(trajectories: Iterable, batch_size: int) -> Iterator[_EncodedReques
 def encode_submit_request(trajectories: Iterable[pb.Trajectory]) -> bytes:
     """The bytes of ``SubmitRequest(trajectories=...)``, framed by hand from each trajectory's own
     serialization (building the message would first copy every trajectory into it)."""
-    parts = []
+    parts: list[bytes] = []
     for t in trajectories:
         data = t.SerializeToString()
         parts += (_TRAJECTORIES_TAG, varint_bytes(len(data)), data)

@@ -93,7 +93,7 @@ def run_worker(config: WorkerConfig, stop: threading.Event | None = None) -> dic
             latest = _fetch_or_none(channel)
             if latest is not None:
                 try:
-                    engine.update_weights(lambda m, s=latest: load_into(m, s), latest.version)
+                    engine.update_weights(lambda m, s=latest: load_into(m, s), latest.version)  # type: ignore[misc]  # default binds this version
                 except RuntimeError as exc:  # torn shared-memory copy: the next fetch brings a whole version
                     log.warning("weight update to version %d failed (%s); fetching again", latest.version, exc)
                     channel = _reopen(channel, config)

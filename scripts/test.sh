@@ -4,6 +4,7 @@
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh" test
 # Lint and type-check first (config in pyproject.toml); either failing fails the run (set -e).
 .venv/bin/ruff check .
+bash scripts/typecheck.sh
 set +e
 .venv/bin/python -m pytest "$@"
 rc=$?

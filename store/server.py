@@ -21,6 +21,7 @@ import signal
 import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import grpc
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -127,7 +128,7 @@ def env_values() -> dict:
     from rollbook import env
 
     tls = env.server_tls()
-    values = {**env.keys(), "tls_cert": tls["cert"], "tls_key": tls["key"], "tls_client_ca": tls["client_ca"]}
+    values: dict[str, Any] = {**env.keys(), "tls_cert": tls["cert"], "tls_key": tls["key"], "tls_client_ca": tls["client_ca"]}
     values = {k: v for k, v in values.items() if v is not None}
     if not env.validate_evidence():
         values["validate_evidence"] = False

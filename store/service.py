@@ -21,7 +21,7 @@ import logging
 import shutil
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator
 from concurrent.futures import Executor
 from dataclasses import dataclass
 
@@ -268,7 +268,7 @@ _END = object()
 class _Stepper:
     """Steps a blocking generator from pool threads; ``close`` waits for a step in progress."""
 
-    def __init__(self, gen: Iterator):
+    def __init__(self, gen: Generator):
         self.gen, self.lock = gen, threading.Lock()
 
     def step(self):

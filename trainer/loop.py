@@ -75,7 +75,7 @@ class _Rows:
             offsets=offsets,
         )
 
-    def token_slice(self, seqs: Sequence[int]) -> torch.Tensor:
+    def token_slice(self, seqs: Sequence[int] | np.ndarray) -> torch.Tensor:
         """Token indices [T] of the given sequences, in order."""
         return torch.cat([torch.arange(self.offsets[s], self.offsets[s + 1]) for s in seqs])
 
@@ -202,7 +202,7 @@ class Trainer:
                                    behavior_weight_action=cfg.behavior_weight_action)
         return losses.combined_loss(rl, distill, rl_coef=cfg.rl_coef, distill_coef=cfg.distill_coef)
 
-    def _micro_batches(self, rows: _Rows, seqs: Sequence[int]):
+    def _micro_batches(self, rows: _Rows, seqs: Sequence[int] | np.ndarray):
         """(sequence ids, token indices [T], PackedMicroBatch) per packed micro-batch of ``seqs``."""
         seqs = list(seqs)
         packs = pack_sequences([rows.prompts[s] for s in seqs], [rows.outputs[s] for s in seqs],

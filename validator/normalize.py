@@ -53,7 +53,7 @@ class NormConfig(BaseModel):
 
     @model_validator(mode="after")
     def _warn_ignored(self) -> NormConfig:
-        ignored = []
+        ignored: list[str] = []
         if self.mode not in _STD_MODES:
             ignored += [f for f in ("eps", "std_unbiased") if f in self.model_fields_set]
         if self.mode not in _GROUP_MODES and "singleton_policy" in self.model_fields_set:
