@@ -61,7 +61,8 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 
@@ -336,9 +337,9 @@ def _arrow_client(worker: int, num: int, directory: str, num_tokens: int, run: s
                   barrier, results) -> None:
     import pyarrow as pa
 
+    from rollbook.store.schema import TRAJECTORY_SCHEMA
     from rollbook.store.tables import trajectories_table
     from rollbook.trajectories import decode_messages
-    from rollbook.store.schema import TRAJECTORY_SCHEMA
 
     msgs = make_trajectories(num, num_tokens, worker=worker, run=run)
     now = time.time()

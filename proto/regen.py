@@ -16,9 +16,9 @@ PROTO_ROOT = pathlib.Path(__file__).resolve().parent
 
 def generate(out_dir: pathlib.Path) -> list[pathlib.Path]:
     """Run protoc on every contract file; return the proto files compiled."""
-    from grpc_tools import protoc  # imported lazily: a dev/test dependency only
-
     import importlib.resources
+
+    from grpc_tools import protoc  # imported lazily: a dev/test dependency only
 
     protos = sorted((PROTO_ROOT / "rollbook" / "v1").glob("*.proto"))
     well_known = str(importlib.resources.files("grpc_tools") / "_proto")

@@ -112,7 +112,7 @@ def _admin(args: argparse.Namespace) -> int:
             if reason is None:
                 details = getattr(exc, "details", None)
                 if callable(details):  # another gRPC status: the store's own words
-                    raise CommandError(f"{exc.code().name}: {details()}") from None
+                    raise CommandError(f"{exc.code().name}: {details()}") from None  # type: ignore[attr-defined]  # a grpc.RpcError
                 raise
             raise CommandError(reason) from None
     return 0

@@ -21,6 +21,6 @@ def store_client(args: argparse.Namespace, **kwargs):
 
     tls = ClientTLS.from_env()
     if args.tls_ca or args.tls_client_cert or args.tls_client_key:
-        tls = ClientTLS(args.tls_ca or (tls and tls.ca), args.tls_client_cert or (tls and tls.cert),
-                        args.tls_client_key or (tls and tls.key), tls and tls.server_name)
+        tls = ClientTLS(args.tls_ca or (tls.ca if tls else None), args.tls_client_cert or (tls.cert if tls else None),
+                        args.tls_client_key or (tls.key if tls else None), tls.server_name if tls else None)
     return StoreClient.from_env(args.server, reader_key=getattr(args, "reader_key", None), tls=tls, **kwargs)

@@ -27,14 +27,15 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Any
 
 import grpc
 import pyarrow as pa
 
-from rollbook.trajectories import trajectory_from_dict, varint_bytes
 from rollbook.tls import ClientTLS, channel
+from rollbook.trajectories import trajectory_from_dict, varint_bytes
 from rollbook.v1 import rollbook_pb2 as pb
 from rollbook.v1 import rollbook_pb2_grpc as pb_grpc
 
@@ -316,7 +317,7 @@ def _batches(trajectories: Iterable, batch_size: int) -> Iterator[_EncodedReques
 def encode_submit_request(trajectories: Iterable[pb.Trajectory]) -> bytes:
     """The bytes of ``SubmitRequest(trajectories=...)``, framed by hand from each trajectory's own
     serialization (building the message would first copy every trajectory into it)."""
-    parts = []
+    parts: list[bytes] = []
     for t in trajectories:
         data = t.SerializeToString()
         parts += (_TRAJECTORIES_TAG, varint_bytes(len(data)), data)

@@ -68,7 +68,7 @@ def build_tiny_model(spec: TinyModelSpec, *, seed: int = 0, dtype: "torch.dtype 
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
-    return model.to(dtype or torch.float32)
+    return model.to(dtype or torch.float32)  # type: ignore[arg-type]  # transformers' decorator hides nn.Module.to(dtype)
 
 
 def load_model(path: str, *, dtype: "torch.dtype | None" = None):

@@ -54,9 +54,9 @@ def _via_server(server: str, args: argparse.Namespace, *, fallback: bool) -> pa.
                 return None
             if exc.code() == grpc.StatusCode.UNAVAILABLE:
                 print(f"rollbook query: error: store at {server} is not reachable", file=sys.stderr)
-                raise SystemExit(1)
+                raise SystemExit(1) from None
             print(f"rollbook query: error: {exc.details()}", file=sys.stderr)
-            raise SystemExit(1)
+            raise SystemExit(1) from None
 
 
 def _via_file(path: pathlib.Path, args: argparse.Namespace) -> pa.Table | None:

@@ -127,10 +127,10 @@ def run(config: RunConfig) -> dict:
 def _colocated(config: RunConfig, client) -> dict:
     import copy
 
-    from rollbook.trainer.model_builders import build_models
     from rollbook.rollout.engine import NativeEngine
     from rollbook.rollout.worker import RolloutWorker
     from rollbook.trainer.loop import Trainer
+    from rollbook.trainer.model_builders import build_models
 
     student, teacher = build_models(config)
     engine = NativeEngine(copy.deepcopy(student), version=0, seed=config.rollout.seed)

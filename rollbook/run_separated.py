@@ -20,10 +20,10 @@ from rollbook.run_support import MetricsLog, heldout_text, install_weights, step
 def run_separated(config: RunConfig, client, address: str, keys: dict) -> dict:
     from rollbook.rollout.engine import NativeEngine
     from rollbook.rollout.main import WorkerConfig, write_worker_config
-    from rollbook.weights.shm import SharedMemoryPublisher
     from rollbook.rollout.worker import RolloutWorker
     from rollbook.trainer.loop import Trainer
     from rollbook.trainer.model_builders import build_models
+    from rollbook.weights.shm import SharedMemoryPublisher
 
     run_dir = pathlib.Path(config.run_dir)
     student, teacher = build_models(config)

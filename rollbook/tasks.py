@@ -87,7 +87,9 @@ class RewardOutcome:
 class TaskDomain(Protocol):
     """A family of problems with a verifier."""
 
-    name: str
+    @property
+    def name(self) -> str:  # read-only, so frozen dataclasses satisfy it
+        ...
 
     def sample(self, rng: random.Random) -> tuple[str, str]:
         """One random ``(prompt, answer)``."""
@@ -144,13 +146,13 @@ DOMAINS: dict[str, TaskDomain] = {d.name: d for d in (ArithmeticDomain(), Revers
 def build_domains(config) -> dict[str, TaskDomain]:
     """The domains a ``RolloutConfig`` names (``domains``), shaped by its ``num_digits`` and
     ``reverse_max_len``; the rollout worker samples them, the trainer's warm start trains on them."""
-    made = {"arithmetic": ArithmeticDomain(num_digits=config.num_digits),
+    made: dict[str, TaskDomain] = {"arithmetic": ArithmeticDomain(num_digits=config.num_digits),
             "reverse": ReverseDomain(min_len=1, max_len=config.reverse_max_len, alphabet="abcde",
                                      per_char=getattr(config, "reverse_per_char", False))}
     unknown = sorted(set(config.domains) - made.keys() - DOMAINS.keys())
     if unknown:
         raise ValueError(f"unknown domains {unknown}; known: {sorted(made)}")
-    return {name: made.get(name, DOMAINS.get(name)) for name in config.domains}
+    return {name: made[name] if name in made else DOMAINS[name] for name in config.domains}
 
 
 def split_of(prompt: str) -> Split:

@@ -14,9 +14,10 @@ Imports nothing of rollbook but the wire stubs (``docs/design.md``, "What each f
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from operator import attrgetter
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -36,7 +37,7 @@ class Ragged:
     def from_parts(cls, parts: Sequence[np.ndarray], dtype: type) -> "Ragged":
         offsets = np.zeros(len(parts) + 1, dtype=np.int64)
         np.cumsum(np.fromiter(map(len, parts), np.int64, len(parts)), out=offsets[1:])
-        values = np.concatenate(parts).astype(dtype, copy=False) if parts else np.zeros(0, dtype)
+        values: np.ndarray = np.concatenate(parts).astype(dtype, copy=False) if parts else np.zeros(0, dtype)
         return cls(values, offsets)
 
     @property

@@ -219,7 +219,7 @@ class NativeEngine:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         self._model = model.eval()
         self._device = next(model.parameters()).device
-        self._num_vocab = model.get_input_embeddings().num_embeddings
+        self._num_vocab = model.get_input_embeddings().num_embeddings  # type: ignore[operator]  # transformers types the method as a Tensor
         self._generator = torch.Generator(device=self._device).manual_seed(seed)
         self._max_batch_size = max_batch_size
         self._pad_token_id = pad_token_id

@@ -20,8 +20,8 @@ import time
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from rollbook.rollout.worker import RolloutConfig
 from rollbook.models import ModelConfig
+from rollbook.rollout.worker import RolloutConfig
 
 log = logging.getLogger("rollbook.rollout")
 
@@ -53,9 +53,8 @@ def open_channel(spec: str):
 
         return SharedMemoryReceiver(where)
     if kind == "grpc":
-        from rollbook.weights.network import NetworkReceiver
-
         from rollbook.tls import ClientTLS
+        from rollbook.weights.network import NetworkReceiver
 
         return NetworkReceiver(where, tls=ClientTLS.from_env())
     from rollbook.errors import ConfigError
@@ -67,13 +66,13 @@ def run_worker(config: WorkerConfig, stop: threading.Event | None = None) -> dic
     import torch
 
     from rollbook.client import StoreClient
+    from rollbook.models import build_student
     from rollbook.rollout.engine import NativeEngine
     from rollbook.rollout.gate import StalenessGate
     from rollbook.rollout.spool import Spool
     from rollbook.rollout.submitter import Submitter
-    from rollbook.weights.base import load_into
     from rollbook.rollout.worker import RolloutWorker
-    from rollbook.models import build_student
+    from rollbook.weights.base import load_into
 
     torch.set_num_threads(1)
     stop = stop or _stop_on_signals()
@@ -94,7 +93,7 @@ def run_worker(config: WorkerConfig, stop: threading.Event | None = None) -> dic
             latest = _fetch_or_none(channel)
             if latest is not None:
                 try:
-                    engine.update_weights(lambda m, s=latest: load_into(m, s), latest.version)
+                    engine.update_weights(lambda m, s=latest: load_into(m, s), latest.version)  # type: ignore[misc]  # default binds this version
                 except RuntimeError as exc:  # torn shared-memory copy: the next fetch brings a whole version
                     log.warning("weight update to version %d failed (%s); fetching again", latest.version, exc)
                     channel = _reopen(channel, config)

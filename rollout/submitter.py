@@ -35,8 +35,9 @@ import dataclasses
 import logging
 import threading
 import time
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 import grpc
 

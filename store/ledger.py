@@ -22,9 +22,9 @@ import math
 import pathlib
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import duckdb
 import numpy as np
@@ -37,9 +37,9 @@ from rollbook.store.sql import SANDBOX_CONFIG
 from rollbook.trajectories import decode_messages
 from rollbook.v1 import rollbook_pb2 as pb
 from rollbook.validator import groups, pull
+from rollbook.validator.groups import ValidatorConfig
 from rollbook.validator.ingest import IngestConfig, VersionSet
 from rollbook.validator.reasons import Reason
-from rollbook.validator.groups import ValidatorConfig
 
 log = logging.getLogger("rollbook.store")
 
@@ -103,7 +103,7 @@ def _connect(db_path: pathlib.Path) -> duckdb.DuckDBPyConnection:
     large (measured here: about 40% less CPU per folded trajectory). Our log already made those rows
     durable. Attaching needs file access, so the sandbox settings are applied after it."""
     early = {k: v for k, v in SANDBOX_CONFIG.items() if k not in ("enable_external_access", "lock_configuration")}
-    con = duckdb.connect(config=early)
+    con = duckdb.connect(config=early)  # type: ignore[arg-type]  # dict is invariant; the values are config values
     path = str(db_path).replace("'", "''")
     con.execute(f"ATTACH '{path}' AS {_CATALOG} (ROW_GROUP_SIZE {ROW_GROUP_ROWS})")
     con.execute(f"USE {_CATALOG}")
@@ -191,7 +191,7 @@ class Ledger:
         Only the id reservation holds the index lock; validation and conversion happened before
         (in this thread or an ingest worker), overlapping other streams' fsyncs."""
         outcomes: list[Outcome | None] = [None] * len(prepared.ids)
-        keep_valid, keep_bad, waits = [], [], []
+        keep_valid, keep_bad, waits = [], [], []  # type: ignore[var-annotated]  # filled below
         pending = _Pending([], [])
         with self._index_lock:
             for i, (tid, verdict) in enumerate(zip(prepared.ids, prepared.verdicts)):

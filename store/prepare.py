@@ -30,7 +30,7 @@ from rollbook.validator import ingest
 from rollbook.validator.ingest import IngestConfig, Registry
 
 try:
-    from rollbook.store import _varint  # C, built at install (store/_varint.c)
+    from rollbook.store import _varint  # type: ignore[attr-defined]  # C extension, no stub; built at install (store/_varint.c)
 except ImportError:  # not built (no C compiler): upb alone, same results
     _varint = None
 

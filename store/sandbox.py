@@ -45,7 +45,8 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Iterator, Protocol
+from collections.abc import Iterator
+from typing import Protocol
 
 from rollbook.store.sandbox_worker import HEADER as _HEADER
 from rollbook.store.sql import INTERNAL, INVALID, RESOURCES, QueryError, QueryLimits

@@ -21,6 +21,7 @@ import signal
 import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import grpc
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -30,8 +31,8 @@ from rollbook.store.ledger import Ledger
 from rollbook.store.service import AsyncStore, Pools, StreamLimits, TrajectoryStoreService, handlers
 from rollbook.store.sql import QueryLimits
 from rollbook.tls import ServerTLS, add_port
-from rollbook.validator.ingest import IngestConfig
 from rollbook.validator.groups import ValidatorConfig
+from rollbook.validator.ingest import IngestConfig
 
 log = logging.getLogger("rollbook.store")
 
@@ -127,7 +128,7 @@ def env_values() -> dict:
     from rollbook import env
 
     tls = env.server_tls()
-    values = {**env.keys(), "tls_cert": tls["cert"], "tls_key": tls["key"], "tls_client_ca": tls["client_ca"]}
+    values: dict[str, Any] = {**env.keys(), "tls_cert": tls["cert"], "tls_key": tls["key"], "tls_client_ca": tls["client_ca"]}
     values = {k: v for k, v in values.items() if v is not None}
     if not env.validate_evidence():
         values["validate_evidence"] = False

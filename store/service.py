@@ -21,9 +21,9 @@ import logging
 import shutil
 import threading
 import time
+from collections.abc import Callable, Generator
 from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import Callable, Iterator
 
 import grpc
 import pyarrow as pa
@@ -268,7 +268,7 @@ _END = object()
 class _Stepper:
     """Steps a blocking generator from pool threads; ``close`` waits for a step in progress."""
 
-    def __init__(self, gen: Iterator):
+    def __init__(self, gen: Generator):
         self.gen, self.lock = gen, threading.Lock()
 
     def step(self):
@@ -353,7 +353,7 @@ class AsyncStore:
             while True:
                 try:
                     data = await asyncio.wait_for(context.read(), idle)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"Submit stream idle for {idle:g} s; closed")
                 if data is grpc.aio.EOF:
                     return
@@ -363,7 +363,7 @@ class AsyncStore:
                     await context.abort(exc.code, exc.details)
                 try:
                     await asyncio.wait_for(context.write(response), idle)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
                                         f"Submit stream read no answer for {idle:g} s; closed")
         finally:

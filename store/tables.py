@@ -3,7 +3,8 @@ schemas (``store/schema.py``): the single place where the wire contract becomes 
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -32,7 +33,7 @@ def trajectories_table(batch: TrajectoryColumns, received_at: float, keep: np.nd
     else:
         column, versions = batch.column, batch.versions
     lengths = versions.lengths
-    cols = {name: column(name) for name in _SCALAR_COLUMNS}
+    cols: dict[str, Any] = {name: column(name) for name in _SCALAR_COLUMNS}
     cols.update(lists)
     cols.update({
         "num_prompt_tokens": np.diff(lists["prompt_token_ids"].offsets.to_numpy()),

@@ -15,8 +15,8 @@ from __future__ import annotations
 import os
 import pathlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import pyarrow as pa
 

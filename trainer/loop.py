@@ -22,8 +22,8 @@ import logging
 import pathlib
 import time
 from collections import defaultdict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -75,7 +75,7 @@ class _Rows:
             offsets=offsets,
         )
 
-    def token_slice(self, seqs: Sequence[int]) -> torch.Tensor:
+    def token_slice(self, seqs: Sequence[int] | np.ndarray) -> torch.Tensor:
         """Token indices [T] of the given sequences, in order."""
         return torch.cat([torch.arange(self.offsets[s], self.offsets[s + 1]) for s in seqs])
 
@@ -171,7 +171,7 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
             tokens = rows.token_slice(minibatch)
             total = len(tokens)
-            for seqs, idx, packed in self._micro_batches(rows, minibatch):
+            for _seqs, idx, packed in self._micro_batches(rows, minibatch):
                 logp = packed_logprobs(self.model, packed, rows.temperatures[idx])
                 loss, stats = self._loss(logp, proximal[idx], rows.behavior[idx], rows.advantages[idx],
                                          teacher[idx] if teacher is not None else None)
@@ -202,7 +202,7 @@ class Trainer:
                                    behavior_weight_action=cfg.behavior_weight_action)
         return losses.combined_loss(rl, distill, rl_coef=cfg.rl_coef, distill_coef=cfg.distill_coef)
 
-    def _micro_batches(self, rows: _Rows, seqs: Sequence[int]):
+    def _micro_batches(self, rows: _Rows, seqs: Sequence[int] | np.ndarray):
         """(sequence ids, token indices [T], PackedMicroBatch) per packed micro-batch of ``seqs``."""
         seqs = list(seqs)
         packs = pack_sequences([rows.prompts[s] for s in seqs], [rows.outputs[s] for s in seqs],

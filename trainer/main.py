@@ -23,19 +23,18 @@ PROGRESS_EVERY_S = 10.0
 def train(config: TrainerConfig) -> list[dict]:
     import torch
 
-    from rollbook.trainer.loop import Trainer
-    from rollbook.models import build_student
-    from rollbook.trainer.model_builders import build_teachers
-
     from rollbook.errors import ConfigError
+    from rollbook.models import build_student
+    from rollbook.trainer.loop import Trainer
+    from rollbook.trainer.model_builders import build_teachers
 
     if config.loss.distill_coef > 0 and not config.teachers:
         raise ConfigError("loss.distill_coef > 0 needs at least one [[teachers]] entry (or set loss.distill_coef = 0)")
     torch.set_num_threads(2)
     publishers, weight_server = [], None
     if config.weight_server:
-        from rollbook.weights.network import NetworkPublisher, create_weight_server
         from rollbook.tls import ServerTLS
+        from rollbook.weights.network import NetworkPublisher, create_weight_server
 
         host, _, port = config.weight_server.rpartition(":")
         publisher = NetworkPublisher()

@@ -92,12 +92,12 @@ class PackedMicroBatch:
         """A packed batch of only these sequences (indices in this batch), in the order given."""
         starts, ends = self.cu_seqlens[:-1].tolist(), self.cu_seqlens[1:].tolist()
         counts = torch.bincount(self.seq_index.cpu(), minlength=self.num_sequences)
-        out_starts, counts = _cumsum0(counts)[:-1].tolist(), counts.tolist()
+        out_starts, counts = _cumsum0(counts)[:-1].tolist(), counts.tolist()  # type: ignore[assignment]  # now a list of ints
         rows, outs, shifts, new_start = [], [], [], 0
         for i in sequences:
             rows.append(torch.arange(starts[i], ends[i]))
             outs.append(torch.arange(out_starts[i], out_starts[i] + counts[i]))
-            shifts.append(torch.full((counts[i],), new_start - starts[i]))
+            shifts.append(torch.full((counts[i],), new_start - starts[i]))  # type: ignore[arg-type]  # counts is a list here
             new_start += ends[i] - starts[i]
         device = self.input_ids.device
         row, out = torch.cat(rows).to(device), torch.cat(outs).to(device)
@@ -169,7 +169,7 @@ def packed_logprobs(
         )
     device = next(model.parameters()).device
     packed = packed.to(device)
-    mask = block_causal_mask(packed.cu_seqlens, dtype=model.get_input_embeddings().weight.dtype)
+    mask = block_causal_mask(packed.cu_seqlens, dtype=model.get_input_embeddings().weight.dtype)  # type: ignore[operator]  # transformers types the method as a Tensor
     logits = _output_logits(model, packed, mask).float()  # [T_out, V]
     temp = torch.as_tensor(temperature, dtype=torch.float32, device=device)
     if bool((temp < 0).any()):
@@ -243,7 +243,7 @@ def _first_fit_decreasing(lengths: list[int], max_tokens: int | None) -> list[li
 
 
 def _pack_group(group, prompts, outputs, behavior_logprobs, versions, advantages, temperatures) -> PackedMicroBatch:
-    ids, positions, output_index, seq_index = [], [], [], []
+    ids, positions, output_index, seq_index = [], [], [], []  # type: ignore[var-annotated]  # lists of ints
     start = 0
     for local, i in enumerate(group):
         seq = list(prompts[i]) + list(outputs[i])

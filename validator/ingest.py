@@ -10,8 +10,9 @@ package. The codes are documented in ``docs/evidence.md``.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import Any, Protocol
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
@@ -70,7 +71,7 @@ class VersionSet:
 
 
 class _RowLike(Protocol):
-    msg: object
+    msg: Any  # a rollbook.v1 Trajectory message (generated; the validator does not import the stubs)
     prompt: np.ndarray
     tokens: np.ndarray
     logprobs: np.ndarray

@@ -13,8 +13,9 @@ Tests: ``pytest tests/unit/validator/test_normalize.py``.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal, Sequence
+from typing import Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -52,7 +53,7 @@ class NormConfig(BaseModel):
 
     @model_validator(mode="after")
     def _warn_ignored(self) -> NormConfig:
-        ignored = []
+        ignored: list[str] = []
         if self.mode not in _STD_MODES:
             ignored += [f for f in ("eps", "std_unbiased") if f in self.model_fields_set]
         if self.mode not in _GROUP_MODES and "singleton_policy" in self.model_fields_set:

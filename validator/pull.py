@@ -18,9 +18,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from rollbook.v1 import rollbook_pb2 as pb
+from rollbook.validator.groups import GROUP_KEY, ValidatorConfig, expire_leases, reject_rows, reject_stale, settle
 from rollbook.validator.normalize import normalize_rewards
 from rollbook.validator.reasons import Reason
-from rollbook.validator.groups import GROUP_KEY, ValidatorConfig, expire_leases, reject_rows, reject_stale, settle
 
 # Columns served to the trainer (docs/schema.md describes them; `advantage` is the normalized
 # sequence-level reward, broadcast over the output tokens by the trainer).

@@ -70,7 +70,7 @@ class Layout:
 
         Aliasing is decided once, when a channel is created: later state dicts may hold separate
         copies of tied tensors (``pack_into`` checks that they hold the same bits)."""
-        specs, seen, offset = [], {}, 0
+        specs, seen, offset = [], {}, 0  # type: ignore[var-annotated]  # filled below, types obvious
         for name, t in state_dict.items():
             dtype = str(t.dtype).removeprefix("torch.")
             key = (t.device, t.data_ptr(), dtype, tuple(t.shape), t.stride())
@@ -163,7 +163,7 @@ def load_into(model: "torch.nn.Module", snapshot: WeightSnapshot) -> None:
 def checksum(layout: Layout, flat: "Buffer | bytes") -> bytes:
     """blake2b-256 over the canonical layout and the flat bytes (hashlib releases the GIL while hashing)."""
     h = checksum_hasher(layout)
-    h.update(flat)
+    h.update(flat)  # type: ignore[arg-type]  # numpy arrays are buffers; its stubs say otherwise
     return h.digest()
 
 

@@ -31,6 +31,8 @@ import grpc
 import numpy as np
 from pydantic import BaseModel, Field
 
+from rollbook.v1 import weights_pb2 as pb
+from rollbook.v1 import weights_pb2_grpc
 from rollbook.weights.base import (
     ChecksumMismatch,
     Layout,
@@ -42,8 +44,6 @@ from rollbook.weights.base import (
     tensor_views,
 )
 from rollbook.weights.delta import Delta, apply_delta, compute_delta, delta_from_bytes
-from rollbook.v1 import weights_pb2 as pb
-from rollbook.v1 import weights_pb2_grpc
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -193,7 +193,7 @@ def stream_update(published: Published | None, have_version: int, full: bool,
         parts = [published.flat]
     yield pb.WeightChunk(header=header)
     for part in parts:
-        view = memoryview(part)
+        view = memoryview(part)  # type: ignore[arg-type]  # numpy arrays are buffers
         for start in range(0, len(view), chunk_bytes):
             yield pb.WeightChunk(data=bytes(view[start:start + chunk_bytes]))
 
@@ -211,11 +211,12 @@ class NetworkReceiver:
     def __init__(self, target: str, *, timeout_s: float = 120.0, tls: "ClientTLS | None" = None) -> None:
         from rollbook.tls import channel
 
-        options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+        options: list[tuple[str, object]] = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
         self._channel = channel(target, tls, options)
         self._stub = weights_pb2_grpc.WeightServiceStub(self._channel)
         self._timeout_s = timeout_s
-        self._version, self._layout = -1, None
+        self._version = -1
+        self._layout: Layout | None = None  # none until the first fetch
         self._bufs: list[np.ndarray | None] = [None, None]
         self._epochs = [0, 0]  # bumped when a buffer starts being rewritten
         self._current = 0  # index of the buffer holding `version`
@@ -265,7 +266,7 @@ class NetworkReceiver:
         if header.payload_bytes != layout.nbytes:
             raise ChecksumMismatch(f"full payload of {header.payload_bytes} bytes for a {layout.nbytes}-byte layout")
         hasher = checksum_hasher(layout)
-        _receive(stream, memoryview(out), hasher)
+        _receive(stream, memoryview(out), hasher)  # type: ignore[arg-type]  # numpy arrays are buffers
         return hasher.digest()
 
     def _apply_delta(self, header: pb.WeightHeader, stream, out: np.ndarray) -> bytes:
@@ -288,7 +289,7 @@ class NetworkReceiver:
         return self._bufs[i]
 
 
-def _header(published: Published, kind: int, payload_bytes: int) -> pb.WeightHeader:
+def _header(published: Published, kind: "pb.WeightUpdateKind", payload_bytes: int) -> pb.WeightHeader:
     specs = [pb.WeightTensorSpec(name=s.name, dtype=s.dtype, shape=s.shape, offset=s.offset)
              for s in published.layout.tensors]
     return pb.WeightHeader(kind=kind, version=published.version, checksum=published.checksum, layout=specs,

@@ -17,7 +17,8 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import grpc
 import pytest
@@ -80,7 +81,7 @@ class StoreProcess:
             return self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             self.kill()
-            raise AssertionError(f"store ignored SIGTERM for {timeout} s\n{self.log()}")
+            raise AssertionError(f"store ignored SIGTERM for {timeout} s\n{self.log()}") from None
 
     def kill(self) -> None:
         """SIGKILL: nothing is drained, folded or closed."""

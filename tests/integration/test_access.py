@@ -16,10 +16,10 @@ import math
 import grpc
 import pytest
 
-from tests.integration.conftest import MODEL, VOCAB, count, rollbook_cli, rpc_error, start_store, traj
 from rollbook.trajectories import trajectory_from_dict
 from rollbook.v1 import rollbook_pb2 as pb
 from rollbook.v1 import rollbook_pb2_grpc as pb_grpc
+from tests.integration.conftest import MODEL, VOCAB, count, rollbook_cli, rpc_error, start_store, traj
 
 KEYS = {role: f"{role}-k3y-{'0123456789abcdef'[i * 3:i * 3 + 5]}-Zq9x" for i, role in enumerate(("worker", "trainer", "reader", "admin"))}
 ROLE_OF_RPC = {

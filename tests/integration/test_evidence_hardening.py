@@ -16,10 +16,8 @@ import time
 import grpc
 import pytest
 
-from rollbook.client import encode_submit_request
 from rollbook.trajectories import trajectory_from_dict, varint_bytes
 from rollbook.v1 import rollbook_pb2 as pb
-from rollbook.validator.reasons import Reason
 from rollbook.validator.groups import ValidatorConfig
 from tests.integration.procs import InProcessStore, ServeProcess, ids_in, rows, rpc_code, trajectory
 

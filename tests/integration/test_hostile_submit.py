@@ -30,7 +30,7 @@ from rollbook.client import encode_submit_request
 from rollbook.trajectories import trajectory_from_dict
 from rollbook.v1 import rollbook_pb2 as pb
 from rollbook.v1 import rollbook_pb2_grpc as pb_grpc
-from tests.integration.conftest import MODEL, VOCAB, register, rows, start_store, traj
+from tests.integration.conftest import VOCAB, register, rows, start_store, traj
 from tests.integration.test_access import ROLE_OF_RPC, _call
 
 SEED = 20261130

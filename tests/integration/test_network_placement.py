@@ -14,8 +14,8 @@ import duckdb
 import pytest
 
 from rollbook.client import StoreClient
-from rollbook.tasks import TOKENIZER
 from rollbook.run import StoreProcess
+from rollbook.tasks import TOKENIZER
 
 KEYS = {"admin_key": "admin-net-key", "trainer_key": "trainer-net-key"}
 

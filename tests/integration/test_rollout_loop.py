@@ -15,9 +15,9 @@ import torch
 from rollbook.client import StoreClient
 from rollbook.models import TinyModelSpec, build_tiny_model
 from rollbook.rollout.engine import NativeEngine
-from rollbook.tasks import TOKENIZER
 from rollbook.rollout.worker import RolloutConfig, RolloutWorker
 from rollbook.run import StoreProcess
+from rollbook.tasks import TOKENIZER
 
 KEYS = {"admin_key": "admin-test-key", "trainer_key": "trainer-test-key"}
 

@@ -22,8 +22,17 @@ import pytest
 
 from tests.integration.conftest import MODEL, clean_env, register, start_store, traj
 from tests.integration.test_sql_sandbox import (
-    ENGINE_BOUND_MB, LIMITED_ENV, LIMITED_TIMEOUT_S, OVERRUN_S, RECURSIVE_CTE, SLACK_MB, UNINTERRUPTIBLE,
-    RssSampler, _ledger_files, raw_query, tree_rss_mb,
+    ENGINE_BOUND_MB,
+    LIMITED_ENV,
+    LIMITED_TIMEOUT_S,
+    OVERRUN_S,
+    RECURSIVE_CTE,
+    SLACK_MB,
+    UNINTERRUPTIBLE,
+    RssSampler,
+    _ledger_files,
+    raw_query,
+    tree_rss_mb,
 )
 
 MARKER = "SECRET-HOSTILE-7f3a"

@@ -8,10 +8,10 @@ Run: ``python -m pytest tests/integration/test_sql_sandbox.py -q``.
 from __future__ import annotations
 
 import csv
-import math
-import pathlib
 import io
 import json
+import math
+import pathlib
 
 import duckdb
 import grpc
@@ -20,7 +20,15 @@ import pytest
 
 from rollbook import cli
 from tests.integration.conftest import (
-    MODEL, count, query_file, register, rollbook_cli, rows, rpc_error, start_store, traj,
+    MODEL,
+    count,
+    query_file,
+    register,
+    rollbook_cli,
+    rows,
+    rpc_error,
+    start_store,
+    traj,
 )
 
 SEQUENCE = "rollbook_test_seq"
@@ -460,7 +468,7 @@ def test_f2_memory_bombs_stay_within_the_documented_bound(limited):
             assert took < LIMITED_TIMEOUT_S + OVERRUN_S, (sql, took)
         with concurrent.futures.ThreadPoolExecutor(3) as pool:  # three at once: two run, one waits
             outcomes = list(pool.map(lambda _: raw_query(limited, "SELECT length(repeat('x', 4000000000)) AS n"), range(3)))
-        for result, took in outcomes:
+        for result, _took in outcomes:
             assert isinstance(result, grpc.RpcError) and result.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, result
     assert sampler.peak < bound, (sampler.peak, bound)
     print(f"\nserver + sandboxes: {base:.0f} MiB at rest, peak {sampler.peak:.0f} MiB, bound {bound:.0f} MiB")

@@ -15,8 +15,17 @@ import pytest
 from rollbook.v1 import rollbook_pb2 as pb
 from rollbook.v1 import rollbook_pb2_grpc as pb_grpc
 from tests.integration.conftest import (
-    MODEL, VOCAB, clean_env, count, register, rollbook_cli, rows, rpc_error, start_store,
-    submit_raw, traj,
+    MODEL,
+    VOCAB,
+    clean_env,
+    count,
+    register,
+    rollbook_cli,
+    rows,
+    rpc_error,
+    start_store,
+    submit_raw,
+    traj,
 )
 
 ADMIN, TRAINER = "admin-secret", "trainer-secret"

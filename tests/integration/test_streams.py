@@ -14,12 +14,11 @@ import threading
 import time
 
 import grpc
-import pytest
 
-from tests.integration.conftest import count, register, start_store, traj
 from rollbook.trajectories import trajectory_from_dict
 from rollbook.v1 import rollbook_pb2 as pb
 from rollbook.v1 import rollbook_pb2_grpc as pb_grpc
+from tests.integration.conftest import count, register, start_store, traj
 
 
 class StreamCrowd:
@@ -68,7 +67,7 @@ class StreamCrowd:
                 n += 1
                 try:
                     await asyncio.wait_for(self.stop.wait(), self.period_s)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     pass
             await call.done_writing()
             await call.read()

@@ -19,9 +19,9 @@ import grpc
 import pytest
 
 from rollbook.v1 import rollbook_pb2 as pb
+from rollbook.validator.groups import ValidatorConfig
 from rollbook.validator.normalize import NormConfig
 from rollbook.validator.reasons import Reason
-from rollbook.validator.groups import ValidatorConfig
 from tests.integration.procs import InProcessStore, ServeProcess, ids_in, rows, rpc_code, trajectory
 
 MODEL = "rules-model"

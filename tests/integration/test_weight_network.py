@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from rollbook.models import build_tiny_model
+from rollbook.v1 import weights_pb2, weights_pb2_grpc
 from rollbook.weights import (
     ChecksumMismatch,
     NetworkPublisher,
@@ -21,7 +22,6 @@ from rollbook.weights import (
     create_weight_server,
 )
 from rollbook.weights.network import WeightServicer, stream_update
-from rollbook.v1 import weights_pb2, weights_pb2_grpc
 from tests.weight_helpers import SPEC, adamw_step, assert_bit_equal
 
 

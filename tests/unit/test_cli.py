@@ -42,7 +42,7 @@ def _loaded_after(argv: list[str]) -> dict:
         sys.stdout.flush()
         print("\\n" + json.dumps({"code": code or 0, "after_parser": after_parser,
                                   "after_command": [m for m in %r if m in sys.modules]}))
-    """ % (HEAVY, HEAVY), json.dumps(argv))
+    """ % (HEAVY, HEAVY), json.dumps(argv))  # noqa: UP031 -- a code template full of braces; %r keeps it readable
     assert done.returncode in (0, 1, 2), done.stderr
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -317,9 +317,9 @@ def test_rollout_stops_after_max_rounds_and_when_the_gate_stays_closed(store, tm
     one batch and max_idle_s stops the worker (it used to wait forever)."""
     import uuid
 
-    from rollbook.weights.shm import SharedMemoryPublisher
-    from rollbook.trainer.config import ModelConfig
     from rollbook.models import build_student
+    from rollbook.trainer.config import ModelConfig
+    from rollbook.weights.shm import SharedMemoryPublisher
 
     with store.client() as client:
         client.register_model("tiny", vocab_size=64)

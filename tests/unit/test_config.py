@@ -137,8 +137,8 @@ def test_store_json_for_the_child_holds_the_policies_and_no_key(tmp_path):
 
 def test_store_configs_forbid_unknown_fields():
     from rollbook.store.server import StoreConfig
-    from rollbook.validator.ingest import IngestConfig
     from rollbook.validator.groups import ValidatorConfig
+    from rollbook.validator.ingest import IngestConfig
 
     for model in (StoreConfig, IngestConfig, ValidatorConfig):
         with pytest.raises(ValueError, match="no_such"):

@@ -17,8 +17,8 @@ import pyarrow as pa
 import pytest
 
 from rollbook.store import wal
-from rollbook.trajectories import trajectory_from_dict
 from rollbook.store.ledger import ACCEPTED, DUPLICATE, REJECTED, Ledger
+from rollbook.trajectories import trajectory_from_dict
 
 MODEL = "m"
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from rollbook.store.ledger import InvalidReward, ModelNotRegistered, NotRewardable, UnknownTrajectory
 from rollbook.store import service as service_module
+from rollbook.store.ledger import InvalidReward, ModelNotRegistered, NotRewardable, UnknownTrajectory
 from rollbook.store.service import Abort, SyncContext, TrajectoryStoreService
 from rollbook.store.sql import QueryLimits
 from rollbook.v1 import rollbook_pb2 as pb

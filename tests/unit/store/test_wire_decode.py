@@ -19,8 +19,8 @@ from hypothesis import strategies as st
 
 from rollbook.client import encode_submit_request
 from rollbook.store import prepare
-from rollbook.trajectories import TrajectoryColumns, decode_messages, trajectory_from_dict, varint_bytes
 from rollbook.store.prepare import MalformedRequest, decode_request, parse_message
+from rollbook.trajectories import TrajectoryColumns, decode_messages, trajectory_from_dict, varint_bytes
 from rollbook.v1 import ingest_view_pb2 as view_pb
 from rollbook.v1 import rollbook_pb2 as pb
 
