@@ -120,11 +120,10 @@ def _private_copy(path: pathlib.Path, dest: pathlib.Path) -> None:
 def _fold_unfolded_log(con, path: pathlib.Path) -> None:
     from rollbook.store import wal
 
-    root = path.with_name(path.name + ".log")
+    root = wal.log_root(path)
     if not root.exists():
         return
-    folded = dict(con.execute("SELECT segment, folded_batches FROM _log_state").fetchall())
-    batches = [b for seg in wal.list_segments(root) for b in wal.read_segment(root, seg) if b.index >= folded.get(seg, 0)]
+    batches = wal.unfolded(con, root)
     for kind in ("trajectories", "rejections"):
         tables = [getattr(b, kind) for b in batches if getattr(b, kind) is not None]
         if not tables:

@@ -163,7 +163,7 @@ class Ledger:
         self.counters = {"duplicates": 0}
         self._generation = 0  # bumped by every committed write to DuckDB (snapshots compare it)
         self._close_hooks: list = []
-        self.wal_root = self.db_path.with_name(self.db_path.name + ".log")
+        self.wal_root = wal.log_root(self.db_path)
         self._unfolded: list[wal.LoggedCommit] = []
         self._unfolded_bytes = 0
         self._last_commit = time.monotonic()
@@ -544,10 +544,7 @@ class Ledger:
 
     def _recover(self) -> None:
         """Replay log batches DuckDB has not folded, then load the idempotency index."""
-        folded = dict(self.con.execute("SELECT segment, folded_batches FROM _log_state").fetchall())
-        replay: list[wal.LoggedCommit] = []
-        for seg in wal.list_segments(self.wal_root):
-            replay += [b for b in wal.read_segment(self.wal_root, seg) if b.index >= folded.get(seg, 0)]
+        replay = wal.unfolded(self.con, self.wal_root)
         if replay:
             log.info("replaying %d committed batch(es) from the write-ahead log", len(replay))
             self._fold_batches(replay)

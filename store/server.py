@@ -45,6 +45,9 @@ def _key_field(role: str, rpcs: str):
                  f"(env ROLLBOOK_{role.upper()}_KEY). Unset on loopback leaves those RPCs open; required off loopback.")
 
 
+_LIMITS = QueryLimits()  # the query_* defaults live in one place, store/sql.py
+
+
 class StoreConfig(BaseModel):
     """Configuration of ``rollbook serve`` (``--config FILE``, dotted overrides such as
     ``--validator.norm.mode group_mean``, ``rollbook serve --help-config``) and of the ``[store]``
@@ -72,18 +75,19 @@ class StoreConfig(BaseModel):
     max_streams_per_connection: int = Field(128, ge=1, description="Concurrent RPCs on one connection (HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS); more wait in the client.")
     max_concurrent_rpcs: int = Field(8192, ge=16, description="Open RPCs in all; one more is RESOURCE_EXHAUSTED.")
     stream_idle_timeout_s: float = Field(120.0, gt=0, le=86400, description="A Submit stream that sends no batch, or reads no answer, for this long is closed (DEADLINE_EXCEEDED; StoreClient reconnects).")
-    # The SQL sandbox (docs/sql.md). Every query_* field can also be set as env ROLLBOOK_<FIELD>.
-    query_max_rows: int = Field(100_000, ge=1, description="Row cap of one Query; the last chunk says when it cut.")
-    query_timeout_s: float = Field(30.0, gt=0, le=3600, description="Per-query timeout in seconds: the default, and the most a caller may ask for (0, negative, NaN or inf mean this). A query still running query_kill_grace_s later has its sandbox process killed.")
-    query_kill_grace_s: float = Field(2.0, ge=0.1, le=60, description="Seconds past the timeout before the server SIGKILLs the query's sandbox process (DuckDB's own interrupt comes first).")
-    query_max_result_bytes: int = Field(256 << 20, ge=1 << 20, description="Byte cap of one Query's result (Arrow bytes); the result is cut there and the last chunk says so.")
-    query_memory_limit_mb: int = Field(1024, ge=64, description="DuckDB memory_limit of each sandbox process, in MiB.")
-    query_process_headroom_mb: int = Field(768, ge=128, description="Each sandbox process's data-segment limit (RLIMIT_DATA) is query_memory_limit_mb plus this; allocations past it fail inside the sandbox.")
-    query_duckdb_threads: int = Field(2, ge=1, le=64, description="DuckDB threads per sandbox process.")
-    query_temp_limit_mb: int = Field(1024, ge=0, description="Spill space per sandbox process in its private temp folder, in MiB (0: no spilling).")
-    query_workers: int = Field(2, ge=1, le=64, description="Sandbox processes: at most this many queries run at once. Query-engine memory is bounded by query_workers x (query_memory_limit_mb + query_process_headroom_mb).")
-    query_queue: int = Field(8, ge=0, description="Queries that may wait for a free sandbox process; more are refused with RESOURCE_EXHAUSTED.")
-    query_snapshot_max_age_s: float = Field(0.0, ge=0, description="Queries read a snapshot of the ledger; a new one is taken (checkpoint + file copy, under the ledger's lock) when the ledger changed and the current one is at least this old. 0: every query sees every acknowledged row; raise it when the ledger is large and queries frequent (see docs/sql.md for the cost).")
+    # The SQL sandbox (docs/sql.md); defaults are QueryLimits'. Every query_* field can also be set
+    # as env ROLLBOOK_<FIELD>.
+    query_max_rows: int = Field(_LIMITS.max_rows, ge=1, description="Row cap of one Query; the last chunk says when it cut.")
+    query_timeout_s: float = Field(_LIMITS.timeout_s, gt=0, le=3600, description="Per-query timeout in seconds: the default, and the most a caller may ask for (0, negative, NaN or inf mean this). A query still running query_kill_grace_s later has its sandbox process killed.")
+    query_kill_grace_s: float = Field(_LIMITS.kill_grace_s, ge=0.1, le=60, description="Seconds past the timeout before the server SIGKILLs the query's sandbox process (DuckDB's own interrupt comes first).")
+    query_max_result_bytes: int = Field(_LIMITS.max_result_bytes, ge=1 << 20, description="Byte cap of one Query's result (Arrow bytes); the result is cut there and the last chunk says so.")
+    query_memory_limit_mb: int = Field(_LIMITS.memory_limit_mb, ge=64, description="DuckDB memory_limit of each sandbox process, in MiB.")
+    query_process_headroom_mb: int = Field(_LIMITS.process_headroom_mb, ge=128, description="Each sandbox process's data-segment limit (RLIMIT_DATA) is query_memory_limit_mb plus this; allocations past it fail inside the sandbox.")
+    query_duckdb_threads: int = Field(_LIMITS.threads, ge=1, le=64, description="DuckDB threads per sandbox process.")
+    query_temp_limit_mb: int = Field(_LIMITS.temp_limit_mb, ge=0, description="Spill space per sandbox process in its private temp folder, in MiB (0: no spilling).")
+    query_workers: int = Field(_LIMITS.workers, ge=1, le=64, description="Sandbox processes: at most this many queries run at once. Query-engine memory is bounded by query_workers x (query_memory_limit_mb + query_process_headroom_mb).")
+    query_queue: int = Field(_LIMITS.queue, ge=0, description="Queries that may wait for a free sandbox process; more are refused with RESOURCE_EXHAUSTED.")
+    query_snapshot_max_age_s: float = Field(_LIMITS.snapshot_max_age_s, ge=0, description="Queries read a snapshot of the ledger; a new one is taken (checkpoint + file copy, under the ledger's lock) when the ledger changed and the current one is at least this old. 0: every query sees every acknowledged row; raise it when the ledger is large and queries frequent (see docs/sql.md for the cost).")
     ingest: IngestConfig = Field(default_factory=IngestConfig, description="Limits and tolerances of the ingest rules.")
     validator: ValidatorConfig = Field(default_factory=ValidatorConfig, description="Group readiness, normalization and lease settings.")
     validate_evidence: bool = Field(True, description="Run the evidence rules at ingest. Off only to measure their cost (env ROLLBOOK_BENCH_NOVALIDATE=1).")

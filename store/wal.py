@@ -113,6 +113,18 @@ class WriteAheadLog:
             f.close()
 
 
+def log_root(db_path: pathlib.Path) -> pathlib.Path:
+    """The write-ahead log's folder beside a ledger file (``rollbook.duckdb`` -> ``rollbook.duckdb.log``)."""
+    return db_path.with_name(db_path.name + ".log")
+
+
+def unfolded(con, root: pathlib.Path) -> list[LoggedCommit]:
+    """The logged commits a ledger database (``con``, its ``_log_state`` table) has not folded yet,
+    in log order: what the store replays on start and ``rollbook query --db`` adds to its copy."""
+    folded = dict(con.execute("SELECT segment, folded_batches FROM _log_state").fetchall())
+    return [b for seg in list_segments(root) for b in read_segment(root, seg) if b.index >= folded.get(seg, 0)]
+
+
 def list_segments(root: pathlib.Path) -> list[int]:
     return sorted({int(p.name.split(".")[0]) for p in root.glob("*.arrow")})
 
