@@ -20,10 +20,9 @@ import time
 import grpc
 import pytest
 
-from tests.integration.conftest import MODEL, clean_env, register, start_store, traj
+from tests.integration.conftest import MODEL, traj
 from tests.integration.test_sql_sandbox import (
     ENGINE_BOUND_MB,
-    LIMITED_ENV,
     LIMITED_TIMEOUT_S,
     OVERRUN_S,
     RECURSIVE_CTE,
@@ -32,6 +31,7 @@ from tests.integration.test_sql_sandbox import (
     RssSampler,
     _ledger_files,
     raw_query,
+    start_limited_store,
     tree_rss_mb,
 )
 
@@ -156,11 +156,7 @@ BOMBS = [
 
 @pytest.fixture(scope="module")
 def hostile_store(tmp_path_factory):
-    db = tmp_path_factory.mktemp("hostile") / "rollbook.duckdb"
-    s = start_store(db, env=clean_env(**LIMITED_ENV))
-    with s.client() as client:
-        register(client)
-        client.submit([traj(f"h-{i}", n=8) for i in range(20)])
+    s = start_limited_store(tmp_path_factory, "hostile", 20)
     yield s
     s.kill()
 

@@ -405,15 +405,21 @@ def raw_query(store, sql: str, timeout_seconds: float = 0.0, max_rows: int = 0, 
     return result, time.monotonic() - t0
 
 
-@pytest.fixture(scope="module")
-def limited(tmp_path_factory):
+def start_limited_store(tmp_path_factory, name: str, num_rows: int):
+    """A store with the tight sandbox limits of ``LIMITED_ENV``, a registered model and
+    ``num_rows`` stored trajectories."""
     from tests.integration.conftest import clean_env
 
-    db = tmp_path_factory.mktemp("limited") / "rollbook.duckdb"
-    s = start_store(db, env=clean_env(**LIMITED_ENV))
+    s = start_store(tmp_path_factory.mktemp(name) / "rollbook.duckdb", env=clean_env(**LIMITED_ENV))
     with s.client() as client:
         register(client)
-        client.submit([traj(f"lim-{i}", n=8) for i in range(40)])
+        client.submit([traj(f"{name}-{i}", n=8) for i in range(num_rows)])
+    return s
+
+
+@pytest.fixture(scope="module")
+def limited(tmp_path_factory):
+    s = start_limited_store(tmp_path_factory, "limited", 40)
     yield s
     s.kill()
 
