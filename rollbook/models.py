@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
+    from transformers import PreTrainedModel
 
 
 class ModelConfig(BaseModel):
@@ -48,7 +49,7 @@ class TinyModelSpec:
     tie_word_embeddings: bool = True
 
 
-def build_tiny_model(spec: TinyModelSpec, *, seed: int = 0, dtype: "torch.dtype | None" = None):
+def build_tiny_model(spec: TinyModelSpec, *, seed: int = 0, dtype: "torch.dtype | None" = None) -> "PreTrainedModel":
     """A freshly initialised ``LlamaForCausalLM`` of the given shape (fp32 by default, eager/sdpa)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -71,7 +72,7 @@ def build_tiny_model(spec: TinyModelSpec, *, seed: int = 0, dtype: "torch.dtype 
     return model.to(dtype or torch.float32)  # type: ignore[arg-type]  # transformers' decorator hides nn.Module.to(dtype)
 
 
-def load_model(path: str, *, dtype: "torch.dtype | None" = None):
+def load_model(path: str, *, dtype: "torch.dtype | None" = None) -> "PreTrainedModel":
     """Load a causal LM from a local directory (``local_files_only``: never touches a hub)."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -79,7 +80,7 @@ def load_model(path: str, *, dtype: "torch.dtype | None" = None):
     return AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype or torch.float32)
 
 
-def build_student(m: ModelConfig, *, seed: int | None = None):
+def build_student(m: ModelConfig, *, seed: int | None = None) -> "PreTrainedModel":
     """A model for a ``ModelConfig``: loaded from ``path``, or a fresh tiny one (vocabulary: the task
     tokenizer's unless set)."""
     from rollbook.tasks import TOKENIZER

@@ -28,6 +28,7 @@ RPC_ROLE = {
     "Query": "reader",
     "GetStats": "reader",
     "RegisterModel": "admin",
+    "GetModel": "worker",
 }
 
 MIN_KEY_CHARS = 16
@@ -167,7 +168,9 @@ _FIELD_CHECKS = {
     "PullBatch": _pull,
     "SetReward": lambda r: [_finite_in("reward", r.reward, -MAX_REWARD, MAX_REWARD)],
     "Query": lambda r: [_finite_in("timeout_seconds", r.timeout_seconds, 0.0, MAX_QUERY_TIMEOUT_S)],
-    "PublishVersion": lambda r: [_int_in("version", r.version, 0, MAX_VERSION)],
+    "PublishVersion": lambda r: [_int_in("version", r.version, 0, MAX_VERSION),
+                                 _int_in("samples_per_version", r.samples_per_version, 1, MAX_BATCH)
+                                 if r.HasField("samples_per_version") else None],
     "RegisterModel": lambda r: [_int_in("vocab_size", r.vocab_size, 0, MAX_VOCAB)],
     "ReportTrainStep": _report,
 }

@@ -112,12 +112,28 @@ def _connect(db_path: pathlib.Path) -> duckdb.DuckDBPyConnection:
     return con
 
 
+@dataclass(frozen=True)
+class ModelEntry:
+    """A registered model as ``GetModel`` answers it. ``max_staleness`` and ``samples_per_version``
+    are its trainer's last announcement (``PublishVersion``), None until one arrives: kept in memory
+    only, since a trainer renews it with every version it publishes (a restarted store knows it again
+    at the trainer's next step or restart)."""
+
+    model_id: str
+    vocab_size: int
+    latest_version: int  # -1: none published
+    max_staleness: int | None = None
+    samples_per_version: int | None = None
+
+
 class _Registry:
-    """In-memory view of `models` and `policy_versions` (the tables are the source of truth)."""
+    """In-memory view of `models` and `policy_versions` (the tables are the source of truth), and
+    of each model's announced staleness contract (``ModelEntry``; not in a table)."""
 
     def __init__(self) -> None:
         self.vocab: dict[str, int] = {}
         self.versions: dict[str, VersionSet] = {}
+        self.contract: dict[str, tuple[int | None, int | None]] = {}  # (max_staleness, samples_per_version)
         self.generation = 0  # bumped on every change, so ingest workers know when to refresh
 
     def vocab_size(self, model_id: str) -> int | None:
@@ -225,8 +241,10 @@ class Ledger:
             self._generation += 1
         self.registry.set_vocab(model_id, vocab_size)
 
-    def publish_version(self, model_id: str, version: int, checksum: str) -> int:
-        """Record version ``version`` of ``model_id``; returns the latest published version."""
+    def publish_version(self, model_id: str, version: int, checksum: str, *, max_staleness: int | None = None,
+                        samples_per_version: int | None = None) -> int:
+        """Record version ``version`` of ``model_id``; returns the latest published version. An
+        announced staleness contract (either value not None) replaces the model's previous one."""
         if self.registry.vocab_size(model_id) is None:
             raise ModelNotRegistered(f"model {model_id!r} is not registered")
         with self._db_lock:
@@ -236,7 +254,20 @@ class Ledger:
             )
             self._generation += 1
         self.registry.add_version(model_id, version)
-        return int(self.registry.published_versions(model_id).latest)
+        if max_staleness is not None or samples_per_version is not None:
+            self.registry.contract[model_id] = (max_staleness, samples_per_version)
+        latest = self.registry.published_versions(model_id).latest
+        assert latest is not None  # version was just added
+        return int(latest)
+
+    def model_entry(self, model_id: str) -> ModelEntry:
+        """The registry's entry for ``model_id`` (``GetModel``); raises ``ModelNotRegistered``."""
+        vocab = self.registry.vocab_size(model_id)
+        if vocab is None:
+            raise ModelNotRegistered(f"model {model_id!r} is not registered")
+        latest = self.registry.published_versions(model_id).latest
+        max_staleness, samples = self.registry.contract.get(model_id, (None, None))
+        return ModelEntry(model_id, vocab, -1 if latest is None else int(latest), max_staleness, samples)
 
     # ---- validator: rewards, batches, leases --------------------------------------------------
 

@@ -24,6 +24,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
@@ -34,6 +35,10 @@ from rollbook.trainer.checkpoint import TrainerState, load_checkpoint, save_chec
 from rollbook.trainer.config import TrainerConfig
 from rollbook.trainer.packing import pack_sequences, packed_logprobs
 from rollbook.trainer.proximal import loglinear_alpha, loglinear_proximal_logprobs
+
+if TYPE_CHECKING:  # pragma: no cover
+    from rollbook.client import TrainerClient
+    from rollbook.trainer.teachers import TeacherScorer
 
 log = logging.getLogger("rollbook.trainer")
 
@@ -81,8 +86,9 @@ class _Rows:
 
 
 class Trainer:
-    def __init__(self, config: TrainerConfig, client, *, model: torch.nn.Module, teacher=None,
-                 publishers: Sequence[Publisher] = (), on_step: Callable[[dict], None] | None = None):
+    def __init__(self, config: TrainerConfig, client: TrainerClient, *, model: torch.nn.Module,
+                 teacher: TeacherScorer | None = None, publishers: Sequence[Publisher] = (),
+                 on_step: Callable[[dict], None] | None = None):
         self.config = config
         self.client = client
         self.model = model
@@ -236,7 +242,9 @@ class Trainer:
         state = {k: v.detach() for k, v in self.model.state_dict().items()}
         for publish in self.publishers:
             publish(self.state.version, state)
-        self.client.publish_version(self.config.model_id, self.state.version, checksum=state_checksum(state))
+        # every version announces the staleness contract, so separately started workers gate by it
+        self.client.publish_version(self.config.model_id, self.state.version, checksum=state_checksum(state),
+                                    max_staleness=self.config.max_staleness, samples_per_version=self.config.num_samples)
 
 
 def state_checksum(state: dict) -> str:

@@ -5,13 +5,22 @@ which the rollout worker uses too.)"""
 from __future__ import annotations
 
 import pathlib
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from rollbook.models import build_student, load_model
 from rollbook.tasks import build_domains, make_tasks
 from rollbook.trainer.warmstart import cached_warm_start
 
+if TYPE_CHECKING:  # pragma: no cover
+    from transformers import PreTrainedModel
 
-def build_models(config):
+    from rollbook.config import RunConfig
+    from rollbook.trainer.config import TrainerConfig
+    from rollbook.trainer.teachers import TeacherScorer
+
+
+def build_models(config: RunConfig) -> tuple[PreTrainedModel, TeacherScorer | None]:
     """``(student, teacher_scorer_or_None)`` for a ``RunConfig``."""
     from rollbook.trainer.teachers import LocalTeacher
 
@@ -21,7 +30,7 @@ def build_models(config):
     tasks = [t for d in build_domains(config.rollout).values()
              for t in make_tasks(d, "train", config.rollout.num_train_tasks, config.rollout.seed, allow_fewer=True)]
 
-    def fresh(seed: int):
+    def fresh(seed: int) -> Callable[[], PreTrainedModel]:
         return lambda: build_student(m, seed=seed)
 
     if m.path:
@@ -39,12 +48,12 @@ def build_models(config):
     return student, build_teachers(config.trainer, extra)
 
 
-def build_teachers(config, extra: list | None = None):
+def build_teachers(config: TrainerConfig, extra: Sequence[TeacherScorer] = ()) -> TeacherScorer | None:
     """The teacher scorer of a ``TrainerConfig`` (``[[teachers]]`` plus ``extra`` scorers that serve
     every domain), routed by ``teacher_routing``; None without teachers."""
     from rollbook.trainer.teachers import DomainRouter, LocalTeacher, MixtureRouter
 
-    scorers = [(LocalTeacher(load_model(t.path)), t) for t in config.teachers] + [(s, None) for s in extra or []]
+    scorers = [(LocalTeacher(load_model(t.path)), t) for t in config.teachers] + [(s, None) for s in extra]
     if not scorers or config.loss.distill_coef == 0:
         return None
     if len(scorers) == 1:
