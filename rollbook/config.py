@@ -112,11 +112,12 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
     for item in it:
         if not item.startswith("--"):
             raise ConfigError(f"expected --dotted.key VALUE, got {item!r}")
-        key, _, value = item[2:].partition("=")
-        if not _:
-            value = next(it, None)
-            if value is None:
+        key, eq, value = item[2:].partition("=")
+        if not eq:
+            following = next(it, None)
+            if following is None:
                 raise ConfigError(f"override {item} has no value")
+            value = following
         node = out
         *parents, leaf = key.replace("-", "_").split(".")
         for p in parents:

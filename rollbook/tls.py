@@ -48,11 +48,12 @@ class ServerTLS:
         from rollbook import env
 
         values = env.server_tls()
-        if not values["cert"] and not values["key"]:
+        cert, key = values["cert"], values["key"]
+        if not cert and not key:
             return None
-        if not (values["cert"] and values["key"]):
+        if not (cert and key):
             raise ValueError("ROLLBOOK_TLS_CERT and ROLLBOOK_TLS_KEY go together")
-        return cls(**values)
+        return cls(cert, key, values["client_ca"])
 
 
 @dataclass(frozen=True)

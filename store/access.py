@@ -60,7 +60,7 @@ class KeyRing:
         unknown = set(keys) - set(ROLES)
         if unknown:
             raise ValueError(f"unknown roles {sorted(unknown)}")
-        self._keys = {role: keys[role].encode() for role in ROLES if keys.get(role)}
+        self._keys = {role: key.encode() for role in ROLES if (key := keys.get(role))}
 
     def is_open(self, role: str) -> bool:
         return role not in self._keys
@@ -120,7 +120,7 @@ def check_keys(keys: dict[str, str | None], *, loopback: bool) -> None:
         reason = weak_key_reason(key) if not loopback else ("contains whitespace" if any(c.isspace() for c in key) else None)
         if reason:
             raise ValueError(f"ROLLBOOK_{role.upper()}_KEY {reason}; use e.g. python -c 'import secrets; print(secrets.token_hex(16))'")
-    given = [(r, keys[r]) for r in ROLES if keys.get(r)]
+    given = [(r, key) for r in ROLES if (key := keys.get(r))]
     for i, (a, ka) in enumerate(given):
         for b, kb in given[i + 1:]:
             if hmac.compare_digest(ka.encode(), kb.encode()):

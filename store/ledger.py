@@ -37,7 +37,7 @@ from rollbook.store.sql import SANDBOX_CONFIG
 from rollbook.trajectories import decode_messages
 from rollbook.v1 import rollbook_pb2 as pb
 from rollbook.validator import groups, pull
-from rollbook.validator.groups import ValidatorConfig
+from rollbook.validator.groups import ValidatorConfig, one_row
 from rollbook.validator.ingest import IngestConfig, VersionSet
 from rollbook.validator.reasons import Reason
 
@@ -358,8 +358,8 @@ class Ledger:
         self.flush()
         cur = self.cursor()
         try:
-            accepted, tokens = cur.execute(
-                "SELECT count(*), coalesce(sum(num_output_tokens), 0) FROM trajectories").fetchone()
+            accepted, tokens = one_row(cur.execute(
+                "SELECT count(*), coalesce(sum(num_output_tokens), 0) FROM trajectories"))
             by_reason = cur.execute(
                 "SELECT reason, count(*), coalesce(sum(num_output_tokens), 0) FROM rejections GROUP BY reason").fetchall()
         finally:

@@ -103,7 +103,10 @@ def check_statement(con: duckdb.DuckDBPyConnection, sql: str) -> None:
             "(SELECT, WITH, DESCRIBE, SHOW, SUMMARIZE, EXPLAIN)"
         )
     query = _EXPLAIN.sub("", sql, count=1) if kind == duckdb.StatementType.EXPLAIN else sql
-    text = con.execute("SELECT json_serialize_sql(?)", [query]).fetchone()[0]
+    row = con.execute("SELECT json_serialize_sql(?)", [query]).fetchone()
+    if row is None:  # a scalar SELECT always has its row
+        raise QueryError("could not parse the statement")
+    text = row[0]
     tree = _parse_tree(text)
     if tree.get("error"):
         raise QueryError(f"cannot analyse the statement: {tree.get('error_message', 'unknown error')}")
