@@ -49,7 +49,7 @@ class RolloutConfig(BaseModel):
     temperature: float = Field(1.0, gt=0, description="Sampling temperature (the trainer recomputes log-probs at the same one).")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass (1 = off).")
     top_k: int = Field(0, ge=-1, description="Top-k (0 or -1 = off).")
-    max_staleness: int = Field(1, ge=0, description="Staleness gate eta: admit while (eta + version + 1) * batch > accepted + running.")
+    max_staleness: int = Field(1, ge=0, description="Staleness gate eta: admit while (eta + version + 1) * batch > accepted + running. `rollbook rollout` replaces it with the max_staleness its trainer announces through the store.")
     seed: int = Field(0, description="Task sampling seed.")
     worker_id: str = Field("worker-0", description="Recorded on every trajectory.")
 

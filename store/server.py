@@ -58,7 +58,7 @@ class StoreConfig(BaseModel):
     db: pathlib.Path = Field(pathlib.Path("runs/default/rollbook.duckdb"), description="DuckDB ledger file (created if missing); the write-ahead log lives beside it.")
     host: str = Field("127.0.0.1", description="Address to bind. A non-loopback address requires all four role keys, and TLS unless `insecure`.")
     port: int = Field(50551, ge=0, le=65535, description="Port to bind; 0 picks a free one.")
-    worker_key: str | None = _key_field("worker", "Submit and SetReward")
+    worker_key: str | None = _key_field("worker", "Submit, SetReward and GetModel")
     trainer_key: str | None = _key_field("trainer", "PullBatch, AckBatch, PublishVersion and ReportTrainStep")
     reader_key: str | None = _key_field("reader", "Query and GetStats")
     admin_key: str | None = _key_field("admin", "RegisterModel and every other RPC")

@@ -89,6 +89,10 @@ class Trainer:
     def __init__(self, config: TrainerConfig, client: TrainerClient, *, model: torch.nn.Module,
                  teacher: TeacherScorer | None = None, publishers: Sequence[Publisher] = (),
                  on_step: Callable[[dict], None] | None = None):
+        if config.loss.distill_coef > 0 and teacher is None:
+            from rollbook.errors import ConfigError
+
+            raise ConfigError("loss.distill_coef > 0 needs a teacher (a [[teachers]] entry), or set loss.distill_coef = 0")
         self.config = config
         self.client = client
         self.model = model
@@ -233,9 +237,10 @@ class Trainer:
 
     @torch.no_grad()
     def _teacher_logprobs(self, rows: _Rows) -> torch.Tensor:
-        out = torch.empty_like(rows.behavior)
+        out, teacher = torch.empty_like(rows.behavior), self.teacher
+        assert teacher is not None  # __init__ refuses distillation without one
         for members, idx, packed in self._micro_batches(rows, list(range(len(rows.outputs)))):
-            out[idx] = self.teacher.score(packed, [rows.domains[s] for s in members])
+            out[idx] = teacher.score(packed, [rows.domains[s] for s in members])
         return out
 
     def _publish(self) -> None:

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pytest
 import torch
 
 from rollbook.client import PulledBatch, StoreClient, TrainerClient
@@ -92,3 +93,15 @@ def test_the_real_implementations_have_every_method_of_their_protocol():
         for impl in impls:
             missing = [n for n in methods if not hasattr(impl, n)]
             assert not missing, f"{impl.__name__} lacks {missing} of {protocol.__name__}"
+
+
+def test_distillation_without_a_teacher_is_refused_when_the_trainer_is_built(tmp_path):
+    """``teacher: TeacherScorer | None`` made the checker ask what a distilling step does with None:
+    it crashed mid-step (AttributeError); now the trainer refuses at construction."""
+    from rollbook.errors import ConfigError
+
+    config = TrainerConfig(run_dir=str(tmp_path), num_samples=4, model={"vocab_size": 32}, loss={"distill_coef": 0.5})
+    model = build_tiny_model(TinyModelSpec(vocab_size=32))
+    with pytest.raises(ConfigError, match="distill_coef"):
+        Trainer(config, FakeTrainerClient(), model=model)
+    Trainer(config, FakeTrainerClient(), model=model, teacher=LocalTeacher(model))  # with one: fine
