@@ -16,8 +16,11 @@ import socket
 import subprocess
 import sys
 
-from rollbook.client import StoreClient
-from tests.integration.conftest import clean_env, start_store
+import grpc
+import pytest
+
+from rollbook.client import ModelInfo, StoreClient
+from tests.integration.conftest import clean_env, rpc_error, start_store
 
 TRAINER_ETA, TRAINER_BATCH = 0, 8  # the trainer's: authoritative
 WORKER_ETA, WORKER_BATCH = 3, 64  # the worker's own config, which it must give up
@@ -30,6 +33,33 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def test_the_store_keeps_the_latest_announcement_per_model(tmp_path: pathlib.Path):
+    store = start_store(tmp_path / "rollbook.duckdb")
+    try:
+        with store.client() as client:
+            assert rpc_error(lambda: client.get_model("nobody")).code() == grpc.StatusCode.FAILED_PRECONDITION
+            client.register_model("a", 64)
+            client.register_model("b", 64)
+            assert client.get_model("a") == ModelInfo("a", 64, -1, None, None)  # registered, nothing published
+            client.publish_version("a", 0, checksum="c0")  # a trainer that announces nothing
+            assert (client.get_model("a").latest_version, client.get_model("a").max_staleness) == (0, None)
+            client.publish_version("a", 1, checksum="c1", max_staleness=0, samples_per_version=8)
+            client.publish_version("b", 0, checksum="c0", max_staleness=2, samples_per_version=16)
+            a, b = client.get_model("a"), client.get_model("b")
+            assert (a.latest_version, a.max_staleness, a.samples_per_version) == (1, 0, 8)  # 0 is a value, not "unset"
+            assert (b.latest_version, b.max_staleness, b.samples_per_version) == (0, 2, 16)
+            client.publish_version("a", 2, checksum="c2", max_staleness=3, samples_per_version=8)  # a restarted trainer
+            assert client.get_model("a").max_staleness == 3
+            client.publish_version("a", 3, checksum="c3")  # no announcement: the last one stands
+            assert (client.get_model("a").latest_version, client.get_model("a").max_staleness) == (3, 3)
+            bad = rpc_error(lambda: client.publish_version("a", 4, samples_per_version=0))
+            assert bad.code() == grpc.StatusCode.INVALID_ARGUMENT and "samples_per_version" in bad.details()
+            assert client.get_model("a").latest_version == 3  # refused: nothing changed
+    finally:
+        store.terminate()
+
+
+@pytest.mark.timeout(900)
 def test_a_separately_started_worker_gates_by_the_trainers_bound(tmp_path: pathlib.Path):
     store = start_store(tmp_path / "rollbook.duckdb")
     port = _free_port()
