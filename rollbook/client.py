@@ -173,7 +173,7 @@ class StoreClient:
     def __enter__(self) -> "StoreClient":
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     # ---- submit ---------------------------------------------------------------------------------
@@ -273,7 +273,8 @@ def _auth(key: str | None) -> list[tuple[str, str]]:
 class _SubmitSession:
     """One ``submit`` call: a source of batches, the unacknowledged window, reconnects."""
 
-    def __init__(self, client: "StoreClient", trajectories, batch_size: int, max_in_flight: int, retry_deadline_s: float):
+    def __init__(self, client: "StoreClient", trajectories: Iterable[pb.Trajectory | Mapping[str, Any]], batch_size: int,
+                 max_in_flight: int, retry_deadline_s: float):
         self.client = client
         self.submit = client._submit
         self.source = _batches(trajectories, batch_size)

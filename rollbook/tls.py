@@ -90,7 +90,7 @@ def channel(target: str, tls: ClientTLS | None, options: list[tuple[str, object]
     return grpc.secure_channel(target, tls.credentials(), options=[*options, *tls.options()])
 
 
-def add_port(server, address: str, tls: ServerTLS | None) -> int:
+def add_port(server: grpc.Server | grpc.aio.Server, address: str, tls: ServerTLS | None) -> int:
     """Bind ``address`` on a sync or aio gRPC server, with TLS when ``tls`` is given."""
     if tls is None:
         return server.add_insecure_port(address)

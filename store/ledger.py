@@ -22,7 +22,7 @@ import math
 import pathlib
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -342,7 +342,7 @@ class Ledger:
                         [step, trainer_id, version, lease_id, started_at, finished_at, stats_json])
 
     @contextlib.contextmanager
-    def _transaction(self):
+    def _transaction(self) -> Iterator[duckdb.DuckDBPyConnection]:
         with self._db_lock:
             self.con.execute("BEGIN TRANSACTION")
             try:
@@ -413,7 +413,7 @@ class Ledger:
                 clone_file(own_wal, dest.with_name(dest.name + ".wal"))
         return generation
 
-    def on_close(self, hook) -> None:
+    def on_close(self, hook: Callable[[], None]) -> None:
         """Call ``hook()`` first thing in ``close()`` (the SQL sandbox stops its processes)."""
         self._close_hooks.append(hook)
 

@@ -24,7 +24,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import Any, NoReturn, TypeAlias, TypeVar
+from typing import TYPE_CHECKING, Any, NoReturn, TypeAlias, TypeVar
 
 import grpc
 import pyarrow as pa
@@ -35,6 +35,9 @@ from rollbook.store.prepare import MalformedRequest, Prepared, parse_message, pr
 from rollbook.store.sql import QueryError, QueryLimits
 from rollbook.v1 import rollbook_pb2 as pb
 from rollbook.validator.pull import InvalidPull, LeaseError, NotLeaseOwner, UnknownLease
+
+if TYPE_CHECKING:  # pragma: no cover
+    from rollbook.store.sandbox import SandboxPool
 
 log = logging.getLogger("rollbook.store.service")
 
@@ -248,7 +251,7 @@ class TrajectoryStoreService:
         return pb.ReportTrainStepResponse()
 
 
-def _sandbox(ledger: Ledger, limits: QueryLimits):
+def _sandbox(ledger: Ledger, limits: QueryLimits) -> SandboxPool:
     """The query sandbox: worker processes over snapshots in ``<db>.sandbox/`` (same file system
     as the ledger, so a reflink clone can work), stopped when the ledger closes."""
     from rollbook.store.sandbox import SandboxPool, Snapshots
@@ -296,7 +299,7 @@ class _Stepper:
     def __init__(self, gen: Generator):
         self.gen, self.lock = gen, threading.Lock()
 
-    def step(self):
+    def step(self) -> Any:  # the next item, or _END
         with self.lock:
             return next(self.gen, _END)
 

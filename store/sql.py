@@ -22,6 +22,7 @@ import math
 import re
 import sys
 from dataclasses import dataclass
+from typing import Any
 
 import duckdb
 
@@ -138,7 +139,7 @@ _FILE_FUNCTION = re.compile(
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
-def _check_tree(tree) -> None:
+def _check_tree(tree: Any) -> None:
     """Refuse denied functions and file-path table references anywhere in the tree (iteratively:
     a deep tree must not overflow Python's stack)."""
     stack = [tree]

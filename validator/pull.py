@@ -157,7 +157,7 @@ def _record_lease(con: duckdb.DuckDBPyConnection, table: pa.Table, lease_id: str
     con.unregister("_leased")
 
 
-def _batch_stats(con, table: pa.Table, raw: np.ndarray, normalized: np.ndarray, req: pb.PullBatchRequest, events: dict) -> dict:
+def _batch_stats(con: duckdb.DuckDBPyConnection, table: pa.Table, raw: np.ndarray, normalized: np.ndarray, req: pb.PullBatchRequest, events: dict) -> dict:
     tokens = int(pc.sum(pc.list_value_length(table.column("output_token_ids"))).as_py() or 0)
     staleness = req.trainer_version - table.column("min_version").to_numpy()
     hist = {str(int(k)): int(v) for k, v in zip(*np.unique(staleness, return_counts=True))}
