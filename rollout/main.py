@@ -135,7 +135,7 @@ def run_worker(config: WorkerConfig, stop: threading.Event | None = None) -> dic
         sub.flush(timeout=120)
         stats = {**worker.stats.metrics(), **sub.stats().metrics(), "rounds": rounds, "version": engine.version,
                  "gate/max_staleness": gate.max_staleness, "gate/batch_size": gate.batch_size,
-                 "gate/source": "trainer" if contract.announced else "config"}
+                 "gate/from_trainer": int(contract.announced is not None)}
     channel.close()
     log.info("rollout worker done: %s", stats)
     return stats

@@ -99,7 +99,7 @@ def test_a_separately_started_worker_gates_by_the_trainers_bound(tmp_path: pathl
     done = re.search(r"rollout worker done: (\{.*\})", worker_log)
     assert done, worker_log[-3000:]
     stats = ast.literal_eval(done.group(1))
-    assert (stats["gate/max_staleness"], stats["gate/batch_size"], stats["gate/source"]) == (TRAINER_ETA, TRAINER_BATCH, "trainer")
+    assert (stats["gate/max_staleness"], stats["gate/batch_size"], stats["gate/from_trainer"]) == (TRAINER_ETA, TRAINER_BATCH, 1)
     # the gate's promise under the trainer's bound: every sample admitted at a version v it held had
     # (eta + v + 1) * batch as the cap on all samples so far. Under its own bound (3, 64) the worker
     # would have had room for 256 samples at version 0 alone.
