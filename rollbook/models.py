@@ -77,6 +77,19 @@ def build_tiny_model(spec: TinyModelSpec, *, seed: int = 0, dtype: "torch.dtype 
     return model.to(dtype or torch.float32)  # type: ignore[arg-type]  # transformers' decorator hides nn.Module.to(dtype)
 
 
+def quiet_transformers() -> None:
+    """No tqdm bars from transformers or huggingface_hub ("Loading weights", "Writing model shards"):
+    they would interleave with the console and break one-line errors."""
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    try:
+        from huggingface_hub.utils import disable_progress_bars
+    except ImportError:  # pragma: no cover - an older huggingface_hub
+        return
+    disable_progress_bars()
+
+
 def check_model_dir(path: str | os.PathLike, what: str = "model") -> pathlib.Path:
     """``path`` as a Path when it is a local Hugging Face model directory (a folder with config.json);
     a one-line ``ConfigError`` naming ``what`` otherwise (so a typo never reaches a hub lookup)."""
@@ -97,6 +110,7 @@ def load_model(path: str | os.PathLike, *, dtype: "torch.dtype | None" = None, w
     from transformers import AutoModelForCausalLM
 
     p = check_model_dir(path, what)
+    quiet_transformers()
     return AutoModelForCausalLM.from_pretrained(p, local_files_only=True, dtype=dtype or torch.float32)
 
 

@@ -27,7 +27,7 @@ import shutil
 import torch
 
 from rollbook.durable import fsync_dir
-from rollbook.models import ModelConfig
+from rollbook.models import ModelConfig, quiet_transformers
 
 log = logging.getLogger("rollbook.trainer")
 
@@ -58,8 +58,6 @@ def write_hf_dir(model: torch.nn.Module, model_config: ModelConfig, out: pathlib
                  tokenizer_dir: str | os.PathLike | None = None) -> pathlib.Path:
     """``model`` and the run's tokenizer to ``out`` (replaced if it exists), through a temporary
     sibling renamed into place. ``tokenizer_dir``: copy the tokenizer from there instead."""
-    from rollbook.trainer.warmstart import quiet_transformers
-
     quiet_transformers()
     out = pathlib.Path(out)
     tmp = out.with_name(f".tmp-{out.name}")
@@ -185,7 +183,7 @@ def _checkpoint_model(path: pathlib.Path) -> tuple[torch.nn.Module, ModelConfig]
             hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
         except Exception as exc:  # noqa: BLE001 - a damaged config.json
             raise CommandError(f"{path}: corrupt checkpoint: config.json does not load ({' '.join(str(exc).split())[:200]})") from None
-        return AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32), model_config
+        return AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32), model_config or ModelConfig()
     if model_config is None:
         raise CommandError(f"{path}: no config.json in the checkpoint and no run config at {path.parent.parent / 'config.json'}: "
                            "the model's architecture is unknown")

@@ -125,3 +125,26 @@ def test_without_kl_coef_no_reference_is_built_and_no_kl_is_reported(tmp_path):
     trainer = _trainer(tmp_path, kl_coef=0.0)
     assert trainer.reference is None
     assert not any(k.startswith("kl/") for k in trainer.run()[0])
+
+
+def test_a_reference_directory_is_loaded_checked_and_frozen(tmp_path):
+    from rollbook.errors import ConfigError
+    from rollbook.trainer.model_builders import build_reference
+
+    student = build_tiny_model(TinyModelSpec(vocab_size=32), seed=3)
+    build_tiny_model(TinyModelSpec(vocab_size=32), seed=5).save_pretrained(tmp_path / "ref")
+    build_tiny_model(TinyModelSpec(vocab_size=40), seed=5).save_pretrained(tmp_path / "wide")
+    config = lambda ref: TrainerConfig(reference=str(ref), loss={"kl_coef": 0.1})  # noqa: E731
+    reference = build_reference(config(tmp_path / "ref"), student)
+    assert not reference.training and not any(p.requires_grad for p in reference.parameters())
+    saved = build_tiny_model(TinyModelSpec(vocab_size=32), seed=5).state_dict()
+    assert all(torch.equal(reference.state_dict()[k], v) for k, v in saved.items())
+    with pytest.raises(ConfigError, match="vocabulary of 40 ids, the student 32"):
+        build_reference(config(tmp_path / "wide"), student)
+    with pytest.raises(ConfigError, match=r"^reference '.*nowhere': no such directory"):
+        build_reference(config(tmp_path / "nowhere"), student)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match=r"not a Hugging Face model directory \(no config.json\)"):
+        build_reference(config(tmp_path / "empty"), student)
+    with pytest.warns(UserWarning, match="kl_coef = 0"):
+        TrainerConfig(reference=str(tmp_path / "ref"))
