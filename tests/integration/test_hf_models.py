@@ -165,3 +165,15 @@ def test_the_vocabulary_registered_for_a_model_directory_is_its_config_json(tmp_
     assert student_vocab_size(ModelConfig(path=str(tmp_path))) == 151_936
     assert student_vocab_size(ModelConfig(vocab_size=77)) == 77
     assert student_vocab_size(ModelConfig()) == TOKENIZER.vocab_size
+
+
+def test_separated_placement_the_worker_process_loads_the_same_directory(tmp_path):
+    student = _save_tiny_qwen2(tmp_path / "student", seed=0)
+    config = _config(tmp_path, student, _save_tiny_qwen2(tmp_path / "teacher", seed=1, tokenizer=False))
+    done = rollbook_cli("run", "--config", str(config), "--placement", "separated", "--num_steps", "2",
+                        "--trainer.export_every", "1", timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    run_dir = tmp_path / "run"
+    assert json.loads((run_dir / "worker.json").read_text())["model"]["path"] == str(student)
+    assert query_file(run_dir / "rollbook.duckdb", "SELECT count(*) AS n FROM train_steps")[0]["n"] == 2
+    assert sorted(p.name for p in (run_dir / "hf").iterdir()) == ["step-000001", "step-000002"]

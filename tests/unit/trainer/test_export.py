@@ -146,3 +146,19 @@ def test_export_due(step, every, final, due):
 
     config = TrainerConfig(num_steps=3, export_every=every, export_final=final)
     assert export_due(config, step) is due
+
+
+def test_an_export_serves_as_a_teacher_and_as_a_reference(tmp_path):
+    from rollbook.trainer.model_builders import build_reference, build_teachers
+    from rollbook.trainer.packing import pack_sequences, packed_logprobs
+
+    trainer = _train(tmp_path / "run", num_steps=2)
+    export = str(tmp_path / "run" / "hf" / "step-000002")
+    config = TrainerConfig(teachers=[{"path": export}], reference=export, loss={"distill_coef": 1.0, "kl_coef": 0.1})
+    teacher = build_teachers(config)
+    reference = build_reference(config, trainer.model)
+    packed = pack_sequences([[1, 4, 5]], [[6, 7, 2]], max_tokens=64)[0]
+    with torch.no_grad():
+        expected = packed_logprobs(trainer.model.eval(), packed, 1.0)
+        assert torch.allclose(teacher.score(packed, ["d"]), expected, atol=1e-6)
+        assert torch.allclose(packed_logprobs(reference, packed, 1.0), expected, atol=1e-6)
