@@ -133,6 +133,8 @@ def export_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike, *,
     from rollbook.errors import CommandError
 
     path = resolve_checkpoint(checkpoint)
+    if tokenizer_dir is not None and not any((pathlib.Path(tokenizer_dir) / name).is_file() for name in TOKENIZER_FILES):
+        raise CommandError(f"--tokenizer {tokenizer_dir}: no tokenizer files there ({', '.join(TOKENIZER_FILES[:2])}, ...)")
     out = pathlib.Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise CommandError(f"--to {out}: exists and is not an empty directory")

@@ -92,6 +92,12 @@ def test_rollbook_export_converts_a_kept_checkpoint(tmp_path, capsys):
     assert not _same(model.state_dict(), _checkpoint_weights(tmp_path / "run", 3))
     assert model.generate(**tokenizer("1+1=", return_tensors="pt"), max_new_tokens=2, do_sample=False).shape[1] > 5
     assert "exported" in capsys.readouterr().out
+    # --tokenizer copies another directory's tokenizer files
+    (tmp_path / "tok").mkdir()
+    tokenizer.save_pretrained(tmp_path / "tok")
+    (tmp_path / "tok" / "chat_template.jinja").write_text("{{ messages }}")
+    assert rollbook(["export", str(tmp_path / "run"), "--to", str(tmp_path / "out2"), "--tokenizer", str(tmp_path / "tok")]) == 0
+    assert (tmp_path / "out2" / "chat_template.jinja").read_text() == "{{ messages }}"
 
 
 def test_a_checkpoint_without_its_hf_config_takes_the_architecture_from_the_run_config(tmp_path):
@@ -126,6 +132,9 @@ def test_a_missing_or_corrupt_checkpoint_is_one_line(tmp_path, capsys):
     torch.save({"model": {"model.embed_tokens.weight": torch.zeros(3, 3)}}, step / "state.pt")
     code, err = _error(capsys, str(step), "--to", str(tmp_path / "out"))
     assert code == 1 and len(err) == 1 and "the weights do not fit the model's architecture" in err[0]
+
+    code, err = _error(capsys, str(step), "--to", str(tmp_path / "out"), "--tokenizer", str(tmp_path / "plain"))
+    assert (code, len(err)) == (1, 1) and f"--tokenizer {tmp_path / 'plain'}: no tokenizer files there" in err[0]
 
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "x").write_text("")
