@@ -1,0 +1,161 @@
+"""``rollbook proxy`` (issue 14) as a real process beside a real ``rollbook serve`` store: the example
+agent through the official ``openai`` client, retries and late rewards, weight updates, and keys and
+malformed requests.
+
+The store runs with all four role keys; the proxy gets the admin key (its control endpoints, model
+registration) and the worker key (starting sessions; Submit and SetReward at the store).
+
+Run: python -m pytest tests/integration/test_proxy.py -q
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from typing import Any
+
+import pytest
+
+from rollbook.rollout.proxy_render import CharRenderer
+from rollbook.tasks import TOKENIZER
+from tests.integration.conftest import StoreProcess, _readline, clean_env
+
+ADMIN = "proxy-test-admin-key-0123456789"
+WORKER = "proxy-test-worker-key-abcdefghij"
+TRAINER = "proxy-test-trainer-key-klmnopqrst"
+READER = "proxy-test-reader-key-uvwxyz0123"
+MODEL = "tiny"
+
+
+def start_store(tmp_path: pathlib.Path) -> StoreProcess:
+    store = StoreProcess(tmp_path / "rollbook.duckdb", admin_key=ADMIN, worker_key=WORKER, trainer_key=TRAINER, reader_key=READER)
+    with store.client() as client:
+        client.register_model(MODEL, vocab_size=TOKENIZER.vocab_size)
+        client.publish_version(MODEL, 0)
+    return store
+
+
+class ProxyProcess:
+    """``python -m rollbook.cli proxy --port 0 ...``; ``url`` from its 'listening on' line."""
+
+    def __init__(self, store_address: str, log_dir: pathlib.Path, *args: str):
+        env = clean_env(ROLLBOOK_ADMIN_KEY=ADMIN, ROLLBOOK_WORKER_KEY=WORKER)
+        self.log_path = log_dir / f"proxy-{time.monotonic_ns()}.log"
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen([sys.executable, "-m", "rollbook.cli", "proxy", "--port", "0", "--server", store_address,
+                                          "--model_id", MODEL, "--log-level", "WARNING", *args],
+                                         stdout=subprocess.PIPE, stderr=log, text=True, env=env)
+        line = _readline(self.proc, 120)
+        if not line.startswith("listening on "):
+            self.kill()
+            raise RuntimeError(f"proxy did not start: {line!r}\n{self.log()}")
+        self.url = line.removeprefix("listening on ").strip()
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(30)
+
+
+def http(url: str, method: str = "GET", body: Any = None, key: str | None = None, raw: bytes | None = None,
+         headers: dict | None = None, timeout: float = 60) -> tuple[int, Any]:
+    """(status, parsed JSON body) of one request; HTTP errors are returned, not raised."""
+    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+    request = urllib.request.Request(url, data=data, method=method,
+                                     headers={"content-type": "application/json", **(headers or {}),
+                                              **({"authorization": f"Bearer {key}"} if key else {})})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return response.status, json.loads(response.read() or b"null")
+    except urllib.error.HTTPError as exc:
+        text = exc.read()
+        try:
+            return exc.code, json.loads(text)
+        except ValueError:
+            return exc.code, text
+
+
+@pytest.fixture
+def store(tmp_path):
+    store = start_store(tmp_path)
+    yield store
+    store.kill()
+
+
+@pytest.fixture
+def proxy(store, tmp_path):
+    proxy = ProxyProcess(store.address, tmp_path)
+    yield proxy
+    proxy.stop()
+    assert "Traceback" not in proxy.log(), proxy.log()[-3000:]
+
+
+def sql(store: StoreProcess, query: str) -> list[dict]:
+    with store.client() as client:
+        return client.query(query).to_pylist()
+
+
+def wait_for_rows(store: StoreProcess, where: str, n: int, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if sql(store, f"SELECT count(*) AS n FROM trajectories WHERE {where}")[0]["n"] >= n:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"fewer than {n} rows WHERE {where}")
+
+
+# ---- acceptance 1: the example agent, streaming and not, found with one SQL query ------------------
+
+
+def test_the_example_agent_s_turns_tokens_versions_and_rewards_are_in_the_store(store, proxy):
+    from examples.arithmetic_agent import play
+
+    render = CharRenderer()
+    episodes = []
+    for g, (a, b, stream) in enumerate([(12, 34, False), (5, 7, True)]):
+        for _ in range(2):
+            episodes.append((a, b, play(proxy.url, a, b, group_id=f"g{g}", group_size=2, turns=2, stream=stream,
+                                        start_key=WORKER, max_tokens=4)))
+    ids = ", ".join(f"'{ep.session_id}'" for _, _, ep in episodes)
+    got = sql(store, f"""
+        SELECT session_id, request_id, attempt, consumed, group_id, group_size, task_id, domain, prompt_token_ids,
+               output_token_ids, output_versions, output_logprobs, temperature, top_p, original_reward, finish_reason
+        FROM trajectories WHERE session_id IN ({ids}) ORDER BY session_id, request_id""")
+    assert len(got) == 4 * 2  # exactly the agent's turns: nothing more, nothing lost
+    by_key = {(r["session_id"], r["request_id"]): r for r in got}
+    for a, b, ep in episodes:
+        messages: list[tuple[str, str]] = [("user", f"{a}+{b}=")]
+        for turn, answer in enumerate(ep.answers):
+            row = by_key[(ep.session_id, f"turn-{turn}.0")]
+            assert row["prompt_token_ids"] == render.chat_prompt(messages)
+            assert render.decode(row["output_token_ids"]) == answer
+            assert row["output_versions"] == [0] * len(row["output_token_ids"])
+            if ep.versions[turn]:  # the non-streaming response carries the versions it was served with
+                assert ep.versions[turn] == row["output_versions"]
+            assert all(lp <= 0 for lp in row["output_logprobs"])
+            assert row["original_reward"] == ep.rewards[turn]
+            assert (row["attempt"], row["consumed"], row["temperature"], row["top_p"]) == (0, True, 1.0, 1.0)
+            assert (row["task_id"], row["domain"]) == (f"arithmetic/{a}+{b}=", "arithmetic")
+            assert row["group_id"].endswith(f"/turn-{turn}") and row["group_size"] == 2
+            messages += [("assistant", answer), ("user", ("right." if ep.rewards[turn] else "wrong.") + f"{a}+{b}=")]
+    assert not sql(store, "SELECT * FROM rejections")
