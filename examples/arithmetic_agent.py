@@ -50,8 +50,9 @@ class Episode:
 
 def play(base_url: str, a: int, b: int, *, group_id: str = "", group_size: int = 1, turns: int = 2, stream: bool = False,
          start_key: str | None = None, model: str = "tiny", temperature: float = 1.0, max_tokens: int = 6,
-         client_kwargs: dict | None = None, end: bool = True, reward: bool = True) -> Episode:
-    """One episode: start a session, ``turns`` calls, a reward per call, end."""
+         client_kwargs: dict | None = None, reward_after_end: bool = False) -> Episode:
+    """One episode: start a session, ``turns`` calls, a reward per call, end (or end first, then the
+    rewards: a reward may arrive after its session ended)."""
     prompt = f"{a}+{b}="
     started = control(base_url, "/rollbook/sessions", {"task_id": f"arithmetic/{prompt}", "domain": "arithmetic",
                                                        "group_id": group_id, "group_size": group_size}, start_key)
@@ -67,11 +68,12 @@ def play(base_url: str, a: int, b: int, *, group_id: str = "", group_size: int =
         episode.versions.append(versions)
         messages += [{"role": "assistant", "content": answer},
                      {"role": "user", "content": ("right." if right else "wrong.") + prompt}]
-    if reward:
-        for completion_id, value in zip(episode.completion_ids, episode.rewards):
-            control(base_url, f"/rollbook/sessions/{episode.session_id}/reward", {"reward": value, "call": completion_id},
-                    started["api_key"])
-    if end:
+    if reward_after_end:
+        control(base_url, f"/rollbook/sessions/{episode.session_id}/end", {}, started["api_key"])
+    for completion_id, value in zip(episode.completion_ids, episode.rewards):
+        control(base_url, f"/rollbook/sessions/{episode.session_id}/reward", {"reward": value, "call": completion_id},
+                started["api_key"])
+    if not reward_after_end:
         control(base_url, f"/rollbook/sessions/{episode.session_id}/end", {}, started["api_key"])
     client.close()
     return episode

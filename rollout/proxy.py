@@ -443,7 +443,8 @@ class Proxy:
 
     def status(self) -> dict:
         return {"model_id": self.config.model_id, "version": self.engine.version, "paused": "admin pause" in self.gate.paused,
-                "loading_version": self.loading, "running": self.gate.running, "waiting": self.gate.waiting, **self.counters}
+                "loading_version": self.loading, "running": self.gate.running, "waiting": self.gate.waiting,
+                "pending_submissions": self.submitter.pending, **self.counters}
 
 
 def read_state_dict(path: str):

@@ -234,17 +234,26 @@ class SubmitQueue:
         self.client, self.batch_size, self.linger_s = client, batch_size, linger_s
         self._queue: queue.Queue = queue.Queue()
         self._stop = threading.Event()
+        self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="proxy-submit", daemon=True)
         self._thread.start()
         self.submitted = self.failed = 0
+        self.pending = 0  # put and not yet answered
 
     def put(self, trajectories: list[dict]) -> list[concurrent.futures.Future]:
         futures = []
         for t in trajectories:
             future: concurrent.futures.Future = concurrent.futures.Future()
+            future.add_done_callback(self._done)
+            with self._lock:
+                self.pending += 1
             self._queue.put((t, future))
             futures.append(future)
         return futures
+
+    def _done(self, _future) -> None:
+        with self._lock:
+            self.pending -= 1
 
     def _run(self) -> None:
         while not (self._stop.is_set() and self._queue.empty()):
