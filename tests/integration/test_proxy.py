@@ -251,3 +251,73 @@ def test_served_rows_are_exactly_the_completions_the_agent_received_despite_time
     assert {r["trajectory_id"] for r in rejected} == every_attempt - set(received)
     assert {(r["reason"], r["consumed"]) for r in rejected} == {("RETRY_ORPHAN", False)}  # abandoned: not consumed
     print(f"pauses {pauses}, attempts {len(every_attempt)} for {len(received)} calls")
+
+
+# ---- acceptance 3: a weight update during the run -------------------------------------------------
+
+
+def start_session(proxy: ProxyProcess, **fields) -> tuple[str, str]:
+    code, body = http(proxy.url + "/rollbook/sessions", "POST", fields, key=WORKER)
+    assert code == 200, body
+    return body["session_id"], body["api_key"]
+
+
+def test_calls_during_a_weight_update_wait_and_carry_the_new_version(store, proxy, tmp_path):
+    import threading
+
+    import openai
+    import torch
+
+    from rollbook.models import ModelConfig, build_student
+
+    weights = tmp_path / "v1.pt"
+    torch.save(build_student(ModelConfig(seed=1)).state_dict(), weights)
+    results: dict[str, dict] = {}
+    errors: list[BaseException] = []
+
+    def call(name: str, max_tokens: int) -> None:
+        try:
+            session_id, key = start_session(proxy, task_id=name)
+            client = openai.OpenAI(base_url=proxy.url + "/v1", api_key=key, max_retries=0, timeout=120)
+            completion = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "1+2="}],
+                                                        max_tokens=max_tokens, temperature=1.0)
+            results[name] = {"session_id": session_id, "versions": completion.model_extra["rollbook"]["output_versions"][0],
+                             "done_at": time.monotonic()}
+        except BaseException as exc:
+            errors.append(exc)
+
+    call("warm-up", 2)  # the process's first forward pass is slow (lazy initialisation)
+    # long calls in flight when the update starts; they finish under whatever weights each step saw
+    in_flight = [threading.Thread(target=call, args=(f"long-{i}", 200)) for i in range(2)]
+    for t in in_flight:
+        t.start()
+    while status(proxy)["running"] < 2:
+        time.sleep(0.01)
+    assert http(proxy.url + "/rollbook/admin/pause", "POST", {}, key=ADMIN)[0] == 200
+    waiting = [threading.Thread(target=call, args=(f"wait-{i}", 4)) for i in range(4)]
+    for t in waiting:
+        t.start()
+    deadline = time.monotonic() + 60
+    while status(proxy)["waiting"] < 4:  # all four are held at admission, none failed
+        assert time.monotonic() < deadline and not errors, errors
+        time.sleep(0.02)
+    code, body = http(proxy.url + "/rollbook/admin/load_weights", "POST", {"path": str(weights), "version": 1, "publish": True},
+                      key=ADMIN)
+    assert code == 200, body
+    assert body["version"] == 1
+    assert http(proxy.url + "/rollbook/admin/resume", "POST", {}, key=ADMIN)[0] == 200
+    for t in in_flight + waiting:
+        t.join(120)
+    assert not errors, errors
+    for i in range(4):  # waited, then served entirely by the new weights
+        assert set(results[f"wait-{i}"]["versions"]) == {1}
+    for i in range(2):  # in flight: versions as served, non-decreasing (the split depends on timing)
+        versions = results[f"long-{i}"]["versions"]
+        assert versions == sorted(versions) and set(versions) <= {0, 1}
+    assert set(results["warm-up"]["versions"]) == {0}
+    wait_idle(proxy)
+    ids = ", ".join(f"'{r['session_id']}'" for r in results.values())
+    stored = {r["session_id"]: r["output_versions"] for r in sql(store, f"SELECT session_id, output_versions FROM trajectories "
+                                                                         f"WHERE session_id IN ({ids})")}
+    assert stored == {r["session_id"]: r["versions"] for r in results.values()}
+    assert not sql(store, "SELECT * FROM rejections")
