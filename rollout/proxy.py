@@ -18,6 +18,7 @@ loopback only, as for the store. The proxy reaches the store only through ``Stor
 # no `from __future__ import annotations`: FastAPI reads the handlers' annotations (Request is imported in create_app)
 import asyncio
 import concurrent.futures
+import functools
 import hmac
 import json
 import logging
@@ -71,8 +72,9 @@ class ProxyConfig(BaseModel):
 # ---- OpenAI request bodies ------------------------------------------------------------------------
 
 
+# strict: a JSON string is not a number or a boolean ("stream": "yes" is a 400, as at OpenAI)
 class _Message(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
 
@@ -90,7 +92,7 @@ class _Message(BaseModel):
 
 
 class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="allow")  # OpenAI fields the proxy does not use (user, seed, ...) pass
+    model_config = ConfigDict(extra="allow", strict=True)  # OpenAI fields the proxy does not use (user, seed, ...) pass
     model: str
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
@@ -130,7 +132,7 @@ class _CompletionRequest(_Sampling):
 
 
 class _StartSession(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     task_id: str = Field("", max_length=256)
     domain: str = Field("", max_length=256)
     group_id: str = Field("", max_length=200)
@@ -138,7 +140,7 @@ class _StartSession(BaseModel):
 
 
 class _Reward(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     reward: float
     call: str | int = "last"
 
@@ -151,14 +153,14 @@ class _Reward(BaseModel):
 
 
 class _LoadWeights(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     path: str
     version: int = Field(ge=0)
     publish: bool = False
 
 
 class _RegisterModel(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     model_id: str | None = None
     publish_version: bool = True
 
@@ -337,9 +339,9 @@ class Proxy:
                                       top_k=top_k, stop_token_ids=stop_ids) for _ in range(req.n)]
         return requests, stop_ids
 
-    async def complete(self, kind: Literal["chat", "text"], headers, body: Any, is_disconnected) -> tuple[dict, Any]:
-        """Run one completion request: (the response payload, a ``deliver(delivered)`` callback, or an
-        async chunk iterator for a stream)."""
+    async def complete(self, kind: Literal["chat", "text"], headers, body: Any) -> tuple[dict, Any, Any]:
+        """Run one completion request: (the response payload, the ``deliver(delivered)`` callback that
+        records the attempt once its delivery is known, the validated request)."""
         session = self.session_of_key(headers)
         if session.ended_at is not None:
             raise ApiError(409, f"session {session.session_id} has ended; start a new one", code="session_ended")
@@ -389,7 +391,7 @@ class Proxy:
             attempt.verdicts = self.submitter.put(trajectories)
 
         payload = (_chat_payload if kind == "chat" else _text_payload)(self, req, attempt.completion_id, results, call.turn)
-        return payload, deliver
+        return payload, deliver, req
 
     # -- sessions, rewards --
 
@@ -405,7 +407,7 @@ class Proxy:
                     skipped.append({"trajectory_id": tid, "turn": call.turn, "reason": why})
                     continue
                 try:
-                    await loop.run_in_executor(self.control_pool, lambda t=tid: self.client.set_reward(value, trajectory_id=t))
+                    await loop.run_in_executor(self.control_pool, functools.partial(self.client.set_reward, value, trajectory_id=tid))
                 except Exception as exc:
                     details = getattr(exc, "details", None)
                     skipped.append({"trajectory_id": tid, "turn": call.turn,
@@ -624,12 +626,12 @@ def create_app(proxy: Proxy):
     async def completion(kind: Literal["chat", "text"], request: Request):
         proxy.session_of_key(request.headers)  # 401 before the body is read
         body = await read_json(request)
-        payload, deliver = await proxy.complete(kind, request.headers, body, request.is_disconnected)
-        if not (isinstance(body, dict) and body.get("stream")):
+        payload, deliver, req = await proxy.complete(kind, request.headers, body)
+        if not req.stream:
             await asyncio.sleep(0)  # let a pending connection loss be seen
             deliver(not await request.is_disconnected())
             return JSONResponse(payload, headers={"x-rollbook-turn": str(payload["rollbook"]["turn"])})
-        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        include_usage = bool((req.stream_options or {}).get("include_usage"))
         chunks = stream_chunks(proxy, kind, payload, include_usage)
 
         async def events() -> AsyncIterator[bytes]:

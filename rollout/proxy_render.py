@@ -4,7 +4,7 @@ tokenizer (``renderer()``), so another tokenizer (an HF tokenizer with a chat te
 The default is the character tokenizer of the toy tasks (``rollbook.tasks.TOKENIZER``) with a plain
 transcript rendering of chat messages (docs/online.md, "Prompt rendering"):
 
-    <bos> + content_1 + [<eos> if message 1 is the assistant's] + content_2 + ... 
+    <bos> + content_1 + [<eos> if message 1 is the assistant's] + content_2 + ...
 
 Roles are not tagged: user, system and tool contents are written as they are, and every assistant
 message is closed by ``<eos>``, the token that also ends a generation. So a one-message chat

@@ -185,7 +185,7 @@ class Sessions:
     def trajectories(self, session: Session, call: Call, attempt: Attempt, results: Sequence[GenerationResult],
                      delivered: bool) -> list[dict]:
         """The trajectories of one finished attempt (one per choice), recorded on the attempt."""
-        out = []
+        out: list[dict[str, Any]] = []
         for choice, r in enumerate(results):
             request_id = f"turn-{call.turn}.{choice}"
             out.append({
@@ -202,7 +202,7 @@ class Sessions:
             })
         with session.lock:
             call.n = len(results)
-            attempt.trajectory_ids = [t["trajectory_id"] for t in out]
+            attempt.trajectory_ids = [str(t["trajectory_id"]) for t in out]
             attempt.delivered = delivered
         return out
 

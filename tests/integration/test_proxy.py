@@ -321,3 +321,131 @@ def test_calls_during_a_weight_update_wait_and_carry_the_new_version(store, prox
                                                                          f"WHERE session_id IN ({ids})")}
     assert stored == {r["session_id"]: r["versions"] for r in results.values()}
     assert not sql(store, "SELECT * FROM rejections")
+
+
+# ---- acceptance 4: keys, sessions, and 1,000 malformed requests -----------------------------------
+
+
+def is_openai_error(body) -> bool:
+    return (isinstance(body, dict) and set(body) == {"error"} and isinstance(body["error"].get("message"), str)
+            and isinstance(body["error"].get("type"), str) and "code" in body["error"] and "param" in body["error"])
+
+
+def test_control_calls_need_the_admin_key_and_a_session_key_touches_only_its_own_session(store, proxy):
+    import openai
+
+    a_id, a_key = start_session(proxy, task_id="a", group_id="ga", group_size=1)
+    b_id, b_key = start_session(proxy, task_id="b", group_id="gb", group_size=1)
+    for path, method in [("/rollbook/admin/version", "GET"), ("/rollbook/admin/pause", "POST"), ("/rollbook/admin/resume", "POST"),
+                         ("/rollbook/admin/load_weights", "POST"), ("/rollbook/admin/register_model", "POST")]:
+        for key in (None, "wrong-key-wrong-key-wrong", a_key, WORKER):
+            code, body = http(proxy.url + path, method, {} if method == "POST" else None, key=key)
+            assert code == 401 and is_openai_error(body), (path, key, code, body)
+    assert status(proxy)["paused"] is False  # no refused pause took effect
+    for key in (None, "wrong-key-wrong-key-wrong", a_key):
+        code, body = http(proxy.url + "/rollbook/sessions", "POST", {"task_id": "x"}, key=key)
+        assert code == 401 and is_openai_error(body)
+    code, body = http(proxy.url + "/rollbook/admin/register_model", "POST", {}, key=ADMIN)  # idempotent at the store
+    assert code == 200, body
+
+    b_client = openai.OpenAI(base_url=proxy.url + "/v1", api_key=b_key, max_retries=0)
+    b_client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "1+1="}], max_tokens=3)
+    for path, body in [(f"/rollbook/sessions/{b_id}/reward", {"reward": 1.0}), (f"/rollbook/sessions/{b_id}/end", {}),
+                       (f"/rollbook/sessions/{b_id}", None)]:
+        code, answer = http(proxy.url + path, "POST" if body is not None else "GET", body, key=a_key)
+        assert code == 404 and is_openai_error(answer) and answer["error"]["code"] == "session_not_found", (path, code, answer)
+    summary = http(proxy.url + f"/rollbook/sessions/{b_id}", key=b_key)[1]
+    assert summary["ended"] is False and len(summary["calls"]) == 1  # A could neither end nor reward B
+    assert http(proxy.url + f"/rollbook/sessions/{b_id}", key=ADMIN)[0] == 200  # the admin key sees every session
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=proxy.url + "/v1", api_key="rbs-not-a-session", max_retries=0).chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "1+1="}])
+    wait_idle(proxy)
+    assert sql(store, "SELECT count(*) AS n FROM rewards")[0]["n"] == 0
+    assert [r["session_id"] for r in sql(store, "SELECT session_id FROM trajectories")] == [b_id]
+
+
+def malformed_requests(key: str, session_id: str) -> list[tuple[str, str, bytes, dict, set[int]]]:
+    """(path, method, body, headers, acceptable statuses): bad JSON, wrong types, huge bodies,
+    unknown models, bad keys, bad URLs."""
+    chat = "/v1/chat/completions"
+    ok_msg = [{"role": "user", "content": "1+1="}]
+    auth = {"authorization": f"Bearer {key}"}
+    cases: list[tuple[str, str, bytes, dict, set[int]]] = []
+    bad_json = [b"{", b"{'model': 1}", b"\xff\xfe\x00", b'{"model": "tiny", "messages": [', b"[" * 100_000 + b"]" * 100_000,
+                b"nul", b'{"a": NaN', b'"just a string"', b"[1, 2, 3]", b"12", b""]
+    for raw in bad_json:
+        cases.append((chat, "POST", raw, auth, {400}))
+    wrong = [{"model": MODEL}, {"model": MODEL, "messages": "hi"}, {"model": MODEL, "messages": []},
+             {"model": MODEL, "messages": [{"role": "robot", "content": "x"}]}, {"model": MODEL, "messages": [{"content": "x"}]},
+             {"model": MODEL, "messages": ok_msg, "temperature": "hot"}, {"model": MODEL, "messages": ok_msg, "temperature": -1},
+             {"model": MODEL, "messages": ok_msg, "temperature": 1e999}, {"model": MODEL, "messages": ok_msg, "top_p": 0},
+             {"model": MODEL, "messages": ok_msg, "top_p": 7}, {"model": MODEL, "messages": ok_msg, "n": 0},
+             {"model": MODEL, "messages": ok_msg, "n": 10_000}, {"model": MODEL, "messages": ok_msg, "max_tokens": 0},
+             {"model": MODEL, "messages": ok_msg, "max_tokens": 10**12}, {"model": MODEL, "messages": ok_msg, "max_tokens": "many"},
+             {"model": MODEL, "messages": ok_msg, "stop": ["ab"]}, {"model": MODEL, "messages": ok_msg, "stop": 5},
+             {"model": MODEL, "messages": [{"role": "user", "content": "UPPER CASE"}]},
+             {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]},
+             {"model": MODEL, "messages": [{"role": "user", "content": "1" * 5000}]}, {"model": MODEL, "messages": ok_msg, "stream": "yes"},
+             {"model": MODEL, "messages": ok_msg, "logprobs": True, "top_logprobs": 5}, {"model": [MODEL], "messages": ok_msg}]
+    for body in wrong:
+        cases.append((chat, "POST", json.dumps(body).encode(), auth, {400}))
+    for body in [{"model": MODEL, "prompt": 5}, {"model": MODEL, "prompt": [-1]}, {"model": MODEL, "prompt": [10**9]},
+                 {"model": MODEL, "prompt": []}, {"model": MODEL, "prompt": "1+1=", "echo": True}, {"model": MODEL, "prompt": ["a", "b"]}]:
+        cases.append(("/v1/completions", "POST", json.dumps(body).encode(), auth, {400}))
+    for model in ("gpt-4o", "", "tiny ", "../tiny"):
+        cases.append((chat, "POST", json.dumps({"model": model, "messages": ok_msg}).encode(), auth, {404}))
+    huge = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "1" * (2 << 20)}]}).encode()
+    cases.append((chat, "POST", huge, auth, {413}))
+    cases.append((chat, "POST", b'{"model": "tiny", "messages": []}' + b" " * (2 << 20), auth, {413}))
+    for headers in ({}, {"authorization": "Bearer nope"}, {"authorization": "Basic abc"}, {"authorization": "Bearer "}):
+        cases.append((chat, "POST", json.dumps({"model": MODEL, "messages": ok_msg}).encode(), headers, {401}))
+    cases += [("/v2/chat", "POST", b"{}", auth, {404}), (chat, "GET", b"", auth, {405}), ("/v1/completions", "PUT", b"{}", auth, {405}),
+              (f"/rollbook/sessions/{session_id}/reward", "POST", b'{"reward": "NaN"}', auth, {400}),
+              (f"/rollbook/sessions/{session_id}/reward", "POST", b'{"reward": NaN}', auth, {400}),
+              (f"/rollbook/sessions/{session_id}/reward", "POST", b'{"reward": 1, "call": 99}', auth, {404}),
+              (f"/rollbook/sessions/{session_id}/reward", "POST", b'{"reward": 1, "extra": 1}', auth, {400}),
+              ("/rollbook/sessions/s-nope/end", "POST", b"{}", auth, {404}),
+              ("/rollbook/sessions", "POST", b'{"group_size": "x"}', {"authorization": f"Bearer {WORKER}"}, {400}),
+              ("/rollbook/sessions", "POST", b'{"group_size": 0}', {"authorization": f"Bearer {WORKER}"}, {400}),
+              ("/rollbook/admin/load_weights", "POST", b'{"path": "/nonexistent", "version": 5}', {"authorization": f"Bearer {ADMIN}"}, {400}),
+              ("/rollbook/admin/load_weights", "POST", b'{"path": 3}', {"authorization": f"Bearer {ADMIN}"}, {400})]
+    return cases
+
+
+def test_a_thousand_malformed_requests_each_get_an_openai_error_and_the_proxy_stays_up(store, proxy):
+    import http.client
+    import random
+    import urllib.parse
+
+    import openai
+
+    session_id, key = start_session(proxy, task_id="fuzz")
+    cases = malformed_requests(key, session_id)
+    rng = random.Random(0)
+    parsed = urllib.parse.urlsplit(proxy.url)
+    conn = http.client.HTTPConnection(parsed.hostname, parsed.port, timeout=60)
+    huge_sent = 0
+    for i in range(1000):
+        path, method, body, headers, expected = cases[i] if i < len(cases) else rng.choice(cases)
+        huge_sent += len(body) > 1 << 20
+        try:
+            conn.request(method, path, body=body, headers={"content-type": "application/json", **headers})
+            response = conn.getresponse()
+            status_code, raw = response.status, response.read()
+        except (ConnectionError, http.client.HTTPException):  # the server may close after a refused huge body
+            conn.close()
+            conn = http.client.HTTPConnection(parsed.hostname, parsed.port, timeout=60)
+            conn.request(method, path, body=body, headers={"content-type": "application/json", **headers})
+            response = conn.getresponse()
+            status_code, raw = response.status, response.read()
+        try:
+            answer = json.loads(raw)
+        except ValueError:
+            answer = None
+        assert status_code in expected and is_openai_error(answer), (i, path, body[:120], status_code, raw[:300])
+    assert huge_sent >= 2 and proxy.alive
+    client = openai.OpenAI(base_url=proxy.url + "/v1", api_key=key, max_retries=0)
+    completion = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "1+1="}], max_tokens=3)
+    assert completion.choices[0].finish_reason in ("stop", "length")
+    assert status(proxy)["errors"] == 0
