@@ -13,7 +13,7 @@ import pytest
 from rollbook.rollout.engine import GenerationResult
 from rollbook.rollout.proxy import ApiError, Gate
 from rollbook.rollout.proxy_render import CharRenderer, RenderError
-from rollbook.rollout.proxy_sessions import Sessions, SessionError, reward_targets
+from rollbook.rollout.proxy_sessions import SessionError, Sessions, reward_targets
 from rollbook.tasks import TOKENIZER
 
 BODY = {"model": "tiny", "messages": [{"role": "user", "content": "1+2="}]}
