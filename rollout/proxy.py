@@ -52,7 +52,11 @@ class ProxyConfig(BaseModel):
     model: ModelConfig = Field(default_factory=ModelConfig, description="The served model's architecture (or local path).")
     engine: Literal["native", "vllm"] = Field("native", description="native: the PyTorch engine (CPU or CUDA); vllm: VllmEngine on model.path (GPU, optional).")
     checkpoint: str | None = Field(None, description="A state dict file (.safetensors or torch .pt) loaded into the model at start; None keeps the built weights.")
-    version: int = Field(0, ge=0, description="The policy version of the starting weights.")
+    version: int = Field(0, ge=0, description="The policy version of the starting weights (without a weight channel).")
+    weights: str | None = Field(None, description="Follow a trainer's weight channel: 'shm:NAME' (one host) or 'grpc:HOST:PORT'. "
+                                "Completions wait for its first version (the built weights are never served), and each newer "
+                                "version is installed as load_weights does.")
+    weights_poll_s: float = Field(0.5, gt=0, description="How often the weight channel is asked for a newer version.")
     seed: int = Field(0, description="Sampling seed of the engine.")
     max_batch_size: int = Field(64, ge=1, description="Engine batch size.")
     max_context_tokens: int = Field(512, ge=2, description="Prompt plus max_tokens may not exceed this (400 context_length_exceeded).")
@@ -67,6 +71,13 @@ class ProxyConfig(BaseModel):
     ended_session_ttl_s: float = Field(3600.0, gt=0, description="How long an ended session still takes rewards.")
     submit_batch_size: int = Field(64, ge=1, description="Trajectories per Submit batch.")
     worker_id: str = Field("proxy", description="worker_id recorded on every trajectory.")
+
+    @field_validator("weights")
+    @classmethod
+    def _channel(cls, v: str | None) -> str | None:
+        if v is not None and not (v.startswith("shm:") or v.startswith("grpc:")):
+            raise ValueError(f"must be 'shm:NAME' or 'grpc:HOST:PORT', got {v!r}")
+        return v
 
 
 # ---- OpenAI request bodies ------------------------------------------------------------------------
@@ -426,27 +437,71 @@ class Proxy:
 
     # -- control --
 
-    async def load_weights(self, path: str, version: int, publish: bool) -> dict:
+    async def install(self, weights: Any, version: int) -> None:
+        """Install ``weights`` (a state dict, a file path, or a ``Weights`` callable) as ``version``
+        with the gate closed: new completions wait, in-flight ones continue under the new weights
+        from their next decode step."""
         async with self._load_lock:
             await self.gate.pause("loading weights")
             self.loading = version
             try:
                 loop = asyncio.get_running_loop()
-                state = await loop.run_in_executor(self.control_pool, read_state_dict, path)
-                await loop.run_in_executor(self.control_pool, self.engine.update_weights, state, version)
-                if publish:
-                    await loop.run_in_executor(self.control_pool, self.client.publish_version, self.config.model_id, version)
-            except (OSError, ValueError, RuntimeError) as exc:
-                raise ApiError(400, f"load_weights: {type(exc).__name__}: {exc}", code="invalid_weights") from None
+                if isinstance(weights, str):
+                    weights = await loop.run_in_executor(self.control_pool, read_state_dict, weights)
+                await loop.run_in_executor(self.control_pool, self.engine.update_weights, weights, version)
             finally:
                 self.loading = None
                 await self.gate.resume("loading weights")
+
+    async def load_weights(self, path: str, version: int, publish: bool) -> dict:
+        try:
+            await self.install(path, version)
+            if publish:
+                loop = asyncio.get_running_loop()
+                await loop.run_in_executor(self.control_pool, self.client.publish_version, self.config.model_id, version)
+        except (OSError, ValueError, RuntimeError) as exc:
+            raise ApiError(400, f"load_weights: {type(exc).__name__}: {exc}", code="invalid_weights") from None
         return self.status()
+
+    async def follow_weights(self, spec: str, poll_s: float) -> None:
+        """Install every newer version of the weight channel ``spec``; completions wait (the gate's
+        "first weights" pause) until the first one is in."""
+        from rollbook.rollout.main import _fetch_or_none, open_channel
+        from rollbook.weights.base import load_into
+
+        loop = asyncio.get_running_loop()
+        channel = None
+        while True:
+            try:
+                if channel is None:
+                    channel = await loop.run_in_executor(self.control_pool, open_channel, spec)
+                snapshot = await loop.run_in_executor(self.control_pool, _fetch_or_none, channel)
+                if snapshot is not None and snapshot.version > self.engine.version:
+                    await self.install(functools.partial(_load_snapshot, load_into, snapshot), snapshot.version)
+                    log.info("installed version %d from %s", snapshot.version, spec)
+                    await self.gate.resume("waiting for the first weights")
+            except FileNotFoundError:  # the trainer has not created the channel yet
+                pass
+            except (RuntimeError, ValueError) as exc:  # a torn copy: fetch the newest version whole again
+                log.warning("weight update from %s failed (%s); reopening the channel", spec, exc)
+                if channel is not None:
+                    channel.close()
+                channel = None
+            except asyncio.CancelledError:
+                if channel is not None:
+                    channel.close()
+                raise
+            await asyncio.sleep(poll_s)
 
     def status(self) -> dict:
         return {"model_id": self.config.model_id, "version": self.engine.version, "paused": "admin pause" in self.gate.paused,
+                "waiting_for_weights": "waiting for the first weights" in self.gate.paused,
                 "loading_version": self.loading, "running": self.gate.running, "waiting": self.gate.waiting,
                 "pending_submissions": self.submitter.pending, **self.counters}
+
+
+def _load_snapshot(load_into, snapshot, model):
+    load_into(model, snapshot)
 
 
 def read_state_dict(path: str):
@@ -564,12 +619,26 @@ def _split(text: str, items: list | None) -> list[tuple[str, Any]]:
 
 
 def create_app(proxy: Proxy):
+    import contextlib
+
     from fastapi import FastAPI, Request
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, StreamingResponse
     from starlette.exceptions import HTTPException as StarletteHTTPException
 
-    app = FastAPI(title="rollbook proxy", docs_url=None, redoc_url=None, openapi_url=None)
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        follower = None
+        if proxy.config.weights:
+            await proxy.gate.pause("waiting for the first weights")
+            follower = asyncio.create_task(proxy.follow_weights(proxy.config.weights, proxy.config.weights_poll_s))
+        yield
+        if follower is not None:
+            follower.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await follower
+
+    app = FastAPI(title="rollbook proxy", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
 
     def error(exc: ApiError) -> JSONResponse:
         headers = {"retry-after": "1"} if exc.status in (429, 503) else None
@@ -751,7 +820,9 @@ def build_engine(config: ProxyConfig) -> GenerationEngine:
     model = build_student(config.model)
     if config.checkpoint:
         model.load_state_dict(read_state_dict(config.checkpoint), strict=True)
-    return NativeEngine(model, version=config.version, seed=config.seed, max_batch_size=config.max_batch_size)
+    # with a weight channel the built weights are never served: version -1 until the first one arrives
+    version = -1 if config.weights else config.version
+    return NativeEngine(model, version=version, seed=config.seed, max_batch_size=config.max_batch_size)
 
 
 def check_exposure(config: ProxyConfig, admin_key: str | None, worker_key: str | None) -> None:

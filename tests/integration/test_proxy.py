@@ -449,3 +449,49 @@ def test_a_thousand_malformed_requests_each_get_an_openai_error_and_the_proxy_st
     completion = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "1+1="}], max_tokens=3)
     assert completion.choices[0].finish_reason in ("stop", "length")
     assert status(proxy)["errors"] == 0
+
+
+def test_the_proxy_serves_only_the_trainer_s_versions_from_a_weight_channel(store, tmp_path):
+    """``--weights shm:NAME``: nothing is served before the first version arrives (the built weights
+    never are), then each newer version is installed and carried by later calls."""
+    import secrets
+
+    import openai
+
+    from rollbook.models import ModelConfig, build_student
+    from rollbook.weights.shm import SharedMemoryPublisher
+
+    name = f"rollbook-proxy-test-{secrets.token_hex(4)}"
+    proxy = ProxyProcess(store.address, tmp_path, "--weights", f"shm:{name}", "--weights_poll_s", "0.1",
+                         "--admission_wait_s", "1")
+    publisher = None
+    try:
+        _, key = start_session(proxy, task_id="w")
+        client = openai.OpenAI(base_url=proxy.url + "/v1", api_key=key, max_retries=0)
+        ask = lambda: client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "2+2="}], max_tokens=3)
+        assert status(proxy)["waiting_for_weights"] is True
+        with pytest.raises(openai.APIStatusError) as held:  # no weights yet: held, then 503 after admission_wait_s
+            ask()
+        assert held.value.status_code == 503
+        trained = build_student(ModelConfig(seed=3)).state_dict()
+        publisher = SharedMemoryPublisher(name, trained)
+        publisher.publish(0, trained)
+        deadline = time.monotonic() + 60
+        while status(proxy)["version"] != 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        assert set(ask().model_extra["rollbook"]["output_versions"][0]) == {0}
+        with store.client() as admin:
+            admin.publish_version(MODEL, 1)
+        publisher.publish(1, build_student(ModelConfig(seed=4)).state_dict())
+        while status(proxy)["version"] != 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        assert set(ask().model_extra["rollbook"]["output_versions"][0]) == {1}
+        wait_idle(proxy)
+        assert sorted(r["v"] for r in sql(store, "SELECT max_version AS v FROM trajectories")) == [0, 1]
+    finally:
+        proxy.stop()
+        if publisher is not None:
+            publisher.close()
+    assert "Traceback" not in proxy.log(), proxy.log()[-3000:]
