@@ -871,13 +871,14 @@ def serve(config: ProxyConfig) -> None:
     """``rollbook proxy``: build the engine, serve until SIGINT/SIGTERM."""
     import threading
 
-    import torch
-
     from rollbook import env
-    from rollbook.client import StoreClient
 
     admin_key, worker_key = env.role_key("admin"), env.role_key("worker")
-    check_exposure(config, admin_key, worker_key)
+    check_exposure(config, admin_key, worker_key)  # before anything slow is imported
+    import torch
+
+    from rollbook.client import StoreClient
+
     torch.set_num_threads(max(1, min(4, torch.get_num_threads())))
     engine = build_engine(config)
     client = StoreClient.from_env(config.server)

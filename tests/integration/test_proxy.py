@@ -495,3 +495,42 @@ def test_the_proxy_serves_only_the_trainer_s_versions_from_a_weight_channel(stor
         if publisher is not None:
             publisher.close()
     assert "Traceback" not in proxy.log(), proxy.log()[-3000:]
+
+
+def test_sampling_fields_of_both_endpoints_are_served_and_recorded_as_sent(store, proxy):
+    """n, temperature, top_p, top_k, max_tokens, stop and logprobs through the official client, on
+    /v1/chat/completions and /v1/completions, streaming and not: what the caller got is what is stored."""
+    import openai
+
+    render = CharRenderer()
+    session_id, key = start_session(proxy, task_id="fields")
+    client = openai.OpenAI(base_url=proxy.url + "/v1", api_key=key, max_retries=0)
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "7+8="}], n=2, temperature=0.7,
+                                          top_p=0.9, max_tokens=5, stop=["."], logprobs=True, extra_body={"top_k": 20})
+    assert len(chat.choices) == 2 and chat.usage.completion_tokens == sum(len(c.logprobs.content) for c in chat.choices)
+    text = client.completions.create(model=MODEL, prompt="rev:abc=", temperature=0.0, max_tokens=4, logprobs=0)
+    streamed = "".join(c.choices[0].text for c in client.completions.create(model=MODEL, prompt="9+9=", max_tokens=4, stream=True)
+                       if c.choices)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "1+1="}], max_tokens=4,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens >= 1
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    wait_idle(proxy)
+    rows = {r["request_id"]: r for r in sql(store, f"SELECT * FROM trajectories WHERE session_id = '{session_id}'")}
+    assert sorted(rows) == ["turn-0.0", "turn-0.1", "turn-1.0", "turn-2.0", "turn-3.0"]
+    for i, choice in enumerate(chat.choices):
+        row = rows[f"turn-0.{i}"]
+        assert (row["temperature"], row["top_p"], row["top_k"]) == (pytest.approx(0.7), pytest.approx(0.9), 20)
+        assert row["group_id"] == "" and len(row["output_token_ids"]) <= 5
+        assert [t.logprob for t in choice.logprobs.content] == pytest.approx(row["output_logprobs"], abs=1e-6)
+        assert render.decode(row["output_token_ids"]) == choice.message.content
+        stops = {TOKENIZER.eos_token_id, *TOKENIZER.encode(".")}
+        assert not stops & set(row["output_token_ids"][:-1])  # a stop token ends the output
+        assert (row["finish_reason"] == "stop") == (row["output_token_ids"][-1] in stops)
+    greedy = rows["turn-1.0"]
+    assert greedy["prompt_token_ids"] == TOKENIZER.encode("rev:abc=", add_bos=True) and greedy["temperature"] == 0.0
+    assert text.choices[0].logprobs.token_logprobs == pytest.approx(greedy["output_logprobs"], abs=1e-6)
+    assert render.decode(greedy["output_token_ids"]) == text.choices[0].text
+    assert render.decode(rows["turn-2.0"]["output_token_ids"]) == streamed
+    assert render.decode(rows["turn-3.0"]["output_token_ids"]) == "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)

@@ -107,3 +107,15 @@ def test_the_gate_holds_completions_while_paused_and_refuses_beyond_its_bounds()
         assert (gate.running, gate.waiting) == (1, 0)
 
     asyncio.run(scenario())
+
+
+def test_the_proxy_command_refuses_an_open_non_loopback_bind_and_a_bad_channel_in_one_line(monkeypatch, capsys):
+    from rollbook.cli import main
+
+    for role in ("ADMIN", "WORKER"):
+        monkeypatch.delenv(f"ROLLBOOK_{role}_KEY", raising=False)
+    assert main(["proxy", "--host", "0.0.0.0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("rollbook proxy: error: host 0.0.0.0 is not loopback") and "\n" not in err
+    assert main(["proxy", "--weights", "ftp:somewhere"]) == 2
+    assert "shm:NAME" in capsys.readouterr().err
