@@ -25,7 +25,7 @@ import logging
 import math
 import pathlib
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Collection, Sequence
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -69,6 +69,9 @@ class ProxyConfig(BaseModel):
     admission_wait_s: float = Field(60.0, gt=0, description="How long a completion waits while the engine is paused or loading weights before 503.")
     max_sessions: int = Field(100_000, ge=1, description="Sessions held at once (ended ones count until ended_session_ttl_s).")
     ended_session_ttl_s: float = Field(3600.0, gt=0, description="How long an ended session still takes rewards.")
+    consume_settle_s: float = Field(60.0, gt=0, description="A delivered completion is submitted as consumed once the session "
+                                    "moves on (its next call, a reward, the end) or after this long; a retry of its call "
+                                    "before then shows it was not consumed (docs/online.md).")
     submit_batch_size: int = Field(64, ge=1, description="Trajectories per Submit batch.")
     worker_id: str = Field("proxy", description="worker_id recorded on every trajectory.")
 
@@ -262,7 +265,8 @@ class Proxy:
         self.control_pool = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="proxy-control")
         self.loading: int | None = None  # the version being loaded
         self._load_lock = asyncio.Lock()
-        self.counters = {"completions": 0, "delivered": 0, "undelivered": 0, "errors": 0}
+        self.counters = {"completions": 0, "delivered": 0, "undelivered": 0, "errors": 0, "retracted": 0}
+        self.held: dict[int, tuple[Session, Any]] = {}  # id(attempt) -> delivered attempts not yet submitted
 
     def close(self) -> None:
         self.submitter.close()
@@ -384,6 +388,8 @@ class Proxy:
             retry_count = 0
         idem = headers.get("idempotency-key") or None
         call, attempt = session.begin_attempt(body, idem, retry_count, time.time())
+        # the caller retried this call: its delivered attempts were not read; any other call: it moved on
+        self.release(session, retracted=set(map(id, call.attempts[:-1])))
         await self.gate.admit()
         try:
             loop = asyncio.get_running_loop()
@@ -399,14 +405,47 @@ class Proxy:
         def deliver(delivered: bool) -> None:
             self.counters["delivered" if delivered else "undelivered"] += 1
             trajectories = self.sessions.trajectories(session, call, attempt, results, delivered)
-            attempt.verdicts = self.submitter.put(trajectories)
+            if delivered:  # held until the caller shows it read it (release)
+                attempt.held, attempt.held_since = trajectories, time.monotonic()
+                self.held[id(attempt)] = (session, attempt)
+            else:
+                attempt.verdicts = self.submitter.put(trajectories)
 
         payload = (_chat_payload if kind == "chat" else _text_payload)(self, req, attempt.completion_id, results, call.turn)
         return payload, deliver, req
 
     # -- sessions, rewards --
 
+    def release(self, session: Session | None, retracted: Collection[int] = (), older_than: float | None = None) -> None:
+        """Submit held delivered attempts (of ``session``, or of every session older than
+        ``older_than`` seconds): as consumed, except those in ``retracted`` (ids of attempts whose
+        call was retried: the caller never read them)."""
+        now = time.monotonic()
+        for key, (owner, attempt) in list(self.held.items()):
+            if session is not None and owner is not session:
+                continue
+            if older_than is not None and now - attempt.held_since < older_than:
+                continue
+            del self.held[key]
+            trajectories, attempt.held = attempt.held, None
+            consumed = key not in retracted
+            if not consumed:
+                self.counters["retracted"] += 1
+                with owner.lock:
+                    attempt.delivered = False
+                for t in trajectories:
+                    t["consumed"] = False
+            attempt.verdicts = self.submitter.put(trajectories)
+
+    async def settle_held(self) -> None:
+        """Submit delivered attempts held longer than ``consume_settle_s`` (a session that stopped
+        without a reward or an end), as consumed."""
+        while True:
+            await asyncio.sleep(min(1.0, self.config.consume_settle_s / 4))
+            self.release(None, older_than=self.config.consume_settle_s)
+
     async def reward(self, session: Session, which: str | int, value: float) -> dict:
+        self.release(session)  # a reward means the caller has read its completions
         targets = reward_targets(session, which)
         loop = asyncio.get_running_loop()
         rewarded, skipped = [], []
@@ -428,6 +467,7 @@ class Proxy:
         return {"session_id": session.session_id, "rewarded": rewarded, "skipped": skipped}
 
     async def end(self, session: Session) -> dict:
+        self.release(session)
         with session.lock:
             if session.ended_at is None:
                 session.ended_at = time.time()
@@ -497,7 +537,7 @@ class Proxy:
         return {"model_id": self.config.model_id, "version": self.engine.version, "paused": "admin pause" in self.gate.paused,
                 "waiting_for_weights": "waiting for the first weights" in self.gate.paused,
                 "loading_version": self.loading, "running": self.gate.running, "waiting": self.gate.waiting,
-                "pending_submissions": self.submitter.pending, **self.counters}
+                "pending_submissions": self.submitter.pending, "held": len(self.held), **self.counters}
 
 
 def _load_snapshot(load_into, snapshot, model):
@@ -629,10 +669,13 @@ def create_app(proxy: Proxy):
     @contextlib.asynccontextmanager
     async def lifespan(app):
         follower = None
+        settler = asyncio.create_task(proxy.settle_held())
         if proxy.config.weights:
             await proxy.gate.pause("waiting for the first weights")
             follower = asyncio.create_task(proxy.follow_weights(proxy.config.weights, proxy.config.weights_poll_s))
         yield
+        settler.cancel()
+        proxy.release(None)  # shutting down: what was delivered counts as consumed
         if follower is not None:
             follower.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):

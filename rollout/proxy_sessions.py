@@ -11,11 +11,10 @@ The policies (docs/online.md has the full text):
   byte-for-byte equal (after JSON canonicalization) to the latest call of the session with that body.
   An attempt that was not a retry always opens a new turn, even with an identical body.
 - Every attempt is recorded: trajectory ``{session_id}/turn-{k}.{choice}/a{attempt}``, request id
-  ``turn-{k}.{choice}``. ``consumed`` is true when the whole response was written to a connection that
-  was still open; an attempt whose client had gone is recorded with ``consumed`` false, so the store
-  keeps the delivered attempt and rejects the others as ``RETRY_ORPHAN``. If two attempts of a call
-  were both delivered (the client dropped the first one after it was written), the later one wins in
-  the store (latest ``created_at`` among consumed attempts), which is the one the retrying client read.
+  ``turn-{k}.{choice}``. An attempt whose client had gone is submitted with ``consumed`` false; a
+  delivered one (written to an open connection) is held by the proxy (``Proxy.release``) until a retry
+  of its call shows it was not read (``consumed`` false) or the session moves on (``consumed`` true),
+  so the store keeps the attempt the caller read and rejects the others as ``RETRY_ORPHAN``.
 - Group: with a non-empty group id, turn ``k`` of the session goes to group ``{group_id}/turn-{k}``
   of expected size ``group_size * n``: turn ``k`` of the group's sessions are compared with each other.
 - Rewards (``reward``): ``last`` the delivered choices of the latest turn that was delivered; ``all``
@@ -63,6 +62,8 @@ class Attempt:
     trajectory_ids: list[str] = field(default_factory=list)
     delivered: bool | None = None  # None while in flight
     verdicts: list[concurrent.futures.Future] = field(default_factory=list)
+    held: list[dict] | None = None  # delivered, not yet submitted: waiting for a sign the caller consumed it
+    held_since: float = 0.0
 
 
 @dataclass

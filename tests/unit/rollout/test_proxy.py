@@ -119,3 +119,54 @@ def test_the_proxy_command_refuses_an_open_non_loopback_bind_and_a_bad_channel_i
     assert err.startswith("rollbook proxy: error: host 0.0.0.0 is not loopback") and "\n" not in err
     assert main(["proxy", "--weights", "ftp:somewhere"]) == 2
     assert "shm:NAME" in capsys.readouterr().err
+
+
+class _FakeEngine:
+    version = 0
+
+    def generate(self, requests, *, seed=None):
+        return [result(2) for _ in requests]
+
+
+class _FakeStore:
+    def __init__(self):
+        self.submitted: list[dict] = []
+
+    def submit(self, trajectories):
+        from rollbook.client import SubmitResult
+        from rollbook.v1 import rollbook_pb2 as pb
+
+        out = SubmitResult()
+        for t in trajectories:
+            self.submitted.append(dict(t))
+            out.add(pb.Verdict(trajectory_id=t["trajectory_id"], status=pb.Verdict.ACCEPTED))
+        return out
+
+
+def test_a_delivered_attempt_whose_call_is_retried_is_submitted_unconsumed_and_the_rest_once_the_agent_moves_on():
+    """The race a timeout leaves: the response was written, but the client had already given up and
+    retries. The proxy holds a delivered attempt until the session shows it was read (next call,
+    reward, end, or consume_settle_s); a retry of its call first means it was not."""
+    from rollbook.rollout.proxy import Proxy, ProxyConfig
+
+    async def scenario(store: _FakeStore) -> Proxy:
+        proxy = Proxy(ProxyConfig(), _FakeEngine(), store, admin_key=None, worker_key=None)
+        session, key = proxy.sessions.start(task_id="t", domain="d", group_id="", group_size=1)
+        headers = {"authorization": f"Bearer {key}"}
+        _, deliver, _ = await proxy.complete("chat", headers, BODY)
+        deliver(True)  # written to an open connection, but the client's timer had fired
+        assert proxy.status()["held"] == 1 and not store.submitted
+        _, deliver, _ = await proxy.complete("chat", {**headers, "x-stainless-retry-count": "1"}, BODY)
+        deliver(True)  # the retry, read by the client
+        _, deliver, _ = await proxy.complete("chat", headers, {**BODY, "n": 1})  # the agent moved on
+        deliver(True)
+        await proxy.end(session)
+        proxy.submitter.close()
+        return proxy
+
+    store = _FakeStore()
+    proxy = asyncio.run(scenario(store))
+    got = {t["trajectory_id"].split("/", 1)[1]: t["consumed"] for t in store.submitted}
+    assert got == {"turn-0.0/a0": False, "turn-0.0/a1": True, "turn-1.0/a0": True}
+    assert proxy.counters["retracted"] == 1
+    proxy.close()
