@@ -130,10 +130,13 @@ def main(argv: list[str] | None = None) -> int:
             proxy, url = _start(["proxy", "--port", "0", "--server", address, "--model_id", MODEL, "--log-level", "WARNING",
                                  "--max_tokens_limit", str(max(256, args.max_tokens))], env, work / "proxy.log")
 
-            def proxy_client(i: int) -> Callable[[], int]:
-                from examples.arithmetic_agent import control
+            from examples.arithmetic_agent import control
 
+            sessions: list[dict] = []
+
+            def proxy_client(i: int) -> Callable[[], int]:
                 started = control(url, "/rollbook/sessions", {"task_id": f"bench-{i}"}, None)
+                sessions.append(started)
                 oai = openai.OpenAI(base_url=url + "/v1", api_key=started["api_key"], max_retries=0, timeout=300)
                 oai.chat.completions.create(model=MODEL, messages=PROMPT, max_tokens=args.max_tokens)  # warm-up, recorded too
 
@@ -144,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
 
             _progress(f"proxy at {url}: the same load through the openai client")
             proxied = _run_clients(args.clients, args.calls, proxy_client)
+            for started in sessions:  # the end call submits each session's last (held) completion
+                control(url, f"/rollbook/sessions/{started['session_id']}/end", {}, started["api_key"])
             expected = args.clients * (args.calls + 1)
             deadline = time.monotonic() + 120
             with StoreClient(address) as client:
