@@ -31,7 +31,6 @@ from rollbook import env as rollbook_env
 from rollbook.config import RunConfig, write_resolved
 from rollbook.errors import CommandError
 from rollbook.run_support import MetricsLog, heldout_text, install_weights, step_line, steps_done
-from rollbook.tasks import TOKENIZER
 
 log = logging.getLogger("rollbook.run")
 
@@ -110,7 +109,7 @@ def run(config: RunConfig) -> dict:
     print(f"store: {store.address}, ledger {run_dir / 'rollbook.duckdb'}", flush=True)
     try:
         client = StoreClient.from_env(store.address, **keys)
-        client.register_model(config.trainer.model_id, vocab_size=TOKENIZER.vocab_size)
+        client.register_model(config.trainer.model_id, vocab_size=_vocab_size(config))
         if config.placement == "colocated":
             summary = _colocated(config, client)
         else:
@@ -122,6 +121,18 @@ def run(config: RunConfig) -> dict:
     finally:
         store.stop()
     return summary
+
+
+def _vocab_size(config: RunConfig) -> int:
+    """The vocabulary the store checks token ids against: the model's (rollout/worker.py
+    ``registered_vocab_size``). A tiny model for a dataset's own tokenizer takes that tokenizer's size."""
+    from rollbook.rollout.worker import registered_vocab_size
+
+    vocab = registered_vocab_size(config.rollout, config.trainer.model)
+    model = config.trainer.model
+    if config.rollout.dataset is not None and model.path is None and model.vocab_size is None:
+        model.vocab_size = vocab
+    return vocab
 
 
 def _colocated(config: RunConfig, client) -> dict:
@@ -143,6 +154,9 @@ def _colocated(config: RunConfig, client) -> dict:
     metrics.write(first)
     print(f"held-out reward before step {trainer.state.step}: {heldout_text(first)}", flush=True)
     while trainer.state.step < config.num_steps:
+        if worker.exhausted:  # a dataset whose epochs are done
+            print(f"dataset epochs done at step {trainer.state.step}: stopping", flush=True)
+            break
         result = client.submit(worker.produce())
         stats = trainer.step()
         if stats is None:

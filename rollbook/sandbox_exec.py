@@ -4,7 +4,7 @@
     result = run_program("def add(a, b):\\n    return a + b", ["assert add(1, 2) == 3"], limits)
     result.passed, result.total, result.reason        # 1, 1, "ok"
 
-What is enforced, and how (docs/design.md, "Rewards and the code sandbox"):
+What is enforced, and how (docs/design.md, "Rewards, datasets and tokenizers"):
 
 - **time**: a wall-clock timeout (the parent kills the process group) and ``RLIMIT_CPU`` (SIGXCPU,
   then SIGKILL one second later);

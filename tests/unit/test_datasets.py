@@ -137,3 +137,20 @@ def test_missing_file_and_unknown_suffix_are_precise(tmp_path):
     (tmp_path / "x.txt").write_text("hi")
     with pytest.raises(DatasetError, match="cannot tell the format"):
         load_dataset(DatasetConfig(train_files=[str(tmp_path / "x.txt")]))
+
+
+def test_the_example_config_loads_and_dataset_fields_are_checked_together():
+    import pathlib
+
+    from rollbook.config import RunConfig, load_config
+    from rollbook.rollout.worker import RolloutConfig
+
+    root = pathlib.Path(__file__).resolve().parents[2]
+    config = load_config(RunConfig, str(root / "configs" / "byod.toml"), [])
+    assert config.rollout.dataset is not None and set(config.rollout.rewards) == {"math", "code"}
+    assert config.rollout.dataset.fields.prompt == "question" and config.rollout.rewards["code"].kind == "code"
+    with pytest.raises(ValueError, match="needs rewards"):
+        RolloutConfig(dataset=DatasetConfig(train_files=["x.jsonl"]))
+    with pytest.raises(ValueError, match="applies to dataset rows"):
+        RolloutConfig(tokenizer="models/x")
+    RolloutConfig()  # the toy domains, as before
