@@ -1,6 +1,6 @@
 """Your own data through the real store (issue 12): a BPE tokenizer trained here with a chat template,
-a tiny Llama of that vocabulary, a JSONL math dataset with bad rows, rewards from math-verify in the
-reward pool. The stored token ids decode with that tokenizer to the prompts (chat template applied
+a tiny Llama of that vocabulary, a JSONL dataset of math rows and code rows (hidden asserts) with bad
+rows, rewards from math-verify and the code sandbox in the reward pool. The stored token ids decode with that tokenizer to the prompts (chat template applied
 to chat rows) and to the completions that were scored; the dataset runs to the end of its epoch with
 each bad row reported as file:line."""
 
@@ -22,6 +22,7 @@ from rollbook.rollout.worker import RolloutConfig, RolloutWorker, registered_voc
 from rollbook.run import StoreProcess
 from tests.hf_fixtures import save_bpe_tokenizer
 
+CODE = RewardConfig(kind="code", timeout_s=10, cpu_s=2, memory_mb=256)
 KEYS = {"admin_key": "admin-test-key", "trainer_key": "trainer-test-key", "worker_key": "worker-test-key",
         "reader_key": "reader-test-key"}
 GOOD = [
@@ -31,6 +32,9 @@ GOOD = [
     {"id": "m4", "messages": [{"role": "system", "content": "Answer with a number."},
                               {"role": "user", "content": "What is 2 times 3?"}], "a": "6"},
     {"id": "m5", "q": "What is half of one? Give a fraction.", "a": "\\frac{1}{2}"},
+    {"id": "c1", "domain": "code", "messages": [{"role": "user", "content": "Write a function solve(x) that returns x times 3."}],
+     "tests": ["assert solve(2) == 6", "assert solve(5) == 15"]},
+    {"id": "c2", "domain": "code", "q": "def solve(x):\n    return x *", "tests": ["assert solve(1) == 2"]},
 ]
 
 
@@ -48,7 +52,7 @@ def _write_dataset(path) -> dict[int, str]:
              json.dumps({"id": "bad2", "q": "What is 9 times 9?"}),         # line 5: no answer
              json.dumps(GOOD[3]),
              json.dumps({"id": "bad3", "q": ["not", "text"], "a": "1"}),   # line 7: prompt not text
-             json.dumps(GOOD[4])]
+             json.dumps(GOOD[4]), json.dumps(GOOD[5]), json.dumps(GOOD[6])]
     path.write_text("\n".join(lines) + "\n")
     return {3: "invalid JSON", 5: "missing field 'a'", 7: "must be text"}
 
@@ -62,7 +66,7 @@ def test_a_dataset_runs_to_the_end_through_the_store_with_real_token_ids_and_mat
     config = RolloutConfig(
         dataset=DatasetConfig(train_files=[str(data)], fields=FieldMap(prompt="q", answer="a", task_id="id"),
                               default_domain="math", heldout_fraction=0.0, epochs=1, seed=1),
-        rewards={"math": RewardConfig(kind="math")}, tokenizer=str(tok_dir), stop_strings=["\n\n"],
+        rewards={"math": RewardConfig(kind="math"), "code": CODE}, tokenizer=str(tok_dir), stop_strings=["\n\n"],
         group_size=group, num_prompts=2, max_new_tokens=12, reward_workers=1, chunk_prompts=1, num_eval_samples=0)
     vocab = registered_vocab_size(config, ModelConfig())
     assert vocab == len(hf) > 50  # the BPE vocabulary, not the toy tasks' 50 characters
@@ -88,7 +92,7 @@ def test_a_dataset_runs_to_the_end_through_the_store_with_real_token_ids_and_mat
 
     # every good row once per epoch, group_size samples each; each bad row reported with file:line
     assert submitted == len(stored) == len(GOOD) * group
-    assert sorted({r["task_id"] for r in stored}) == [g["id"] for g in GOOD]
+    assert sorted({r["task_id"] for r in stored}) == sorted(g["id"] for g in GOOD)
     assert sorted(b.line for b in worker.bad_rows) == sorted(expected_bad)
     for bad in worker.bad_rows:
         assert bad.path == str(data) and expected_bad[bad.line] in bad.reason, bad
@@ -96,7 +100,7 @@ def test_a_dataset_runs_to_the_end_through_the_store_with_real_token_ids_and_mat
     for line in expected_bad:
         assert f"{data}:{line}:" in logged
 
-    verifier = build_reward(RewardConfig(kind="math"))
+    verifiers = {"math": build_reward(RewardConfig(kind="math")), "code": build_reward(CODE)}
     by_id = {g["id"]: g for g in GOOD}
     for row in stored:
         source = by_id[row["task_id"]]
@@ -112,8 +116,12 @@ def test_a_dataset_runs_to_the_end_through_the_store_with_real_token_ids_and_mat
         assert completion == worker.tokenizer.completion_text(out)
         if row["finish_reason"] == "stop":  # stopped on eos or on the stop string, nothing after it
             assert out[-1] == hf.eos_token_id or "\n\n" in hf.decode(out[-4:])
-        # the stored reward is math-verify's verdict on the decoded completion
-        expected = score_row(verifier, completion, {"answer": str(source["a"])}).outcome.reward
-        assert row["original_reward"] == expected, (row["task_id"], completion)
+        # the stored reward is math-verify's (or the sandbox's) verdict on the decoded completion
+        domain = source.get("domain", "math")
+        assert row["domain"] == domain
+        check = score_row(verifiers[domain], completion, {"answer": str(source.get("a")), "tests": source.get("tests")})
+        assert check.outcome.status == "ok" and row["original_reward"] == check.outcome.reward, (row["task_id"], completion)
     assert stats["reward/num_ok"] == len(stored) and stats["reward/num_error"] == 0
-    assert sum(v for k, v in stats.items() if k.startswith("reward/reason/math/")) == len(stored)
+    assert sum(v for k, v in stats.items() if k.startswith("reward/reason/")) == len(stored)
+    assert sum(v for k, v in stats.items() if k.startswith("reward/reason/code/")) == 2 * group
+    assert "reward/tests_passed/code" in stats  # the fraction of tests passed is recorded
