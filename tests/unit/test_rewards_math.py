@@ -140,3 +140,18 @@ def test_the_pool_scores_math_in_its_processes_and_refuses_unknown_domains():
                                ("poetry", "x", {"answer": "1"})])
     assert [s.outcome.reward for s in got[:2]] == [1.0, 0.0]
     assert got[2].outcome.status == "error" and "poetry" in got[2].outcome.error
+
+
+def dying_reward(completion: str, row: dict) -> float:  # kills its pool process
+    import os
+
+    if completion == "die":
+        os._exit(3)
+    return 1.0
+
+
+def test_a_pool_process_that_dies_gives_error_outcomes_and_the_pool_is_replaced():
+    with RewardPool({"x": RewardConfig(kind="tests.unit.test_rewards_math:dying_reward")}, max_workers=1) as pool:
+        died = pool.result(pool.submit("x", "die", {}))
+        assert died.outcome.status == "error" and "died" in died.outcome.error
+        assert [s.outcome.reward for s in pool.score_many([("x", "fine", {})] * 3)] == [1.0] * 3
