@@ -34,13 +34,16 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from rollbook.errors import ConfigError
+
 log = logging.getLogger("rollbook.datasets")
 
 Format = Literal["auto", "jsonl", "parquet", "csv"]
 
 
-class DatasetError(ValueError):
-    """The dataset cannot be used (a missing file, an unknown format, bad rows under ``on_bad_row = "fail"``)."""
+class DatasetError(ConfigError):
+    """The dataset cannot be used (a missing file, an unknown format, bad rows under ``on_bad_row = "fail"``):
+    a ``ConfigError``, so the CLI says it in one line."""
 
 
 class FieldMap(BaseModel):

@@ -44,6 +44,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from rollbook.errors import ConfigError
 from rollbook.sandbox_exec import SandboxLimits, extract_program, run_program
 from rollbook.tasks import RewardOutcome
 
@@ -267,11 +268,14 @@ class RewardPool:
     process that dies is replaced and the samples it held get ``error`` outcomes; the pool keeps going."""
 
     def __init__(self, rewards: Mapping[str, RewardConfig], *, max_workers: int = 2) -> None:
-        for config in rewards.values():  # fail at start on a bad config, not in the middle of a run
-            if config.kind not in BUILTIN_KINDS:
-                import_function(config.kind)
-            elif config.kind == "regex":
-                regex_reward(config)
+        for domain, config in rewards.items():  # fail at start on a bad config, not in the middle of a run
+            try:
+                if config.kind not in BUILTIN_KINDS:
+                    import_function(config.kind)
+                elif config.kind == "regex":
+                    regex_reward(config)
+            except (ImportError, AttributeError, ValueError, re.error) as exc:
+                raise ConfigError(f"rollout.rewards.{domain}: {type(exc).__name__}: {exc}") from None
         self._configs = {domain: config.model_dump_json() for domain, config in rewards.items()}
         self.max_workers = max_workers
         self._lock = threading.Lock()

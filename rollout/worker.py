@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from rollbook.datasets import BadRow, DatasetConfig, DatasetError, Row, RowSampler, load_dataset
+from rollbook.errors import ConfigError
 from rollbook.rewards import RewardConfig, RewardPool, Scored
 from rollbook.rollout.engine import GenerationEngine, GenerationRequest
 from rollbook.tasks import TOKENIZER, RewardOutcome, RewardTally, Task, build_domains, make_tasks, score
@@ -100,7 +101,10 @@ def tokenizer_for(config: RolloutConfig) -> Tokenizer:
     dataset names a Hugging Face directory."""
     if config.dataset is None:
         return TOKENIZER
-    return load_tokenizer(config.tokenizer, default=TOKENIZER, stop_strings=config.stop_strings)
+    try:
+        return load_tokenizer(config.tokenizer, default=TOKENIZER, stop_strings=config.stop_strings)
+    except (OSError, ValueError) as exc:  # a missing directory, files transformers cannot read, no eos
+        raise ConfigError(f"rollout.tokenizer: {exc}") from None
 
 
 @dataclass

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from rollbook.errors import ConfigError
 from rollbook.rewards import RewardConfig, RewardPool, build_reward, score_row
 
 # (reference answer, completion, expected reward); hand-labelled
@@ -128,10 +129,12 @@ def test_a_users_function_and_its_failures_are_errors_with_reasons():
 def test_bad_kinds_are_refused_in_the_config_or_at_pool_start():
     with pytest.raises(ValueError, match="reward kind"):
         RewardConfig(kind="maths")
-    with pytest.raises(ModuleNotFoundError):
+    with pytest.raises(ConfigError, match="rollout.rewards.x: ModuleNotFoundError"):
         RewardPool({"x": RewardConfig(kind="no_such_module_here:f")}, max_workers=0)
-    with pytest.raises(AttributeError, match="no function"):
+    with pytest.raises(ConfigError, match="no function 'missing'"):
         RewardPool({"x": RewardConfig(kind="tests.unit.test_rewards_math:missing")}, max_workers=0)
+    with pytest.raises(ConfigError, match="rollout.rewards.r: error"):
+        RewardPool({"r": RewardConfig(kind="regex", pattern="(unclosed")}, max_workers=0)
 
 
 def test_the_pool_scores_math_in_its_processes_and_refuses_unknown_domains():
