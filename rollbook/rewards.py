@@ -69,6 +69,8 @@ class RewardConfig(BaseModel):
     memory_mb: int = Field(512, ge=64, le=65536, description="code: address-space limit (RLIMIT_AS / RLIMIT_DATA).")
     max_file_mb: int = Field(16, ge=1, le=4096, description="code: largest file (and captured output) the program may "
                              "write (RLIMIT_FSIZE).")
+    max_files: int = Field(32, ge=1, le=100000, description="code: most files the program may open for writing "
+                           "(with max_file_mb, a bound on what it can write to disk).")
     network_namespace: bool = Field(True, description="code: run in fresh user/network/PID namespaces (unshare) "
                                     "where the platform allows; socket use is refused in-process either way.")
 
@@ -81,7 +83,8 @@ class RewardConfig(BaseModel):
 
     def limits(self) -> SandboxLimits:
         return SandboxLimits(wall_s=self.timeout_s, cpu_s=self.cpu_s, memory_mb=self.memory_mb,
-                             max_file_mb=self.max_file_mb, network_namespace=self.network_namespace)
+                             max_file_mb=self.max_file_mb, max_files=self.max_files,
+                             network_namespace=self.network_namespace)
 
 
 @dataclass

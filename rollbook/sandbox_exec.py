@@ -8,8 +8,9 @@ What is enforced, and how (docs/design.md, "Rewards, datasets and tokenizers"):
 
 - **time**: a wall-clock timeout (the parent kills the process group) and ``RLIMIT_CPU`` (SIGXCPU,
   then SIGKILL one second later);
-- **memory**: ``RLIMIT_AS`` (address space; an allocation past it is a ``MemoryError``), plus
-  ``RLIMIT_FSIZE`` on written files (and so on the captured output), ``RLIMIT_NOFILE``, no core files;
+- **memory and disk**: ``RLIMIT_AS`` (address space; an allocation past it is a ``MemoryError``),
+  ``RLIMIT_FSIZE`` on each written file (and so on the captured output), at most ``max_files`` opens
+  for writing (so at most ``max_files * max_file_mb`` written), ``RLIMIT_NOFILE``, no core files;
 - **its own directory**: a fresh temporary directory, the working directory and ``HOME``/``TMPDIR``,
   deleted afterwards; writing, creating, renaming or removing anything outside it is refused by an
   audit hook (``sys.addaudithook``, which Python code cannot remove) and recorded as a violation;
@@ -21,6 +22,8 @@ What is enforced, and how (docs/design.md, "Rewards, datasets and tokenizers"):
 - **network**: in a fresh network namespace (``unshare --user --net``: no interface but an unconfigured
   loopback) where the platform allows; the hook also refuses creating sockets and name lookups, so
   without namespaces socket use is still refused at the Python level.
+
+The program runs on the standard library only (``-I -S``: no site-packages, no environment).
 
 What is *not* enforced: reading files outside the directory (the interpreter needs its standard
 library); native code that bypasses the audit hook (extension modules already importable, other
@@ -51,7 +54,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 # Reasons, in the order a result's reason is chosen when several apply.
-VIOLATIONS = ("forbidden_write", "network", "fork", "subprocess", "ctypes", "signal", "forbidden")
+VIOLATIONS = ("forbidden_write", "disk_limit", "network", "fork", "subprocess", "ctypes", "signal", "forbidden")
 REASONS = ("ok", "tests_failed", "no_tests", *VIOLATIONS, "memory", "timeout", "cpu_time", "output_limit",
            "program_error", "no_result", "killed", "sandbox_error")
 
@@ -63,6 +66,7 @@ class SandboxLimits:
     memory_mb: int = 512
     max_file_mb: int = 16
     max_open_files: int = 64
+    max_files: int = 32  # opens for writing; with max_file_mb, a bound on the bytes written
     max_processes: int = 1
     network_namespace: bool = True  # use unshare when the platform allows
 
@@ -94,6 +98,7 @@ def main():
     nonce = sys.stdin.readline().strip()
     job = json.loads(sys.stdin.read())
     fd, root = job["result_fd"], os.path.realpath(job["root"])
+    max_files, opened = job["max_files"], [0]
     violations = []
     block = {"os.fork": "fork", "os.forkpty": "fork", "os.system": "subprocess", "os.exec": "subprocess",
              "os.posix_spawn": "subprocess", "os.spawn": "subprocess", "subprocess.Popen": "subprocess",
@@ -145,6 +150,10 @@ def main():
             writing = (isinstance(mode, str) and any(c in mode for c in "wax+")) or (isinstance(flags, int) and flags & write_flags)
             if writing and not inside(path):
                 refuse("forbidden_write", "open " + repr(path))
+            if writing and not isinstance(path, int):
+                opened[0] += 1
+                if opened[0] > max_files:  # with RLIMIT_FSIZE per file, this bounds the bytes it can write
+                    refuse("disk_limit", "more than %d files opened for writing" % max_files)
         elif event in write_paths:
             for i in write_paths[event]:
                 if i < len(args) and args[i] is not None and not inside(args[i]):
@@ -238,7 +247,8 @@ def run_program(program: str, tests: Sequence[str], limits: SandboxLimits = Sand
         prefix = isolation_prefix() if limits.network_namespace else ()
         python = os.path.realpath(sys.executable)  # the base interpreter; -I -S: no site, no environment
         env = {"HOME": root, "TMPDIR": root, "PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "PYTHONHASHSEED": "0"}
-        job = json.dumps({"program": program, "tests": tests, "root": root, "result_fd": write_fd})
+        job = json.dumps({"program": program, "tests": tests, "root": root, "result_fd": write_fd,
+                          "max_files": limits.max_files})
         proc = subprocess.Popen([*prefix, python, "-I", "-S", "-c", HARNESS], cwd=root, env=env,
                                 stdin=subprocess.PIPE, stdout=open(os.path.join(root, ".stdout"), "wb"),
                                 stderr=open(os.path.join(root, ".stderr"), "wb"), pass_fds=(write_fd,),

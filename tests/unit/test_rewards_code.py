@@ -74,6 +74,8 @@ _writes = {
     "write_caught": f"try:\n    open('{MARK}-10', 'w')\nexcept Exception:\n    pass\ndef solve(x):\n    return 2 * x",
     "home_escape": f"import os\nopen(os.path.expanduser('~') + '/../{MARK.rsplit('/', 1)[1]}-11', 'w')",
     "flood_output": "while True: print('x' * 100000)",
+    "fill_disk": "i = 0\nwhile True:\n    open(f'f{i}', 'w').write('x' * 10**6)\n    i += 1",
+    "fill_disk_caught": "i = 0\nwhile True:\n    try:\n        open(f'f{i}', 'w').write('x' * 10**6)\n    except Exception:\n        pass\n    i += 1",
 }
 _network = {
     "connect": "import socket\nsocket.create_connection(('127.0.0.1', 22), timeout=1)",
@@ -92,7 +94,7 @@ EXPECTED = {
     "loop": {"timeout", "cpu_time"},
     "memory": {"memory"},
     "process": {"fork", "subprocess", "ctypes", "signal", "forbidden"},
-    "write": {"forbidden_write", "output_limit"},
+    "write": {"forbidden_write", "output_limit", "disk_limit"},
     "network": {"network"},
 }
 
