@@ -3,6 +3,7 @@ nothing is downloaded.
 
     from tests.hf_fixtures import save_bpe_tokenizer
     path = save_bpe_tokenizer(tmp_path / "tok")          # AutoTokenizer.from_pretrained(path) works
+    model_dir = save_tiny_model_dir(tmp_path / "model")   # + a tiny Llama of its vocabulary (AutoModelForCausalLM)
     tok = AutoTokenizer.from_pretrained(path)            # eos "<|eos|>", pad "<|pad|>", a jinja chat template
 
 ``save_bpe_tokenizer`` trains a small byte-level BPE with the ``tokenizers`` library on a built-in
@@ -68,4 +69,25 @@ def save_bpe_tokenizer(directory: str | pathlib.Path, vocab_size: int = 400) -> 
     directory = pathlib.Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     make_fast_tokenizer(vocab_size).save_pretrained(str(directory))
+    return directory
+
+
+def save_tiny_model_dir(directory: str | pathlib.Path, *, vocab_size: int = 400, seed: int = 0, **spec) -> pathlib.Path:
+    """A complete Hugging Face model directory: the BPE tokenizer above and a freshly initialised tiny
+    Llama (``rollbook.models.build_tiny_model``) of its vocabulary, its config naming the tokenizer's
+    bos/eos/pad ids, both ``save_pretrained`` into ``directory`` (``AutoModelForCausalLM`` and
+    ``AutoTokenizer`` load it with ``local_files_only``). ``spec``: ``TinyModelSpec`` fields."""
+    from rollbook.models import TinyModelSpec, build_tiny_model
+
+    directory = save_bpe_tokenizer(directory, vocab_size=vocab_size)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+    model = build_tiny_model(TinyModelSpec(vocab_size=len(tok), **spec), seed=seed)
+    model.config.bos_token_id, model.config.eos_token_id, model.config.pad_token_id = (
+        tok.bos_token_id, tok.eos_token_id, tok.pad_token_id)
+    model.generation_config.bos_token_id = tok.bos_token_id
+    model.generation_config.eos_token_id = tok.eos_token_id
+    model.generation_config.pad_token_id = tok.pad_token_id
+    model.save_pretrained(str(directory))
     return directory

@@ -83,3 +83,20 @@ def test_load_tokenizer_default_is_the_toy_tokenizer():
     assert load_tokenizer(None, default=tasks.TOKENIZER) is tasks.TOKENIZER
     with_stop = load_tokenizer(None, default=tasks.TOKENIZER, stop_strings=[";"])
     assert with_stop.completion_text(tasks.TOKENIZER.encode("12;3")) == "12"
+
+
+def test_the_fixture_model_directory_loads_with_auto_classes_and_generates(tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tests.hf_fixtures import save_tiny_model_dir
+
+    path = save_tiny_model_dir(tmp_path / "model")
+    tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True)
+    assert model.config.vocab_size == len(tok) and model.config.eos_token_id == tok.eos_token_id
+    ids = tok.apply_chat_template([{"role": "user", "content": "What is 2 times 3?"}], add_generation_prompt=True,
+                                  tokenize=False)
+    inputs = torch.tensor([tok.encode(ids, add_special_tokens=False)])
+    out = model.generate(inputs, max_new_tokens=4, do_sample=False)
+    assert out.shape[1] > inputs.shape[1]
