@@ -126,8 +126,9 @@ def run(config: RunConfig) -> dict:
 def _vocab_size(config: RunConfig) -> int:
     """The vocabulary the store checks token ids against: the model's (rollout/worker.py
     ``registered_vocab_size``). A tiny model for a dataset's own tokenizer takes that tokenizer's size."""
-    from rollbook.rollout.worker import registered_vocab_size
+    from rollbook.rollout.worker import registered_vocab_size, use_model_tokenizer
 
+    use_model_tokenizer(config.rollout, config.trainer.model)  # a dataset without its own tokenizer: the model's
     vocab = registered_vocab_size(config.rollout, config.trainer.model)
     model = config.trainer.model
     if config.rollout.dataset is not None and model.path is None and model.vocab_size is None:

@@ -67,7 +67,7 @@ def run_worker(config: WorkerConfig, stop: threading.Event | None = None) -> dic
 
     from rollbook.models import build_student
     from rollbook.rollout.engine import NativeEngine
-    from rollbook.rollout.worker import RolloutWorker, registered_vocab_size
+    from rollbook.rollout.worker import RolloutWorker, registered_vocab_size, use_model_tokenizer
     from rollbook.weights.base import load_into
 
     torch.set_num_threads(1)
@@ -75,6 +75,7 @@ def run_worker(config: WorkerConfig, stop: threading.Event | None = None) -> dic
     channel = _wait_for_channel(config, stop)
     snapshot = _first_snapshot(channel, config, stop)
     model_cfg = config.model
+    use_model_tokenizer(config.rollout, model_cfg)
     if config.rollout.dataset is not None and model_cfg.path is None and model_cfg.vocab_size is None:
         # a tiny model for your own tokenizer: its vocabulary, not the toy tasks'
         model_cfg = model_cfg.model_copy(update={"vocab_size": registered_vocab_size(config.rollout, model_cfg)})

@@ -69,8 +69,8 @@ class RolloutConfig(BaseModel):
                                              "domain ([rollout.rewards.<domain>] kind = 'math' | 'code' | 'exact' | "
                                              "'regex' | 'module:function'). A row of a domain without one is a bad row.")
     tokenizer: str | None = Field(None, description="With a dataset: local directory of a Hugging Face tokenizer "
-                                  "(usually the model's directory; loaded with local_files_only). None: the toy tasks' "
-                                  "character tokenizer.")
+                                  "(loaded with local_files_only). None: the model's directory when the model loads "
+                                  "from one (model.path), else the toy tasks' character tokenizer.")
     stop_strings: list[str] = Field(default_factory=list, description="With a dataset: strings that end a completion "
                                     "(besides the tokenizer's eos); the text is cut before them for scoring.")
     reward_workers: int = Field(2, ge=0, le=64, description="With a dataset: processes that run the verifiers off the "
@@ -355,6 +355,14 @@ class RolloutWorker:
         n = sum(len(v) for v in per_domain.values())
         out[overall] = sum(sum(v) for v in per_domain.values()) / n if n else float("nan")
         return out, errors
+
+
+def use_model_tokenizer(rollout: RolloutConfig, model) -> None:
+    """With a dataset and no ``rollout.tokenizer``: take the tokenizer from the model's directory
+    (``model.path``) when the model loads from one. Called where both configs meet (``rollbook run``,
+    ``rollbook rollout``)."""
+    if rollout.dataset is not None and rollout.tokenizer is None and getattr(model, "path", None):
+        rollout.tokenizer = model.path
 
 
 def registered_vocab_size(rollout: RolloutConfig, model) -> int:

@@ -1,7 +1,7 @@
 """Hugging Face fixtures built locally, for tests that need a real tokenizer (and model) directory:
 nothing is downloaded.
 
-    from tests.hf_fixtures import save_bpe_tokenizer
+    from tests.hf_fixtures import save_bpe_tokenizer, save_tiny_model_dir
     path = save_bpe_tokenizer(tmp_path / "tok")          # AutoTokenizer.from_pretrained(path) works
     model_dir = save_tiny_model_dir(tmp_path / "model")   # + a tiny Llama of its vocabulary (AutoModelForCausalLM)
     tok = AutoTokenizer.from_pretrained(path)            # eos "<|eos|>", pad "<|pad|>", a jinja chat template

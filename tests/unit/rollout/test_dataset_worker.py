@@ -113,3 +113,23 @@ def test_on_bad_row_fail_refuses_a_prompt_the_tokenizer_cannot_encode(tmp_path):
                            rewards={"add": RewardConfig(kind="exact")}, reward_workers=0)
     with pytest.raises(ValueError, match=r"1 bad rows .*rows.jsonl:2: prompt does not encode"):
         RolloutWorker(FakeEngine([2]), config, model_id="tiny")
+
+
+def test_the_model_directory_gives_the_tokenizer_and_the_registered_vocabulary(tmp_path):
+    from rollbook.models import ModelConfig
+    from rollbook.rollout.worker import registered_vocab_size, tokenizer_for, use_model_tokenizer
+    from tests.hf_fixtures import save_tiny_model_dir
+
+    path = save_tiny_model_dir(tmp_path / "model", vocab_size=300)
+    data = _dataset(tmp_path, [{"prompt": "What is 2 times 3?", "answer": "6"}])
+    rollout = RolloutConfig(dataset=DatasetConfig(train_files=[data], default_domain="math"),
+                            rewards={"math": RewardConfig(kind="math")})
+    model = ModelConfig(path=str(path))
+    use_model_tokenizer(rollout, model)
+    assert rollout.tokenizer == str(path) and tokenizer_for(rollout).vocab_size == 300
+    assert registered_vocab_size(rollout, model) == 300  # the model's config.json
+    assert registered_vocab_size(rollout, ModelConfig(vocab_size=512)) == 512  # a tiny model's explicit size
+    assert registered_vocab_size(RolloutConfig(), ModelConfig()) == TOKENIZER.vocab_size  # the toy tasks, as before
+    toy = RolloutConfig()
+    use_model_tokenizer(toy, model)
+    assert toy.tokenizer is None  # no dataset: the toy domains keep the character tokenizer
