@@ -154,3 +154,13 @@ def test_the_example_config_loads_and_dataset_fields_are_checked_together():
     with pytest.raises(ValueError, match="applies to dataset rows"):
         RolloutConfig(tokenizer="models/x")
     RolloutConfig()  # the toy domains, as before
+
+
+def test_help_config_lists_the_dataset_and_reward_fields():
+    from rollbook.config import RunConfig, field_help
+
+    text = "\n".join(field_help(RunConfig))
+    assert "--rollout.dataset  DatasetConfig | None  (default: None)" in text  # the section itself, as before
+    assert "--rollout.dataset.on_bad_row  'skip'|'fail'  (default: 'skip')" in text
+    assert "--rollout.dataset.fields.messages  str  (default: 'messages')" in text
+    assert "--rollout.rewards.<key>.timeout_s  float  (default: 10.0)" in text
