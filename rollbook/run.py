@@ -124,8 +124,9 @@ def run(config: RunConfig) -> dict:
 
 
 def _vocab_size(config: RunConfig) -> int:
-    """The vocabulary the store checks token ids against: the model's (rollout/worker.py
-    ``registered_vocab_size``). A tiny model for a dataset's own tokenizer takes that tokenizer's size."""
+    """The vocabulary the store checks token ids against: the model's (``rollbook.models.student_vocab_size``
+    through rollout/worker.py ``registered_vocab_size``). A tiny model for a dataset's own tokenizer takes
+    that tokenizer's size."""
     from rollbook.rollout.worker import registered_vocab_size, use_model_tokenizer
 
     use_model_tokenizer(config.rollout, config.trainer.model)  # a dataset without its own tokenizer: the model's

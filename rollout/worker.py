@@ -32,6 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from rollbook.datasets import BadRow, DatasetConfig, DatasetError, Row, RowSampler, load_dataset
 from rollbook.errors import ConfigError
+from rollbook.models import ModelConfig, student_vocab_size
 from rollbook.rewards import RewardConfig, RewardPool, Scored
 from rollbook.rollout.engine import GenerationEngine, GenerationRequest
 from rollbook.tasks import TOKENIZER, RewardOutcome, RewardTally, Task, build_domains, make_tasks, score
@@ -357,26 +358,18 @@ class RolloutWorker:
         return out, errors
 
 
-def use_model_tokenizer(rollout: RolloutConfig, model) -> None:
+def use_model_tokenizer(rollout: RolloutConfig, model: ModelConfig) -> None:
     """With a dataset and no ``rollout.tokenizer``: take the tokenizer from the model's directory
     (``model.path``) when the model loads from one. Called where both configs meet (``rollbook run``,
     ``rollbook rollout``)."""
-    if rollout.dataset is not None and rollout.tokenizer is None and getattr(model, "path", None):
+    if rollout.dataset is not None and rollout.tokenizer is None and model.path:
         rollout.tokenizer = model.path
 
 
-def registered_vocab_size(rollout: RolloutConfig, model) -> int:
-    """The vocabulary size to register for the store's token check: the model's when it loads from a
-    directory (its config.json), else the tiny model's ``vocab_size``, else the tokenizer's."""
-    import json
-    import pathlib
-
-    if getattr(model, "path", None):
-        config = pathlib.Path(model.path) / "config.json"
-        if config.is_file():
-            vocab = json.loads(config.read_text()).get("vocab_size")
-            if isinstance(vocab, int):
-                return vocab
-    if getattr(model, "vocab_size", None):
-        return int(model.vocab_size)
+def registered_vocab_size(rollout: RolloutConfig, model: ModelConfig) -> int:
+    """The vocabulary size to register for the store's token check: the student's
+    (``rollbook.models.student_vocab_size``: a model directory's config.json, or the tiny model's
+    ``vocab_size``), except a tiny model of unset size trained on a dataset, which gets its tokenizer's."""
+    if model.path or model.vocab_size or rollout.dataset is None:
+        return student_vocab_size(model)
     return tokenizer_for(rollout).vocab_size
