@@ -77,23 +77,37 @@ def open_channel(spec: str):
 def run_worker(config: WorkerConfig, stop: threading.Event | None = None) -> dict:
     import torch
 
-    from rollbook.client import StoreClient
     from rollbook.models import build_student
     from rollbook.rollout.engine import NativeEngine
-    from rollbook.rollout.gate import StalenessGate
-    from rollbook.rollout.spool import Spool
-    from rollbook.rollout.submitter import Submitter
-    from rollbook.rollout.worker import RolloutWorker
+    from rollbook.rollout.worker import RolloutWorker, registered_vocab_size, use_model_tokenizer
     from rollbook.weights.base import load_into
 
     torch.set_num_threads(1)
     stop = stop or _stop_on_signals()
     channel = _wait_for_channel(config, stop)
     snapshot = _first_snapshot(channel, config, stop)
-    model = build_student(config.model)
+    model_cfg = config.model
+    use_model_tokenizer(config.rollout, model_cfg)
+    if config.rollout.dataset is not None and model_cfg.path is None and model_cfg.vocab_size is None:
+        # a tiny model for your own tokenizer: its vocabulary, not the toy tasks'
+        model_cfg = model_cfg.model_copy(update={"vocab_size": registered_vocab_size(config.rollout, model_cfg)})
+    model = build_student(model_cfg)
     load_into(model, snapshot)
     engine = NativeEngine(model, version=snapshot.version, seed=config.rollout.seed)
     worker = RolloutWorker(engine, config.rollout, model_id=config.model_id)
+    try:
+        return _loop(config, stop, channel, engine, worker)
+    finally:
+        worker.close()
+
+
+def _loop(config: WorkerConfig, stop: threading.Event, channel, engine, worker) -> dict:
+    from rollbook.client import StoreClient
+    from rollbook.rollout.gate import StalenessGate
+    from rollbook.rollout.spool import Spool
+    from rollbook.rollout.submitter import Submitter
+    from rollbook.weights.base import load_into
+
     gate = StalenessGate(config.rollout.max_staleness, config.batch_size)
     group = config.rollout.group_size
     want = group * config.rollout.num_prompts
@@ -104,6 +118,9 @@ def run_worker(config: WorkerConfig, stop: threading.Event | None = None) -> dic
         contract = TrainerContract(client, config, gate)
         contract.wait_for_announcement(stop, CONTRACT_WAIT_S)
         while not stop.is_set() and (config.max_rounds == 0 or rounds < config.max_rounds):
+            if worker.exhausted:
+                log.info("dataset epochs done after %d rounds: stopping", rounds)
+                break
             latest = _fetch_or_none(channel)
             if latest is not None:
                 try:
@@ -125,7 +142,8 @@ def run_worker(config: WorkerConfig, stop: threading.Event | None = None) -> dic
                 stop.wait(0.05)
                 continue
             trajectories = worker.produce(whole // group)
-            sub.submit(trajectories)
+            if trajectories:  # none once a dataset's epochs are done
+                sub.submit(trajectories)
             gate.on_finished(whole, accepted=True)
             rounds += 1
             idle_since = time.monotonic()
