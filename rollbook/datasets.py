@@ -263,7 +263,7 @@ def _row(record: Mapping[str, Any], m: FieldMap, config: DatasetConfig, stem: st
             raise _Bad(f"missing field {getattr(m, needed)!r} (domain {domain!r} needs its {needed})")
     task_id = cell(m.task_id)
     if task_id is None:
-        task_id = _stable_id(stem, prompt if prompt is not None else [dict(x) for x in messages])  # type: ignore[union-attr]
+        task_id = _stable_id(stem, prompt if prompt is not None else [dict(x) for x in messages])
     elif isinstance(task_id, (str, int)) and not isinstance(task_id, bool):
         task_id = str(task_id)
     else:

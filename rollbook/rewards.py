@@ -116,14 +116,14 @@ def math_reward(completion: str, row: Mapping[str, Any]) -> Scored:
     # math-verify's timeouts use SIGALRM, which only the main thread may set
     timeout = 5 if _in_main_thread() else None
     # the reference is read as math first ($...$: "2\\sqrt{2}" is 2*sqrt(2), not the number 2), then as it is
-    gold = parse(f"${answer}$", fallback_mode="no_fallback", parsing_timeout=timeout)  # type: ignore[arg-type]
+    gold = parse(f"${answer}$", fallback_mode="no_fallback", parsing_timeout=timeout)
     if not gold:
-        gold = parse(str(answer), fallback_mode="no_fallback", parsing_timeout=timeout)  # type: ignore[arg-type]
+        gold = parse(str(answer), fallback_mode="no_fallback", parsing_timeout=timeout)
     if not gold:
         raise VerifierError(f"reference answer {str(answer)[:80]!r} does not parse")
-    pred = parse(completion, parsing_timeout=timeout)  # type: ignore[arg-type]
+    pred = parse(completion, parsing_timeout=timeout)
     if not pred and "\\" in completion and "$" not in completion:  # bare LaTeX such as \frac12: read it as math
-        pred = parse(f"${completion.strip()}$", parsing_timeout=timeout)  # type: ignore[arg-type]
+        pred = parse(f"${completion.strip()}$", parsing_timeout=timeout)
     if not pred:
         return Scored(RewardOutcome("ok", 0.0), {"reason": "no_answer"})
     ok = verify(gold, pred, timeout_seconds=timeout)

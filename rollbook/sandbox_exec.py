@@ -255,6 +255,7 @@ def run_program(program: str, tests: Sequence[str], limits: SandboxLimits = Sand
                                 start_new_session=True, preexec_fn=lambda: _set_limits(limits), close_fds=True)
         os.close(write_fd)
         write_fd = -1
+        assert proc.stdin is not None  # stdin=PIPE above
         try:
             proc.stdin.write((nonce + "\n" + job).encode())
             proc.stdin.close()
