@@ -10,6 +10,11 @@ proxy records them (docs/online.md).
     rollbook proxy --server 127.0.0.1:50551 --port 8000 &
     python examples/arithmetic_agent.py --proxy http://127.0.0.1:8000 --episodes 8 --group-size 4
 
+As the load of an online run (``rollbook run --config configs/online.toml``, docs/online.md), it plays
+the problems of a file (``--problems``, one ``a+b=`` per line) round after round (``--rounds 0``: until
+stopped), ``--concurrency`` groups of ``--group-size`` sessions at once; the starting key comes from
+``--start-key`` or the ``ROLLBOOK_WORKER_KEY`` environment variable (never the command line of a run).
+
 The session calls (start, reward, end) are three small HTTP requests (``urllib``, no extra
 dependency); the completions go through the official client with the session key as its API key.
 """
@@ -17,7 +22,9 @@ dependency); the completions go through the official client with the session key
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
+import os
 import random
 import urllib.error
 import urllib.request
@@ -95,6 +102,39 @@ def _ask(client: openai.OpenAI, model: str, messages: list[dict], stream: bool, 
     return "".join(text), completion_id, []
 
 
+def parse_problem(line: str) -> tuple[int, int]:
+    """``"12+34="`` -> ``(12, 34)``."""
+    left, _, right = line.strip().removesuffix("=").partition("+")
+    return int(left), int(right)
+
+
+def play_rounds(base_url: str, problems: list[tuple[int, int]], *, rounds: int, concurrency: int, group_size: int,
+                turns: int, seed: int, start_key: str | None, model: str, temperature: float, max_tokens: int) -> None:
+    """Play ``problems`` in a shuffled order, ``rounds`` times (0: until stopped): each problem is a
+    group of ``group_size`` sessions, ``concurrency`` groups at once. A failed episode is reported and
+    skipped (its group then stays incomplete: the store's incomplete-group policy decides)."""
+    rng = random.Random(seed)
+    order = list(problems)
+    done = 0
+    with concurrent.futures.ThreadPoolExecutor(max(1, concurrency * group_size)) as pool:
+        while rounds == 0 or done < rounds:
+            rng.shuffle(order)
+            for start in range(0, len(order), concurrency):
+                futures = [pool.submit(play, base_url, a, b, group_id=f"agent-{seed}-r{done}-{start + i}", group_size=group_size,
+                                       turns=turns, start_key=start_key, model=model, temperature=temperature,
+                                       max_tokens=max_tokens)
+                           for i, (a, b) in enumerate(order[start:start + concurrency]) for _ in range(group_size)]
+                for future in futures:
+                    try:
+                        ep = future.result()
+                    except Exception as exc:  # the proxy refused or went away: this episode is lost, the rest go on
+                        print(json.dumps({"error": f"{type(exc).__name__}: {exc}"}), flush=True)
+                        continue
+                    print(json.dumps({"session_id": ep.session_id, "prompt": ep.prompt, "answers": ep.answers,
+                                      "rewards": ep.rewards}), flush=True)
+            done += 1
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--proxy", default="http://127.0.0.1:8000")
@@ -103,16 +143,30 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--turns", type=int, default=2)
     parser.add_argument("--stream", action="store_true")
     parser.add_argument("--model", default="tiny")
-    parser.add_argument("--start-key", default=None, help="worker key of the proxy (if it has one)")
+    parser.add_argument("--start-key", default=os.environ.get("ROLLBOOK_WORKER_KEY"),
+                        help="worker key of the proxy (if it has one); default: $ROLLBOOK_WORKER_KEY")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--problems", default=None, help="a file of problems, one 'a+b=' per line: play them --rounds times")
+    parser.add_argument("--rounds", type=int, default=1, help="with --problems: rounds over the file (0 = until stopped)")
+    parser.add_argument("--concurrency", type=int, default=1, help="with --problems: groups played at once")
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--max-tokens", type=int, default=6)
     args = parser.parse_args(argv)
+    if args.problems:
+        with open(args.problems) as f:
+            problems = [parse_problem(line) for line in f if line.strip()]
+        play_rounds(args.proxy, problems, rounds=args.rounds, concurrency=args.concurrency, group_size=args.group_size,
+                    turns=args.turns, seed=args.seed, start_key=args.start_key, model=args.model,
+                    temperature=args.temperature, max_tokens=args.max_tokens)
+        return
     rng = random.Random(args.seed)
     total = []
     for g in range(0, args.episodes, args.group_size):
         a, b = rng.randrange(100), rng.randrange(100)
         for _ in range(min(args.group_size, args.episodes - g)):
             ep = play(args.proxy, a, b, group_id=f"agent-{args.seed}-{g}", group_size=args.group_size, turns=args.turns,
-                      stream=args.stream, start_key=args.start_key, model=args.model)
+                      stream=args.stream, start_key=args.start_key, model=args.model, temperature=args.temperature,
+                      max_tokens=args.max_tokens)
             total += ep.rewards
             print(json.dumps({"session_id": ep.session_id, "prompt": ep.prompt, "answers": ep.answers, "rewards": ep.rewards}))
     print(json.dumps({"episodes": args.episodes, "mean_reward": sum(total) / max(1, len(total))}))

@@ -41,7 +41,32 @@ class WarmStartConfig(BaseModel):
     seed: int = Field(1, description="Seed of the supervised data order (distinct from the RL task seed).")
 
 
+class OnlineConfig(BaseModel):
+    """Online mode of ``rollbook run`` (docs/online.md): the trainer learns from an agent's calls through
+    ``rollbook proxy`` instead of from the rollout worker. Present (an ``[online]`` section, or any
+    ``--online.*`` flag): the run starts the proxy following the trainer's weights over shared memory
+    and the agent process as its load; ``placement`` is then not used."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    agent: str = Field("examples/arithmetic_agent.py", description="The agent script (plain Python, openai client), "
+                       "run as `python AGENT --proxy URL --problems FILE ...` (examples/arithmetic_agent.py's flags).")
+    group_size: int = Field(4, ge=1, description="Agent sessions per problem: a normalization group (turn k of them).")
+    concurrency: int = Field(4, ge=1, description="Groups the agent plays at once (concurrency * group_size sessions).")
+    turns: int = Field(2, ge=1, description="Calls per session: the answer, then a retry after the agent's right./wrong. feedback.")
+    num_problems: int = Field(64, ge=1, description="Training problems the agent plays, round after round (train split).")
+    num_eval_problems: int = Field(40, ge=1, description="Held-out problems of the evaluation (held-out split; fewer "
+                                   "when the domain has fewer).")
+    eval_samples: int = Field(4, ge=0, description="Sampled episodes per held-out problem at the agent's temperature "
+                              "(eval/sampled_reward), drawn with eval_seed every time; 0 = greedy only.")
+    eval_seed: int = Field(1234, description="Seed of the sampled evaluation (the same at every evaluation).")
+    temperature: float = Field(1.0, gt=0, le=2, description="The agent's sampling temperature.")
+    max_tokens: int = Field(4, ge=1, description="The agent's max_tokens per call.")
+    agent_seed: int | None = Field(None, description="The agent's problem order seed; None = rollout.seed.")
+
+
 SEPARATED_MAX_STALENESS = 2  # eta of the separated placement when none is configured
+ONLINE_MAX_STALENESS = 4  # eta of the online mode: the agent is not gated, it plays ahead of the trainer
 
 # [store] fields rollbook run sets itself: the ledger is RUN_DIR/rollbook.duckdb on a loopback port,
 # the keys are the run's own (RUN_DIR/keys.json)
@@ -64,13 +89,15 @@ class RunConfig(BaseModel):
     max_staleness: int | None = Field(
         None, ge=0, description="eta, the staleness bound of both the trainer's pulls and the worker's gate "
         f"(trainer.max_staleness and rollout.max_staleness follow it). None: 0 colocated (on-policy), "
-        f"{SEPARATED_MAX_STALENESS} separated (asynchronous).")
+        f"{SEPARATED_MAX_STALENESS} separated (asynchronous), {ONLINE_MAX_STALENESS} online.")
     eval_every: int = Field(5, ge=1, description="Evaluate held-out reward every N steps (and before the first and after the last).")
     warm_start: WarmStartConfig = Field(default_factory=WarmStartConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     store: StoreConfig = Field(default_factory=StoreConfig, description="Store policies (validator, ingest, SQL and "
                                "stream limits) of the store process the run starts; db, host, port, keys and TLS are the run's.")
+    online: OnlineConfig | None = Field(None, description="Online mode: learn from an agent through rollbook proxy "
+                                        "(docs/online.md); None = learn from the rollout worker.")
 
     @model_validator(mode="after")
     def _consistent(self) -> "RunConfig":
@@ -83,7 +110,9 @@ class RunConfig(BaseModel):
         self.num_steps = _one_value("num_steps", self, ("trainer", self.trainer, "num_steps"))
         eta = _one_value("max_staleness", self, ("trainer", self.trainer, "max_staleness"),
                          ("rollout", self.rollout, "max_staleness"))
-        self.max_staleness = eta if eta is not None else (0 if self.placement == "colocated" else SEPARATED_MAX_STALENESS)
+        default_eta = (ONLINE_MAX_STALENESS if self.online is not None
+                       else 0 if self.placement == "colocated" else SEPARATED_MAX_STALENESS)
+        self.max_staleness = eta if eta is not None else default_eta
         self.trainer.run_dir, self.trainer.num_steps = self.run_dir, self.num_steps
         self.trainer.max_staleness = self.rollout.max_staleness = self.max_staleness
         if self.trainer.loss.distill_coef > 0 and self.warm_start.teacher_steps == 0 and not self.trainer.teachers:

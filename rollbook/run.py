@@ -110,7 +110,11 @@ def run(config: RunConfig) -> dict:
     try:
         client = StoreClient.from_env(store.address, **keys)
         client.register_model(config.trainer.model_id, vocab_size=_vocab_size(config))
-        if config.placement == "colocated":
+        if config.online is not None:  # learn from an agent through rollbook proxy (docs/online.md)
+            from rollbook.run_online import run_online
+
+            summary = run_online(config, client, store.address, keys)
+        elif config.placement == "colocated":
             summary = _colocated(config, client)
         else:
             from rollbook.run_separated import run_separated

@@ -1,0 +1,216 @@
+"""Online mode of ``rollbook run`` (an ``[online]`` section, docs/online.md): the trainer learns from an
+ordinary agent's calls through ``rollbook proxy``.
+
+    rollbook run --config configs/online.toml
+
+Beside the store the run already started, this module starts
+
+1. the trainer here, publishing every version over shared memory (``SharedMemoryPublisher``) and to
+   the store (``PublishVersion``);
+2. a ``rollbook proxy`` process following that channel (``--weights shm:NAME``): it serves nothing
+   until the trainer's first version is in, and installs each newer one as it appears;
+3. the agent process (``online.agent``, examples/arithmetic_agent.py): ``online.concurrency`` groups
+   of ``online.group_size`` sessions at a time over the training problems, each session a short
+   multi-turn episode (an answer, then a second try after the agent's own ``right.``/``wrong.``
+   feedback), its reward computed by the agent and reported through the proxy's reward call.
+
+The trainer pulls the agent's rewarded sessions from the store like any rollout (turn ``k`` of a
+group normalized together, the staleness bound ``max_staleness``). Every ``eval_every`` steps the
+agent's game is played here, directly on an engine holding the trainer's weights, on held-out
+problems: greedy (``eval/reward``) and ``online.eval_samples`` sampled episodes per problem with a
+fixed seed (``eval/sampled_reward``), both the mean per-turn reward the agent would report, with
+the first and second tries apart. Everything goes into RUN_DIR/metrics.jsonl. The trainer steps once
+per ``trainer.num_samples`` newly rewarded turns (a pull returns whatever is ready, and the agent is
+slower than the trainer: without this pacing the batches would be a few rows each).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import pathlib
+import subprocess
+import sys
+import time
+import uuid
+from typing import TYPE_CHECKING
+
+from rollbook import env as rollbook_env
+from rollbook.config import OnlineConfig, RunConfig
+from rollbook.errors import CommandError
+from rollbook.run_support import MetricsLog, heldout_text, install_weights, step_line
+
+if TYPE_CHECKING:  # pragma: no cover
+    from rollbook.rollout.engine import GenerationEngine
+    from rollbook.tasks import Task
+
+
+def online_problems(config: RunConfig, split: str, num: int) -> list[Task]:
+    """The arithmetic problems of ``split`` the agent plays (train) or is evaluated on (heldout)."""
+    from rollbook.tasks import build_domains, make_tasks
+
+    domains = build_domains(config.rollout)
+    if "arithmetic" not in domains:
+        raise CommandError("the online mode's agent plays arithmetic: put 'arithmetic' in rollout.domains")
+    return make_tasks(domains["arithmetic"], split, num, config.rollout.seed, allow_fewer=True)
+
+
+class AgentEvaluation:
+    """The agent's game (examples/arithmetic_agent.py ``play``) played directly on ``engine``: the same
+    rendering as the proxy (rollout/proxy_render.py), the same feedback and the same reward (the
+    answer, stripped, equals the sum)."""
+
+    def __init__(self, engine: GenerationEngine, tasks: list[Task], online: OnlineConfig, *, top_p: float = 1.0):
+        from rollbook.rollout.proxy_render import renderer
+
+        self.engine, self.tasks, self.online, self.top_p = engine, tasks, online, top_p
+        self.render = renderer()
+
+    def _episodes(self, tasks: list[Task], temperature: float, seed: int | None) -> list[list[float]]:
+        from rollbook.rollout.engine import GenerationRequest
+
+        history: list[list[tuple[str, str]]] = [[("user", t.prompt)] for t in tasks]
+        rewards: list[list[float]] = [[] for _ in tasks]
+        for turn in range(self.online.turns):
+            requests = [GenerationRequest(prompt_token_ids=self.render.chat_prompt(h), max_new_tokens=self.online.max_tokens,
+                                          temperature=temperature, top_p=self.top_p if temperature > 0 else 1.0,
+                                          stop_token_ids=[self.render.eos_token_id]) for h in history]
+            # one seed per turn, the same at every evaluation: two evaluations differ only by the weights
+            results = self.engine.generate(requests, seed=None if seed is None else seed + turn)
+            for task, h, r, result in zip(tasks, history, rewards, results):
+                answer = self.render.decode(result.output_token_ids)
+                right = answer.strip() == task.answer
+                r.append(1.0 if right else 0.0)
+                h += [("assistant", answer), ("user", ("right." if right else "wrong.") + task.prompt)]
+        return rewards
+
+    @staticmethod
+    def _summary(rewards: list[list[float]], prefix: str, overall: str) -> dict[str, float]:
+        turns = len(rewards[0]) if rewards else 0
+        out = {overall: sum(map(sum, rewards)) / max(1, len(rewards) * turns)}
+        for k in range(turns):
+            out[f"{prefix}turn{k}"] = sum(r[k] for r in rewards) / max(1, len(rewards))
+        out[f"{prefix}solved"] = sum(max(r) for r in rewards) / max(1, len(rewards))
+        return out
+
+    def evaluate(self) -> dict[str, float]:
+        out = self._summary(self._episodes(self.tasks, 0.0, None), "eval/", "eval/reward")
+        if self.online.eval_samples:
+            tasks = [t for t in self.tasks for _ in range(self.online.eval_samples)]
+            out.update(self._summary(self._episodes(tasks, self.online.temperature, self.online.eval_seed),
+                                     "eval/sampled/", "eval/sampled_reward"))
+        return out
+
+
+def _rewarded(client) -> int:
+    """Turns of the agent's sessions that got their reward (the trainer can pull only those)."""
+    table = client.query("SELECT count(*) AS n FROM trajectories WHERE original_reward IS NOT NULL")
+    return int(table.column("n")[0].as_py())
+
+
+class ProxyProcess:
+    """``rollbook proxy`` as a child process; ``url`` once it printed 'listening on'."""
+
+    def __init__(self, config_path: pathlib.Path, env: dict[str, str]):
+        self.proc = subprocess.Popen([sys.executable, "-m", "rollbook.cli", "proxy", "--config", str(config_path),
+                                      "--log-level", "WARNING"], stdout=subprocess.PIPE, text=True, env=env)
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline().strip()
+        if not line.startswith("listening on "):
+            self.proc.kill()
+            raise RuntimeError(f"rollbook proxy did not start (exit {self.proc.wait()}): {line!r}")
+        self.url = line.removeprefix("listening on ")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def run_online(config: RunConfig, client, address: str, keys: dict) -> dict:
+    from rollbook.config import write_resolved
+    from rollbook.rollout.engine import NativeEngine
+    from rollbook.rollout.proxy import ProxyConfig
+    from rollbook.trainer.loop import Trainer
+    from rollbook.trainer.model_builders import build_models
+    from rollbook.weights.shm import SharedMemoryPublisher
+
+    online = config.online
+    assert online is not None
+    agent = pathlib.Path(online.agent)
+    if not agent.is_file():
+        raise CommandError(f"online.agent {online.agent!r} is not a file (run from the repository root, or give its path)")
+    run_dir = pathlib.Path(config.run_dir)
+    train, heldout = online_problems(config, "train", online.num_problems), online_problems(config, "heldout", online.num_eval_problems)
+    problems = run_dir / "online-problems.txt"
+    problems.write_text("".join(t.prompt + "\n" for t in train))
+
+    student, teacher = build_models(config)
+    channel = f"rollbook-{uuid.uuid4().hex[:12]}"
+    publisher = SharedMemoryPublisher(channel, student.state_dict(), checksum=True)
+    evaluator = NativeEngine(copy.deepcopy(student), version=0, seed=config.rollout.seed)
+    judge = AgentEvaluation(evaluator, heldout, online, top_p=config.rollout.top_p)
+    metrics = MetricsLog(run_dir / "metrics.jsonl")
+    trainer = Trainer(config.trainer, client, model=student, teacher=teacher,
+                      publishers=[publisher.publish, lambda v, sd: install_weights(evaluator, v, sd)])
+    trainer.start()
+    proxy_cfg = ProxyConfig(server=address, port=0, model_id=config.trainer.model_id, model=config.trainer.model,
+                            weights=f"shm:{channel}", seed=config.rollout.seed, max_tokens_limit=max(16, online.max_tokens),
+                            worker_id="proxy", max_concurrent=max(4, online.concurrency * online.group_size))
+    proxy_dir = run_dir / "proxy"
+    write_resolved(proxy_cfg, proxy_dir)
+    env = rollbook_env.with_keys(dict(os.environ), {"worker_key": keys["worker_key"], "admin_key": keys["admin_key"]})
+    proxy = ProxyProcess(proxy_dir / "config.json", env)
+    print(f"proxy: {proxy.url} following shm:{channel}", flush=True)
+    agent_log = open(run_dir / "agent.log", "a")
+    agent_env = rollbook_env.with_keys(dict(os.environ), {"worker_key": keys["worker_key"]})  # starts sessions only
+    agent_proc = subprocess.Popen(
+        [sys.executable, str(agent), "--proxy", proxy.url, "--problems", str(problems), "--rounds", "0",
+         "--concurrency", str(online.concurrency), "--group-size", str(online.group_size), "--turns", str(online.turns),
+         "--seed", str(config.rollout.seed if online.agent_seed is None else online.agent_seed), "--model", config.trainer.model_id,
+         "--temperature", str(online.temperature), "--max-tokens", str(online.max_tokens)],
+        stdout=agent_log, stderr=subprocess.STDOUT, env=agent_env)
+    print(f"agent: {agent} (pid {agent_proc.pid}), {online.concurrency} x {online.group_size} sessions at once, "
+          f"log {run_dir / 'agent.log'}", flush=True)
+    try:
+        first = {"step": trainer.state.step, **judge.evaluate()}
+        metrics.write(first)
+        print(f"held-out agent reward before step {trainer.state.step}: {heldout_text(first)}", flush=True)
+        waited = time.monotonic()
+        seen = _rewarded(client)
+        while trainer.state.step < config.num_steps:
+            # a step per num_samples newly rewarded turns: the trainer would otherwise take every
+            # few rows the agent finished (its pulls return what is ready), a batch too small to learn from
+            now = _rewarded(client)
+            stats = trainer.step() if now - seen >= config.trainer.num_samples else None
+            if stats is not None:
+                seen = now
+            if stats is None:
+                for name, proc in (("agent", agent_proc), ("proxy", proxy.proc)):
+                    if proc.poll() is not None:
+                        raise RuntimeError(f"the {name} process exited with {proc.returncode} (see {run_dir})")
+                if time.monotonic() - waited > config.trainer.max_wait_s:
+                    raise TimeoutError("no batch from the agent's sessions")
+                time.sleep(config.trainer.poll_interval_s)
+                continue
+            waited = time.monotonic()
+            done = trainer.state.step
+            if done % config.eval_every == 0 or done == config.num_steps:
+                stats.update(judge.evaluate())
+                print(step_line(stats, config.num_steps, extra=f"staleness<={stats['batch/staleness_max']}  "), flush=True)
+            metrics.write(stats)
+    finally:
+        agent_proc.terminate()
+        try:
+            agent_proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            agent_proc.kill()
+            agent_proc.wait()
+        agent_log.close()
+        proxy.stop()
+        publisher.close()
+    return {"first": first, "last": metrics.last_eval()}
