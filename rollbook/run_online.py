@@ -33,7 +33,7 @@ import subprocess
 import sys
 import time
 import uuid
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from rollbook import env as rollbook_env
 from rollbook.config import OnlineConfig, RunConfig
@@ -45,7 +45,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from rollbook.tasks import Task
 
 
-def online_problems(config: RunConfig, split: str, num: int) -> list[Task]:
+def online_problems(config: RunConfig, split: Literal["train", "heldout"], num: int) -> list[Task]:
     """The arithmetic problems of ``split`` the agent plays (train) or is evaluated on (heldout)."""
     from rollbook.tasks import build_domains, make_tasks
 
