@@ -160,7 +160,8 @@ def run_online(config: RunConfig, client, address: str, keys: dict) -> dict:
     trainer.start()
     proxy_cfg = ProxyConfig(server=address, port=0, model_id=config.trainer.model_id, model=config.trainer.model,
                             weights=f"shm:{channel}", seed=config.rollout.seed, max_tokens_limit=max(16, online.max_tokens),
-                            worker_id="proxy", max_concurrent=max(4, online.concurrency * online.group_size))
+                            worker_id="proxy", max_concurrent=max(4, online.concurrency * online.group_size),
+                            spool_dir=str(run_dir / "proxy" / "spool"))
     proxy_dir = run_dir / "proxy"
     write_resolved(proxy_cfg, proxy_dir)
     env = rollbook_env.with_keys(dict(os.environ), {"worker_key": keys["worker_key"], "admin_key": keys["admin_key"]})

@@ -73,6 +73,11 @@ class ProxyConfig(BaseModel):
                                     "moves on (its next call, a reward, the end) or after this long; a retry of its call "
                                     "before then shows it was not consumed (docs/online.md).")
     submit_batch_size: int = Field(64, ge=1, description="Trajectories per Submit batch.")
+    spool_dir: str | None = Field(None, description="A local directory for the durable spool: every completion is written "
+                                  "there (fsync'd) before its first byte goes out and stays until the store answered it, so "
+                                  "a proxy killed and restarted on the same directory submits what it had delivered, exactly "
+                                  "once (docs/online.md). None: in memory only.")
+    spool_max_bytes: int = Field(256 << 20, ge=1 << 20, description="Bound of the spool; a full spool makes completions wait.")
     worker_id: str = Field("proxy", description="worker_id recorded on every trajectory.")
 
     @field_validator("weights")
@@ -259,7 +264,8 @@ class Proxy:
         self.admin_key, self.worker_key = admin_key, worker_key
         self.sessions = Sessions(model_id=config.model_id, worker_id=config.worker_id, max_sessions=config.max_sessions,
                                  ended_ttl_s=config.ended_session_ttl_s)
-        self.submitter = SubmitQueue(client, batch_size=config.submit_batch_size)
+        self.submitter = SubmitQueue(client, batch_size=config.submit_batch_size, spool_dir=config.spool_dir,
+                                     spool_max_bytes=config.spool_max_bytes)
         self.gate = Gate(config.max_concurrent, config.max_waiting, config.admission_wait_s)
         self.pool = concurrent.futures.ThreadPoolExecutor(config.max_concurrent, thread_name_prefix="proxy-engine")
         self.control_pool = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="proxy-control")
@@ -401,15 +407,17 @@ class Proxy:
         finally:
             await self.gate.release()
         self.counters["completions"] += 1
+        # durable (with spool_dir) before any byte of it goes out: a restarted proxy submits it as consumed
+        hold = self.submitter.hold(self.sessions.trajectories(session, call, attempt, results, True, record=False))
 
         def deliver(delivered: bool) -> None:
             self.counters["delivered" if delivered else "undelivered"] += 1
             trajectories = self.sessions.trajectories(session, call, attempt, results, delivered)
             if delivered:  # held until the caller shows it read it (release)
-                attempt.held, attempt.held_since = trajectories, time.monotonic()
+                attempt.held, attempt.held_since, attempt.hold = trajectories, time.monotonic(), hold
                 self.held[id(attempt)] = (session, attempt)
             else:
-                attempt.verdicts = self.submitter.put(trajectories)
+                attempt.verdicts = self.submitter.put(trajectories, unhold=hold)
 
         payload = (_chat_payload if kind == "chat" else _text_payload)(self, req, attempt.completion_id, results, call.turn)
         return payload, deliver, req
@@ -435,7 +443,7 @@ class Proxy:
                     attempt.delivered = False
                 for t in trajectories:
                     t["consumed"] = False
-            attempt.verdicts = self.submitter.put(trajectories)
+            attempt.verdicts = self.submitter.put(trajectories, unhold=attempt.hold)
 
     async def settle_held(self) -> None:
         """Submit delivered attempts held longer than ``consume_settle_s`` (a session that stopped

@@ -37,7 +37,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from rollbook.client import StoreClient
+from rollbook.client import StoreClient, as_trajectory
 from rollbook.rollout.engine import GenerationResult
 from rollbook.v1 import rollbook_pb2 as pb
 
@@ -64,6 +64,7 @@ class Attempt:
     verdicts: list[concurrent.futures.Future] = field(default_factory=list)
     held: list[dict] | None = None  # delivered, not yet submitted: waiting for a sign the caller consumed it
     held_since: float = 0.0
+    hold: int | None = None  # its batch in the spool's held/ directory (SubmitQueue.hold), None without a spool
 
 
 @dataclass
@@ -184,8 +185,9 @@ class Sessions:
             self._by_key.pop(self._key_of.pop(s.session_id), None)
 
     def trajectories(self, session: Session, call: Call, attempt: Attempt, results: Sequence[GenerationResult],
-                     delivered: bool) -> list[dict]:
-        """The trajectories of one finished attempt (one per choice), recorded on the attempt."""
+                     delivered: bool, *, record: bool = True) -> list[dict]:
+        """The trajectories of one finished attempt (one per choice), recorded on the attempt unless
+        ``record`` is false."""
         out: list[dict[str, Any]] = []
         for choice, r in enumerate(results):
             request_id = f"turn-{call.turn}.{choice}"
@@ -201,6 +203,8 @@ class Sessions:
                 "temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k, "finish_reason": r.finish_reason,
                 "worker_id": self.worker_id, "created_at": attempt.created_at,
             })
+        if not record:
+            return out
         with session.lock:
             call.n = len(results)
             attempt.trajectory_ids = [str(t["trajectory_id"]) for t in out]
@@ -229,32 +233,98 @@ def reward_targets(session: Session, which: str | int) -> list[tuple[Call, Attem
 
 
 class SubmitQueue:
-    """Submits trajectories in batches from one thread; each trajectory's future gets its verdict."""
+    """Submits trajectories in batches from one thread; each trajectory's future gets its verdict.
 
-    def __init__(self, client: StoreClient, *, batch_size: int = 64, linger_s: float = 0.01):
+    With ``spool_dir`` it is durable (rollout/spool.py, two ``Spool`` directories under it):
+
+    - ``hold(trajectories)`` writes a finished completion to ``held/`` (fsync'd) before the proxy
+      sends any of it, as consumed; ``put(final, unhold=seq)`` writes the final trajectories (consumed
+      or not, once that is known) to ``submit/``, and only then drops the ``held/`` copy;
+    - a batch leaves ``submit/`` once the store answered every trajectory of it;
+    - on start, every ``held/`` batch left by a killed proxy moves to ``submit/`` as it is (delivered
+      counts as consumed, as at a clean shutdown), and ``submit/`` is replayed in order before new
+      work. Trajectory ids are the store's idempotency key: a batch sent twice (killed after the store
+      committed it, or between the ``submit/`` write and the ``held/`` removal) comes back
+      ``DUPLICATE``, so each completion is stored once.
+    """
+
+    def __init__(self, client: StoreClient, *, batch_size: int = 64, linger_s: float = 0.01,
+                 spool_dir: str | None = None, spool_max_bytes: int = 256 << 20):
         self.client, self.batch_size, self.linger_s = client, batch_size, linger_s
         self._queue: queue.Queue = queue.Queue()
         self._stop = threading.Event()
         self._lock = threading.Lock()
+        self.submitted = self.failed = self.recovered = 0
+        self.pending = 0  # put and not yet answered
+        self.spool = self.held_spool = None
+        self._left: dict[int, int] = {}  # submit/ batch -> its trajectories not yet answered
+        if spool_dir is not None:
+            import pathlib
+
+            from rollbook.rollout.spool import Spool
+
+            root = pathlib.Path(spool_dir)
+            self.spool = Spool(root / "submit", max_bytes=spool_max_bytes)
+            self.held_spool = Spool(root / "held", max_bytes=spool_max_bytes)
+            self._recover()
         self._thread = threading.Thread(target=self._run, name="proxy-submit", daemon=True)
         self._thread.start()
-        self.submitted = self.failed = 0
-        self.pending = 0  # put and not yet answered
 
-    def put(self, trajectories: list[dict]) -> list[concurrent.futures.Future]:
+    def _recover(self) -> None:
+        """Submit what a killed proxy left, before this one serves: ``held/`` moved to ``submit/``
+        as it is, then every ``submit/`` batch in order (``StoreClient.submit`` resends while the
+        store is briefly down; a store that stays away fails the start, and the spool stays)."""
+        assert self.spool is not None and self.held_spool is not None
+        while (item := self.held_spool.peek()) is not None:
+            seq, request = item
+            self.spool.put(list(request.trajectories))
+            self.held_spool.remove(seq)
+        while (item := self.spool.peek()) is not None:
+            seq, request = item
+            result = self.client.submit(list(request.trajectories))
+            self.spool.remove(seq)
+            self.recovered += len(request.trajectories)
+            log.warning("replayed %d trajectories a previous proxy left in its spool: %d accepted, %d already stored, "
+                        "%d rejected", len(request.trajectories), result.accepted, result.duplicates, result.rejected)
+
+    def hold(self, trajectories: list[dict]) -> int | None:
+        """Write a finished completion durably before it is sent (``held/``); None without a spool."""
+        if self.held_spool is None or not trajectories:
+            return None
+        return self.held_spool.put([as_trajectory(t) for t in trajectories])
+
+    def put(self, trajectories: list[dict], *, unhold: int | None = None) -> list[concurrent.futures.Future]:
+        seq = None
+        if self.spool is not None and trajectories:
+            seq = self.spool.put([as_trajectory(t) for t in trajectories])
+            with self._lock:
+                self._left[seq] = len(trajectories)
+        if unhold is not None and self.held_spool is not None:
+            self.held_spool.remove(unhold)  # after the final copy is durable in submit/
         futures = []
         for t in trajectories:
             future: concurrent.futures.Future = concurrent.futures.Future()
             future.add_done_callback(self._done)
             with self._lock:
                 self.pending += 1
-            self._queue.put((t, future))
+            self._queue.put((t, future, seq))
             futures.append(future)
         return futures
 
     def _done(self, _future) -> None:
         with self._lock:
             self.pending -= 1
+
+    def _answered(self, seq: int | None) -> None:
+        if seq is None or self.spool is None:
+            return
+        with self._lock:
+            self._left[seq] -= 1
+            last = self._left[seq] == 0
+            if last:
+                del self._left[seq]
+        if last:
+            self.spool.remove(seq)
 
     def _run(self) -> None:
         while not (self._stop.is_set() and self._queue.empty()):
@@ -270,20 +340,25 @@ class SubmitQueue:
                 except queue.Empty:
                     break
             try:
-                result = self.client.submit([t for t, _ in batch])
+                result = self.client.submit([t for t, _, _ in batch])
             except Exception as exc:  # the store stayed unreachable past the client's retry deadline
-                log.error("submitting %d trajectories failed: %s", len(batch), exc)
+                log.error("submitting %d trajectories failed: %s%s", len(batch), exc,
+                          " (kept in the spool for the next start)" if self.spool is not None else "")
                 self.failed += len(batch)
-                for _, future in batch:
+                for _, future, _ in batch:
                     future.set_exception(exc)
                 continue
             self.submitted += len(batch)
-            for t, future in batch:
+            for t, future, seq in batch:
                 verdict = result.verdicts.get(t["trajectory_id"])
                 if verdict is not None and verdict.status == pb.Verdict.REJECTED:
                     log.warning("trajectory %s rejected: %s %s", t["trajectory_id"], verdict.reason, verdict.detail)
                 future.set_result(verdict)
+                self._answered(seq)
 
     def close(self, timeout: float = 60.0) -> None:
         self._stop.set()
         self._thread.join(timeout)
+        for spool in (self.spool, self.held_spool):
+            if spool is not None:
+                spool.close()
