@@ -11,7 +11,8 @@ proxy records them (docs/online.md).
     python examples/arithmetic_agent.py --proxy http://127.0.0.1:8000 --episodes 8 --group-size 4
 
 As the load of an online run (``rollbook run --config configs/online.toml``, docs/online.md), it plays
-the problems of a file (``--problems``, one ``a+b=`` per line) round after round (``--rounds 0``: until
+the problems of a file (``--problems``, one ``a+b=`` or ``rev:abc=`` per line, the toy tasks' two
+formats: it checks string reversal with its own code too) round after round (``--rounds 0``: until
 stopped), ``--concurrency`` groups of ``--group-size`` sessions at once; the starting key comes from
 ``--start-key`` or the ``ROLLBOOK_WORKER_KEY`` environment variable (never the command line of a run).
 
@@ -55,20 +56,25 @@ class Episode:
     versions: list[list[int]] = field(default_factory=list)
 
 
-def play(base_url: str, a: int, b: int, *, group_id: str = "", group_size: int = 1, turns: int = 2, stream: bool = False,
-         start_key: str | None = None, model: str = "tiny", temperature: float = 1.0, max_tokens: int = 6,
-         client_kwargs: dict | None = None, reward_after_end: bool = False) -> Episode:
+def play(base_url: str, a: int, b: int, **kwargs) -> Episode:
+    """One episode of ``a+b=`` (``play_problem``)."""
+    return play_problem(base_url, f"{a}+{b}=", str(a + b), "arithmetic", **kwargs)
+
+
+def play_problem(base_url: str, prompt: str, expected: str, domain: str, *, group_id: str = "", group_size: int = 1,
+                 turns: int = 2, stream: bool = False, start_key: str | None = None, model: str = "tiny",
+                 temperature: float = 1.0, max_tokens: int = 6, client_kwargs: dict | None = None,
+                 reward_after_end: bool = False) -> Episode:
     """One episode: start a session, ``turns`` calls, a reward per call, end (or end first, then the
     rewards: a reward may arrive after its session ended)."""
-    prompt = f"{a}+{b}="
-    started = control(base_url, "/rollbook/sessions", {"task_id": f"arithmetic/{prompt}", "domain": "arithmetic",
+    started = control(base_url, "/rollbook/sessions", {"task_id": f"{domain}/{prompt}", "domain": domain,
                                                        "group_id": group_id, "group_size": group_size}, start_key)
     client = openai.OpenAI(base_url=base_url.rstrip("/") + "/v1", api_key=started["api_key"], **(client_kwargs or {}))
     episode = Episode(started["session_id"], prompt)
     messages: list[dict] = [{"role": "user", "content": prompt}]
     for _ in range(turns):
         answer, completion_id, versions = _ask(client, model, messages, stream, temperature, max_tokens)
-        right = answer.strip() == str(a + b)  # the agent's own check is its reward
+        right = answer.strip() == expected  # the agent's own check is its reward
         episode.answers.append(answer)
         episode.rewards.append(1.0 if right else 0.0)
         episode.completion_ids.append(completion_id)
@@ -102,13 +108,17 @@ def _ask(client: openai.OpenAI, model: str, messages: list[dict], stream: bool, 
     return "".join(text), completion_id, []
 
 
-def parse_problem(line: str) -> tuple[int, int]:
-    """``"12+34="`` -> ``(12, 34)``."""
-    left, _, right = line.strip().removesuffix("=").partition("+")
-    return int(left), int(right)
+def solve(prompt: str) -> tuple[str, str]:
+    """The agent's own answer key for a problem line: ``"12+34="`` -> ``("46", "arithmetic")``,
+    ``"rev:abc="`` -> ``("cba", "reverse")`` (the toy tasks' two formats, rollbook/tasks.py)."""
+    body = prompt.strip().removesuffix("=")
+    if body.startswith("rev:"):
+        return body[4:][::-1], "reverse"
+    left, _, right = body.partition("+")
+    return str(int(left) + int(right)), "arithmetic"
 
 
-def play_rounds(base_url: str, problems: list[tuple[int, int]], *, rounds: int, concurrency: int, group_size: int,
+def play_rounds(base_url: str, problems: list[str], *, rounds: int, concurrency: int, group_size: int,
                 turns: int, seed: int, start_key: str | None, model: str, temperature: float, max_tokens: int) -> None:
     """Play ``problems`` in a shuffled order, ``rounds`` times (0: until stopped): each problem is a
     group of ``group_size`` sessions, ``concurrency`` groups at once. A failed episode is reported and
@@ -120,10 +130,10 @@ def play_rounds(base_url: str, problems: list[tuple[int, int]], *, rounds: int, 
         while rounds == 0 or done < rounds:
             rng.shuffle(order)
             for start in range(0, len(order), concurrency):
-                futures = [pool.submit(play, base_url, a, b, group_id=f"agent-{seed}-r{done}-{start + i}", group_size=group_size,
-                                       turns=turns, start_key=start_key, model=model, temperature=temperature,
-                                       max_tokens=max_tokens)
-                           for i, (a, b) in enumerate(order[start:start + concurrency]) for _ in range(group_size)]
+                futures = [pool.submit(play_problem, base_url, prompt, *solve(prompt), group_id=f"agent-{seed}-r{done}-{start + i}",
+                                       group_size=group_size, turns=turns, start_key=start_key, model=model,
+                                       temperature=temperature, max_tokens=max_tokens)
+                           for i, prompt in enumerate(order[start:start + concurrency]) for _ in range(group_size)]
                 for future in futures:
                     try:
                         ep = future.result()
@@ -146,7 +156,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--start-key", default=os.environ.get("ROLLBOOK_WORKER_KEY"),
                         help="worker key of the proxy (if it has one); default: $ROLLBOOK_WORKER_KEY")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--problems", default=None, help="a file of problems, one 'a+b=' per line: play them --rounds times")
+    parser.add_argument("--problems", default=None, help="a file of problems, one 'a+b=' or 'rev:abc=' per line: play them --rounds times")
     parser.add_argument("--rounds", type=int, default=1, help="with --problems: rounds over the file (0 = until stopped)")
     parser.add_argument("--concurrency", type=int, default=1, help="with --problems: groups played at once")
     parser.add_argument("--temperature", type=float, default=1.0)
@@ -154,7 +164,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.problems:
         with open(args.problems) as f:
-            problems = [parse_problem(line) for line in f if line.strip()]
+            problems = [line.strip() for line in f if line.strip()]
         play_rounds(args.proxy, problems, rounds=args.rounds, concurrency=args.concurrency, group_size=args.group_size,
                     turns=args.turns, seed=args.seed, start_key=args.start_key, model=args.model,
                     temperature=args.temperature, max_tokens=args.max_tokens)

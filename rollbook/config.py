@@ -54,14 +54,15 @@ class OnlineConfig(BaseModel):
     group_size: int = Field(4, ge=1, description="Agent sessions per problem: a normalization group (turn k of them).")
     concurrency: int = Field(4, ge=1, description="Groups the agent plays at once (concurrency * group_size sessions).")
     turns: int = Field(2, ge=1, description="Calls per session: the answer, then a retry after the agent's right./wrong. feedback.")
-    num_problems: int = Field(64, ge=1, description="Training problems the agent plays, round after round (train split).")
-    num_eval_problems: int = Field(40, ge=1, description="Held-out problems of the evaluation (held-out split; fewer "
-                                   "when the domain has fewer).")
+    num_problems: int = Field(256, ge=1, description="Training problems per domain of rollout.domains (arithmetic, "
+                              "reverse) the agent plays, round after round (train split; fewer when a domain has fewer).")
+    num_eval_problems: int = Field(40, ge=1, description="Held-out problems per domain of the evaluation (held-out split; "
+                                   "fewer when a domain has fewer).")
     eval_samples: int = Field(4, ge=0, description="Sampled episodes per held-out problem at the agent's temperature "
                               "(eval/sampled_reward), drawn with eval_seed every time; 0 = greedy only.")
     eval_seed: int = Field(1234, description="Seed of the sampled evaluation (the same at every evaluation).")
     temperature: float = Field(1.0, gt=0, le=2, description="The agent's sampling temperature.")
-    max_tokens: int = Field(4, ge=1, description="The agent's max_tokens per call.")
+    max_tokens: int = Field(6, ge=1, description="The agent's max_tokens per call.")
     agent_seed: int | None = Field(None, description="The agent's problem order seed; None = rollout.seed.")
 
 

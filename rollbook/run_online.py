@@ -46,13 +46,15 @@ if TYPE_CHECKING:  # pragma: no cover
 
 
 def online_problems(config: RunConfig, split: Literal["train", "heldout"], num: int) -> list[Task]:
-    """The arithmetic problems of ``split`` the agent plays (train) or is evaluated on (heldout)."""
+    """The problems of ``split`` the agent plays (train) or is evaluated on (heldout): ``num`` per
+    domain of ``rollout.domains`` (fewer when a domain has fewer), in the two formats the agent knows."""
     from rollbook.tasks import build_domains, make_tasks
 
     domains = build_domains(config.rollout)
-    if "arithmetic" not in domains:
-        raise CommandError("the online mode's agent plays arithmetic: put 'arithmetic' in rollout.domains")
-    return make_tasks(domains["arithmetic"], split, num, config.rollout.seed, allow_fewer=True)
+    unknown = sorted(set(domains) - {"arithmetic", "reverse"})
+    if unknown:
+        raise CommandError(f"the online mode's agent plays arithmetic and reverse problems, not {unknown}: set rollout.domains")
+    return [t for d in domains.values() for t in make_tasks(d, split, num, config.rollout.seed, allow_fewer=True)]
 
 
 class AgentEvaluation:
