@@ -34,8 +34,10 @@ class WarmStartConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    student_steps: int = Field(60, ge=0, description="Supervised steps for the student's starting point (0 = random init).")
-    teacher_steps: int = Field(0, ge=0, description="Supervised steps for the MOPD teacher (0 = no teacher is built).")
+    student_steps: int = Field(60, ge=0, description="Supervised steps for the student's starting point on the toy tasks "
+                               "(0 = random init). With [rollout.dataset] it is 0 and setting it above 0 is an error.")
+    teacher_steps: int = Field(0, ge=0, description="Supervised steps for the MOPD teacher on the toy tasks (0 = no "
+                               "teacher is built). Not with [rollout.dataset]: list [[trainer.teachers]] instead.")
     batch_size: int = Field(64, ge=1, description="Problems per supervised step.")
     lr: float = Field(3e-3, gt=0, description="Supervised learning rate.")
     seed: int = Field(1, description="Seed of the supervised data order (distinct from the RL task seed).")
@@ -89,6 +91,14 @@ class RunConfig(BaseModel):
         if self.trainer.loss.distill_coef > 0 and self.warm_start.teacher_steps == 0 and not self.trainer.teachers:
             raise ValueError("MOPD (trainer.loss.distill_coef > 0) needs a teacher: set warm_start.teacher_steps > 0 "
                              "or list [[trainer.teachers]]")
+        if self.rollout.dataset is not None:  # the warm start knows only the toy tasks and their tokenizer
+            ws = self.warm_start
+            asked = [f for f in ("student_steps", "teacher_steps") if f in ws.model_fields_set and getattr(ws, f) > 0]
+            if asked:
+                raise ValueError(f"warm_start.{asked[0]} = {getattr(ws, asked[0])}: the warm start trains on the toy tasks, "
+                                 "not on [rollout.dataset] rows; set it to 0 (start from trainer.model.path, or list "
+                                 "[[trainer.teachers]] for MOPD)")
+            ws.student_steps = 0  # its default is the toy tasks'
         return self
 
 

@@ -53,6 +53,10 @@ class TrainerConfig(BaseModel):
     model_id: str = Field("tiny", description="Model id in the store's registry.")
     run_dir: str = Field("runs/default", description="Run directory: checkpoints/ and the resolved config go here.")
     model: ModelConfig = Field(default_factory=ModelConfig)
+    tokenizer: str | None = Field(None, description="Local Hugging Face tokenizer directory the run's rollout encodes "
+                                  "with: exported beside the model (RUN_DIR/hf/, `rollbook export`), and for a tiny model "
+                                  "of unset model.vocab_size its vocabulary. None: model.path's tokenizer files, else the "
+                                  "toy tasks' character tokenizer. `rollbook run` sets it from rollout.tokenizer.")
     loss: LossConfig = Field(default_factory=LossConfig)
     teachers: list[TeacherConfig] = Field(default_factory=list, description="Teachers for MOPD.")
     teacher_routing: Literal["domain", "mixture"] = Field("domain", description="How tokens are routed to teachers.")

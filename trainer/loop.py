@@ -171,7 +171,8 @@ class Trainer:
                 self.client.ack_batch(lease, cfg.trainer_id)
             self._unacked = []
         if export_due(cfg, self.state.step):
-            export_model(self.run_dir, self.state.step, self.model, cfg.model, keep_last=cfg.export_keep_last)
+            export_model(self.run_dir, self.state.step, self.model, cfg.model, keep_last=cfg.export_keep_last,
+                         tokenizer_dir=cfg.tokenizer)
         self._publish()
         stats["step"] = self.state.step - 1
         log.info("step %d  reward %.3f  loss %.4f  clip %.3f  tokens/s %.0f", stats["step"], stats["reward/mean"],

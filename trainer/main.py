@@ -24,7 +24,6 @@ def train(config: TrainerConfig) -> list[dict]:
     import torch
 
     from rollbook.errors import ConfigError
-    from rollbook.models import build_student
     from rollbook.trainer.loop import Trainer
     from rollbook.trainer.model_builders import build_teachers
 
@@ -45,9 +44,9 @@ def train(config: TrainerConfig) -> list[dict]:
         log.info("serving weights on %s:%d", host or "127.0.0.1", bound)
     try:
         with StoreClient.from_env(config.server, trainer_key=config.trainer_key) as client:
-            trainer = Trainer(config, client, model=build_student(config.model), teacher=build_teachers(config),
-                              publishers=publishers)
-            _start(trainer, client, config)
+            student, vocab = build_registered_student(config)
+            trainer = Trainer(config, client, model=student, teacher=build_teachers(config), publishers=publishers)
+            _start(trainer, client, config, vocab)
             history = _run(trainer, config)
     finally:
         if weight_server is not None:
@@ -56,7 +55,35 @@ def train(config: TrainerConfig) -> list[dict]:
     return history
 
 
-def _start(trainer, client, config: TrainerConfig) -> None:
+def build_registered_student(config: TrainerConfig):
+    """``(student, vocab_size)``: the student ``config.model`` builds and the vocabulary to register,
+    its embedding rows (``rollbook.models.model_vocab_size``: the ids the store's token check admits).
+    A tiny model of unset ``model.vocab_size`` with a ``tokenizer`` directory gets that tokenizer's
+    size (as ``rollbook run`` and ``rollbook rollout`` size it); a tokenizer with more ids than the
+    model has rows is a ``ConfigError``."""
+    from rollbook.errors import ConfigError
+    from rollbook.models import build_student, model_vocab_size
+
+    tokenizer_vocab = None
+    if config.tokenizer is not None:
+        from rollbook.tasks import TOKENIZER
+        from rollbook.tokenizers import load_tokenizer
+
+        try:
+            tokenizer_vocab = load_tokenizer(config.tokenizer, default=TOKENIZER).vocab_size
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"tokenizer: {exc}") from None
+        if config.model.path is None and config.model.vocab_size is None:
+            config.model.vocab_size = tokenizer_vocab
+    student = build_student(config.model)
+    vocab = model_vocab_size(student)
+    if tokenizer_vocab is not None and tokenizer_vocab > vocab:
+        raise ConfigError(f"the tokenizer {config.tokenizer} has {tokenizer_vocab} ids, the model {vocab}: the model "
+                          "cannot read or emit all of its ids (model.vocab_size, model.path)")
+    return student, vocab
+
+
+def _start(trainer, client, config: TrainerConfig, vocab_size: int) -> None:
     """``trainer.start()``, registering the model first when the admin key is at hand; a store that is
     down or a model nobody registered is a one-line ``CommandError``."""
     import grpc
@@ -64,9 +91,7 @@ def _start(trainer, client, config: TrainerConfig) -> None:
     from rollbook.errors import CommandError, unreachable
 
     if client.admin_key:
-        from rollbook.models import student_vocab_size
-
-        client.register_model(config.model_id, vocab_size=student_vocab_size(config.model))
+        client.register_model(config.model_id, vocab_size=vocab_size)
     try:
         trainer.start()
     except grpc.RpcError as exc:
