@@ -198,3 +198,41 @@ def test_the_toy_task_warm_start_is_refused_with_a_dataset(tmp_path):
     assert done.returncode == 2, done.stdout + done.stderr
     assert "Traceback" not in done.stderr
     assert "warm_start.student_steps = 20: the warm start trains on the toy tasks" in done.stderr.strip().splitlines()[-1]
+
+
+def test_the_readmes_own_model_commands_run_as_written(tmp_path):
+    """The bash block of README "Your own model and data" that builds the stand-in model and runs
+    `configs/byod.toml` on it, line for line (``python`` and ``rollbook`` as this interpreter), in a
+    directory holding a copy of configs/ (the config's paths are relative to the current directory)."""
+    import re
+    import shutil
+    import subprocess
+    import sys
+
+    from tests.integration.conftest import clean_env
+
+    repo = pathlib.Path(__file__).resolve().parents[2]
+    readme = (repo / "README.md").read_text()
+    section = readme[readme.index("## Your own model and data"):]
+    block = next(b for b in re.findall(r"```bash\n(.*?)```", section, flags=re.S) if "make_tiny_hf_model.py" in b)
+    commands = [line.strip() for line in block.replace("\\\n", " ").splitlines() if line.strip()]
+    assert [c.split()[0] for c in commands] == ["python", "rollbook"], commands
+    shutil.copytree(repo / "configs", tmp_path / "configs")
+    shutil.copytree(repo / "examples", tmp_path / "examples")
+    for command in commands:
+        program, *args = command.split()
+        argv = [sys.executable, *args] if program == "python" else [sys.executable, "-m", "rollbook.cli", *args]
+        done = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=900, env=clean_env())
+        assert done.returncode == 0, (command, done.stdout[-3000:], done.stderr[-3000:])
+    run_dir = tmp_path / "runs" / "byod"
+    db = run_dir / "rollbook.duckdb"
+    hf = AutoTokenizer.from_pretrained(str(tmp_path / "models" / "my-llm"), local_files_only=True)
+    assert query_file(db, "SELECT vocab_size FROM models") == [{"vocab_size": len(hf)}]
+    assert query_file(db, "SELECT count(*) AS n FROM train_steps")[0]["n"] == 2
+    rows = query_file(db, "SELECT domain, prompt_token_ids FROM trajectories")
+    assert rows and {r["domain"] for r in rows} <= {"math", "code"}
+    assert all(hf.decode(r["prompt_token_ids"]).strip() for r in rows)
+    export = run_dir / "hf" / "step-000002"
+    assert (export / "tokenizer.json").read_bytes() == (tmp_path / "models" / "my-llm" / "tokenizer.json").read_bytes()
+    model = AutoModelForCausalLM.from_pretrained(export, local_files_only=True)
+    assert model.generate(**hf("What is 2 times 3?", return_tensors="pt"), max_new_tokens=3, do_sample=False).shape[1] > 3
