@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+from collections import Counter
 
 import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -123,6 +124,8 @@ def test_stored_token_ids_decode_to_the_prompts_and_rewards_are_the_verifiers_ve
 
     verifiers = {"math": build_reward(RewardConfig(kind="math")), "code": build_reward(RewardConfig(**CODE_REWARD))}
     source = {r["id"]: (d, r) for d, rows in (("math", MATH), ("code", CODE)) for r in rows}
+    reasons: Counter[str] = Counter()
+    fractions: list[float] = []
     for row in stored:
         domain, src = source[row["task_id"]]
         assert row["domain"] == domain
@@ -139,8 +142,17 @@ def test_stored_token_ids_decode_to_the_prompts_and_rewards_are_the_verifiers_ve
         check = score_row(verifiers[domain], completion, {"answer": src.get("answer"), "tests": src.get("tests")})
         assert check.outcome.status == "ok", check
         assert row["original_reward"] == check.outcome.reward, (row["task_id"], completion, check)
+        reasons[f"reward/reason/{domain}/{check.info['reason']}"] += 1
         if domain == "code":
             assert 0.0 <= check.info["fraction"] <= 1.0, check.info  # the fraction of the hidden asserts passed
+            fractions.append(check.info["fraction"])
+    # the worker's tally of its verdicts (metrics.jsonl, cumulative over the run's training rows) is the
+    # recomputed one, reason for reason: math-verify's correct / wrong / no_answer, the sandbox's own
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    last = [m for m in metrics if "loss/total" in m][-1]
+    assert {k: v for k, v in last.items() if k.startswith("reward/reason/")} == dict(reasons)
+    assert last["reward/tests_passed/code"] == pytest.approx(sum(fractions) / len(fractions))
+    assert last["reward/num_ok"] == len(stored) and last["reward/num_error"] == 0
 
 
 def test_code_rewards_record_their_reasons_and_fractions(byod_run):
