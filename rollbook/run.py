@@ -102,7 +102,7 @@ def run(config: RunConfig) -> dict:
     if done == config.num_steps:
         print(f"{run_dir} has already finished its {done} steps: nothing to train (raise --num_steps to go on)",
               flush=True)
-    vocab = check_inputs(config)  # before the store starts: a missing file is one line, no ledger made
+    check_inputs(config)  # before the store starts: a missing file is one line, and no ledger is made
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
     write_resolved(config, run_dir)
     keys = _run_keys(run_dir)
@@ -110,7 +110,7 @@ def run(config: RunConfig) -> dict:
     print(f"store: {store.address}, ledger {run_dir / 'rollbook.duckdb'}", flush=True)
     try:
         client = StoreClient.from_env(store.address, **keys)
-        client.register_model(config.trainer.model_id, vocab_size=vocab)
+        client.register_model(config.trainer.model_id, vocab_size=_vocab_size(config))
         if config.placement == "colocated":
             summary = _colocated(config, client)
         else:
@@ -122,6 +122,20 @@ def run(config: RunConfig) -> dict:
     finally:
         store.stop()
     return summary
+
+
+def _vocab_size(config: RunConfig) -> int:
+    """The vocabulary the store checks token ids against: the model's (``rollbook.models.student_vocab_size``
+    through rollout/worker.py ``registered_vocab_size``). A tiny model for a dataset's own tokenizer takes
+    that tokenizer's size."""
+    from rollbook.rollout.worker import registered_vocab_size, use_model_tokenizer
+
+    use_model_tokenizer(config.rollout, config.trainer.model)  # a dataset without its own tokenizer: the model's
+    vocab = registered_vocab_size(config.rollout, config.trainer.model)
+    model = config.trainer.model
+    if config.rollout.dataset is not None and model.path is None and model.vocab_size is None:
+        model.vocab_size = vocab
+    return vocab
 
 
 def _colocated(config: RunConfig, client) -> dict:

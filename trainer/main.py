@@ -24,11 +24,13 @@ def train(config: TrainerConfig) -> list[dict]:
     import torch
 
     from rollbook.errors import ConfigError
+    from rollbook.models import build_student
     from rollbook.trainer.loop import Trainer
     from rollbook.trainer.model_builders import build_teachers
 
     if config.loss.distill_coef > 0 and not config.teachers:
         raise ConfigError("loss.distill_coef > 0 needs at least one [[teachers]] entry (or set loss.distill_coef = 0)")
+    size_for_tokenizer(config)  # a tiny student of the tokenizer's vocabulary: before any model is built
     torch.set_num_threads(2)
     publishers, weight_server = [], None
     if config.weight_server:
@@ -44,9 +46,9 @@ def train(config: TrainerConfig) -> list[dict]:
         log.info("serving weights on %s:%d", host or "127.0.0.1", bound)
     try:
         with StoreClient.from_env(config.server, trainer_key=config.trainer_key) as client:
-            student, vocab = build_registered_student(config)
-            trainer = Trainer(config, client, model=student, teacher=build_teachers(config), publishers=publishers)
-            _start(trainer, client, config, vocab)
+            trainer = Trainer(config, client, model=build_student(config.model), teacher=build_teachers(config),
+                              publishers=publishers)
+            _start(trainer, client, config)
             history = _run(trainer, config)
     finally:
         if weight_server is not None:
@@ -55,43 +57,50 @@ def train(config: TrainerConfig) -> list[dict]:
     return history
 
 
-def build_registered_student(config: TrainerConfig):
-    """``(student, vocab_size)``: the student ``config.model`` builds and the vocabulary to register,
-    its embedding rows (``rollbook.models.model_vocab_size``: the ids the store's token check admits).
-    A tiny model of unset ``model.vocab_size`` with a ``tokenizer`` directory gets that tokenizer's
-    size (as ``rollbook run`` and ``rollbook rollout`` size it); a tokenizer with more ids than the
-    model has rows is a ``ConfigError``."""
+def size_for_tokenizer(config: TrainerConfig) -> int | None:
+    """The vocabulary size of ``config.tokenizer`` (None without one), loaded from its local
+    directory; a tiny student of unset ``model.vocab_size`` is given that size (``model.vocab_size`` is
+    set), as ``rollbook run`` and ``rollbook rollout`` size it for the same tokenizer. Call it before
+    the student is built. A directory that is not a tokenizer is a one-line ``ConfigError``."""
+    if config.tokenizer is None:
+        return None
     from rollbook.errors import ConfigError
-    from rollbook.models import build_student, model_vocab_size
+    from rollbook.tasks import TOKENIZER
+    from rollbook.tokenizers import load_tokenizer
 
-    tokenizer_vocab = None
-    if config.tokenizer is not None:
-        from rollbook.tasks import TOKENIZER
-        from rollbook.tokenizers import load_tokenizer
+    try:
+        vocab = load_tokenizer(config.tokenizer, default=TOKENIZER).vocab_size
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"tokenizer: {exc}") from None
+    if config.model.path is None and config.model.vocab_size is None:
+        config.model.vocab_size = vocab
+    return vocab
 
-        try:
-            tokenizer_vocab = load_tokenizer(config.tokenizer, default=TOKENIZER).vocab_size
-        except (OSError, ValueError) as exc:
-            raise ConfigError(f"tokenizer: {exc}") from None
-        if config.model.path is None and config.model.vocab_size is None:
-            config.model.vocab_size = tokenizer_vocab
-    student = build_student(config.model)
+
+def registered_vocab(student, config: TrainerConfig, tokenizer_vocab: int | None = None) -> int:
+    """The vocabulary ``rollbook train`` registers: the student's embedding rows
+    (``rollbook.models.model_vocab_size``), the ids the store's token check admits. A tokenizer with
+    more ids than that (``tokenizer_vocab``) is a ``ConfigError``: the model could not read them."""
+    from rollbook.errors import ConfigError
+    from rollbook.models import model_vocab_size
+
     vocab = model_vocab_size(student)
     if tokenizer_vocab is not None and tokenizer_vocab > vocab:
         raise ConfigError(f"the tokenizer {config.tokenizer} has {tokenizer_vocab} ids, the model {vocab}: the model "
                           "cannot read or emit all of its ids (model.vocab_size, model.path)")
-    return student, vocab
+    return vocab
 
 
-def _start(trainer, client, config: TrainerConfig, vocab_size: int) -> None:
-    """``trainer.start()``, registering the model first when the admin key is at hand; a store that is
-    down or a model nobody registered is a one-line ``CommandError``."""
+def _start(trainer, client, config: TrainerConfig) -> None:
+    """``trainer.start()``, registering the model first when the admin key is at hand (its vocabulary:
+    ``registered_vocab``); a store that is down or a model nobody registered is a one-line ``CommandError``."""
     import grpc
 
     from rollbook.errors import CommandError, unreachable
 
+    vocab = registered_vocab(trainer.model, config, size_for_tokenizer(config))
     if client.admin_key:
-        client.register_model(config.model_id, vocab_size=vocab_size)
+        client.register_model(config.model_id, vocab_size=vocab)
     try:
         trainer.start()
     except grpc.RpcError as exc:

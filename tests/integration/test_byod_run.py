@@ -248,3 +248,32 @@ def test_the_readmes_own_model_commands_run_as_written(tmp_path):
     assert (export / "tokenizer.json").read_bytes() == (tmp_path / "models" / "my-llm" / "tokenizer.json").read_bytes()
     model = AutoModelForCausalLM.from_pretrained(export, local_files_only=True)
     assert model.generate(**hf("What is 2 times 3?", return_tensors="pt"), max_new_tokens=3, do_sample=False).shape[1] > 3
+
+
+def test_rollbook_train_alone_registers_the_vocabulary_of_its_tokenizers_student(tmp_path):
+    """`rollbook train` with `tokenizer` (the rollout's tokenizer directory) and a tiny student of unset
+    size: the student gets the tokenizer's vocabulary and the store is told its embedding rows, the
+    number `rollbook run` and `rollbook rollout` use for the same tokenizer (not the toy tasks' 50)."""
+    import subprocess
+    import sys
+
+    from rollbook.run import StoreProcess
+    from tests.hf_fixtures import save_bpe_tokenizer
+    from tests.integration.conftest import clean_env
+
+    keys = {"admin_key": "admin-k", "trainer_key": "trainer-k", "worker_key": "worker-k", "reader_key": "reader-k"}
+    tok = save_bpe_tokenizer(tmp_path / "tok")
+    store = StoreProcess(tmp_path / "rollbook.duckdb", **keys)
+    try:
+        env = clean_env(ROLLBOOK_ADMIN_KEY=keys["admin_key"], ROLLBOOK_TRAINER_KEY=keys["trainer_key"])
+        done = subprocess.run([sys.executable, "-m", "rollbook.cli", "train", "--server", store.address, "--run_dir",
+                               str(tmp_path / "trainer"), "--tokenizer", str(tok), "--num_samples", "4",
+                               "--max_wait_s", "2", "--poll_interval_s", "0.5"],
+                              capture_output=True, text=True, timeout=300, env=env)
+        # no worker submits: it gives up after max_wait_s, in one line, having registered and published
+        assert done.returncode != 0 and "no batch from the store" in done.stderr.strip().splitlines()[-1], done.stderr
+        with store.client() as client:
+            models = client.query("SELECT model_id, vocab_size FROM models").to_pylist()
+    finally:
+        store.stop()
+    assert models == [{"model_id": "tiny", "vocab_size": len(AutoTokenizer.from_pretrained(str(tok)))}]

@@ -2,7 +2,7 @@
 is the student's: ``export_tokenizer``'s order (the run's tokenizer directory, else the model
 directory's files, else the toy character tokenizer), the loop exporting ``trainer.tokenizer``,
 ``rollbook run``'s input check resolving ``trainer.tokenizer`` from the rollout's, and ``rollbook
-train``'s registered vocabulary (``build_registered_student``). Real tokenizers and tiny models."""
+train``'s registered vocabulary (``size_for_tokenizer``, ``registered_vocab``). Real tokenizers and tiny models."""
 
 from __future__ import annotations
 
@@ -12,13 +12,13 @@ import pytest
 
 from rollbook.config import RunConfig
 from rollbook.errors import ConfigError
-from rollbook.models import ModelConfig, model_vocab_size
+from rollbook.models import ModelConfig, build_student, model_vocab_size
 from rollbook.run_support import check_inputs
 from rollbook.tasks import TOKENIZER
 from rollbook.trainer.config import TrainerConfig
 from rollbook.trainer.export import export_tokenizer
 from rollbook.trainer.loop import Trainer
-from rollbook.trainer.main import build_registered_student
+from rollbook.trainer.main import registered_vocab, size_for_tokenizer
 from tests.hf_fixtures import save_bpe_tokenizer, save_tiny_model_dir
 from tests.unit.trainer.test_loop import FakeStore
 
@@ -58,7 +58,8 @@ def test_the_loop_exports_the_configured_tokenizer_not_the_character_one(tmp_pat
     vocab = len(_auto(tok))
     config = TrainerConfig(run_dir=str(tmp_path / "run"), num_samples=4, num_steps=1, model={"vocab_size": vocab},
                            tokenizer=str(tok))
-    student, _ = build_registered_student(config)
+    size_for_tokenizer(config)
+    student = build_student(config.model)
     Trainer(config, FakeStore(), model=student).run()
     out = tmp_path / "run" / "hf" / "step-000001"
     assert (out / "tokenizer.json").read_bytes() == (tok / "tokenizer.json").read_bytes()
@@ -88,14 +89,23 @@ def test_a_tokenizer_larger_than_the_model_or_apart_from_a_dataset_is_refused(tm
         check_inputs(RunConfig(run_dir=str(tmp_path / "r"), trainer={"tokenizer": str(small)}))
 
 
+def _train_student(config: TrainerConfig):
+    """What ``rollbook train`` does: size for the tokenizer, build the student, the vocabulary to register."""
+    tokenizer_vocab = size_for_tokenizer(config)
+    student = build_student(config.model)
+    return student, registered_vocab(student, config, tokenizer_vocab)
+
+
 def test_rollbook_train_registers_its_students_embedding_rows(tmp_path):
     tok = save_bpe_tokenizer(tmp_path / "tok")
-    student, vocab = build_registered_student(TrainerConfig(tokenizer=str(tok)))
+    student, vocab = _train_student(TrainerConfig(tokenizer=str(tok)))
     assert vocab == model_vocab_size(student) == len(_auto(tok)) > TOKENIZER.vocab_size
-    student, vocab = build_registered_student(TrainerConfig())  # the toy tasks: the character vocabulary
+    student, vocab = _train_student(TrainerConfig())  # the toy tasks: the character vocabulary
     assert vocab == model_vocab_size(student) == TOKENIZER.vocab_size
     model = save_tiny_model_dir(tmp_path / "model", vocab_size=300)
-    student, vocab = build_registered_student(TrainerConfig(model={"path": str(model)}, tokenizer=str(model)))
+    student, vocab = _train_student(TrainerConfig(model={"path": str(model)}, tokenizer=str(model)))
     assert vocab == model_vocab_size(student) == len(_auto(model))
     with pytest.raises(ConfigError, match="cannot read or emit"):
-        build_registered_student(TrainerConfig(model={"vocab_size": 60}, tokenizer=str(tok)))
+        _train_student(TrainerConfig(model={"vocab_size": 60}, tokenizer=str(tok)))
+    with pytest.raises(ConfigError, match="tokenizer: tokenizer directory .* does not exist"):
+        size_for_tokenizer(TrainerConfig(tokenizer=str(tmp_path / "nope")))
