@@ -68,6 +68,13 @@ class TrainerConfig(BaseModel):
                                   "lease time must cover N steps; versions published between checkpoints are redone after a crash.")
     keep_last: int = Field(2, ge=1, description="Checkpoints kept in RUN_DIR/checkpoints/ (the newest N; LATEST names the newest).")
     seed: int = Field(0, description="Trainer RNG seed.")
+    num_ranks: int = Field(1, ge=1, description="Data-parallel ranks (trainer/distributed.py): one lease per step split "
+                           "across them by whole groups, gradients summed, one checkpoint and one ack (rank 0). "
+                           "`rollbook train` starts ranks 1..N-1 itself; under torchrun the launcher's world size wins.")
+    dist_backend: Literal["auto", "gloo", "nccl"] = Field("auto", description="torch.distributed backend of the ranks "
+                                                          "(auto: nccl when CUDA is available, else gloo).")
+    dist_timeout_s: float = Field(120.0, gt=0, description="How long a rank waits in a collective for the others; a dead "
+                                  "rank fails the step after at most this long.")
 
     @model_validator(mode="after")
     def _check(self) -> "TrainerConfig":
