@@ -34,6 +34,7 @@ import datetime
 import logging
 from collections import defaultdict
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -60,7 +61,7 @@ def init_group(rank: int | None = None, world_size: int | None = None, init_meth
     """Join the process group (a no-op when already joined); returns (rank, world size). With
     ``init_method='env://'`` (torchrun) rank and world size come from torch's own rendezvous."""
     if not dist.is_initialized():
-        kwargs = {} if rank is None else {"rank": rank, "world_size": world_size}
+        kwargs: dict[str, Any] = {} if rank is None else {"rank": rank, "world_size": world_size}
         dist.init_process_group(backend_for(backend), init_method=init_method,
                                 timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
     return dist.get_rank(), dist.get_world_size()
@@ -120,7 +121,7 @@ class DistributedTrainer(Trainer):
         model, optimizer and state, so the replicas start identical."""
         if self.rank == 0:
             super().start()
-            payload = [self.model.state_dict(), self.optimizer.state_dict(), self.state]
+            payload: list[Any] = [self.model.state_dict(), self.optimizer.state_dict(), self.state]
         else:
             payload = [None, None, None]
         dist.broadcast_object_list(payload, src=0)
