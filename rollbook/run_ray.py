@@ -130,8 +130,14 @@ class RolloutActor:
         self._error: BaseException | None = None
 
         def loop():
+            from rollbook.errors import CommandError
+
             try:
                 self._result = run_worker(worker_config, self._stop)
+            except CommandError as exc:  # no first weights: an error unless the run ended first
+                if not self._stop.is_set():
+                    self._error = exc
+                self._result = {"rounds": 0, "version": -1}
             except BaseException as exc:  # reported by stop()
                 self._error = exc
 
@@ -179,7 +185,7 @@ def run_ray(config: RunConfig, address: str, keys: dict) -> dict:
     workers: list = []
     ranks: list = []
     try:
-        ranks, weight_server = _start_ranks(trainer_cls, config, weight_port)
+        ranks, weight_server = _start_ranks(trainer_cls, config, weight_port, attempt=0)
         weight_port = int(weight_server.rpartition(":")[2])
         per_worker = math.ceil(config.trainer.num_samples / rc.num_workers)
         for i in range(rc.num_workers):
@@ -207,7 +213,7 @@ def run_ray(config: RunConfig, address: str, keys: dict) -> dict:
                                        f"{rc.trainer_restarts}); last: {str(exc).splitlines()[0]}") from None
                 log.warning("a trainer rank failed (%s); starting the group again from the last checkpoint",
                             str(exc).splitlines()[0])
-                ranks, _ = _start_ranks(trainer_cls, config, weight_port)
+                ranks, _ = _start_ranks(trainer_cls, config, weight_port, attempt=attempts)
         where = ray.get([w.where.remote() for w in workers])
         worker_stats = ray.get([w.stop.remote() for w in workers])
         summary["workers"] = [{**s, **w} for s, w in zip(worker_stats, where, strict=True)]
@@ -221,9 +227,10 @@ def run_ray(config: RunConfig, address: str, keys: dict) -> dict:
             ray.shutdown()
 
 
-def _start_ranks(trainer_cls, config: RunConfig, weight_port: int | None):
-    """The trainer group's actors and their ``run`` refs; rank 0's weight server on ``weight_port``
-    (kept across restarts so the rollout actors keep fetching from the same address)."""
+def _start_ranks(trainer_cls, config: RunConfig, weight_port: int | None, attempt: int):
+    """The trainer group's actors (named ``rollbook-trainer-RANK-RUNDIR-ATTEMPT``) and their ``run``
+    refs; rank 0's weight server on ``weight_port`` (kept across restarts so the rollout actors keep
+    fetching from the same address)."""
     import ray
 
     rc = config.ray
@@ -231,7 +238,9 @@ def _start_ranks(trainer_cls, config: RunConfig, weight_port: int | None):
     options: dict = {"num_cpus": rc.trainer_cpus, "num_gpus": rc.trainer_gpus, "max_restarts": 0}
     if rc.trainer_resources:
         options["resources"] = rc.trainer_resources
-    actors = [trainer_cls.options(**options).remote(config, rank, world) for rank in range(world)]
+    name = pathlib.Path(config.run_dir).name
+    actors = [trainer_cls.options(**options, name=f"rollbook-trainer-{rank}-{name}-{attempt}").remote(config, rank, world)
+              for rank in range(world)]
     head = ray.get(actors[0].where.remote())
     init_method = f"tcp://{head['ip']}:{head['rendezvous_port']}"
     weight_server = f"{rc.weight_host}:{weight_port or _free_port(rc.weight_host)}"

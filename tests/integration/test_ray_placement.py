@@ -73,3 +73,69 @@ def test_ray_placement_spreads_rollout_over_two_nodes_and_trains_with_two_ranks(
     metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     evals = [m for m in metrics if "eval/reward" in m]
     assert evals[0]["step"] == 0 and evals[-1]["step"] == STEPS - 1
+
+
+# One row: ACCEPTED rows stored more than once, rows acked in more than one lease, rows marked trained
+# without an acked lease, and steps without exactly one acked lease.
+EXACTLY_ONCE = """
+    SELECT (SELECT count(*) - count(DISTINCT trajectory_id) FROM trajectories) AS stored_twice,
+           (SELECT count(*) FROM (SELECT trajectory_id FROM leases WHERE acked_at IS NOT NULL
+                                  GROUP BY trajectory_id HAVING count(*) > 1)) AS acked_twice,
+           (SELECT count(*) FROM trajectories WHERE status = 'trained' AND trajectory_id NOT IN
+                (SELECT trajectory_id FROM leases WHERE acked_at IS NOT NULL)) AS trained_unacked,
+           (SELECT count(*) FROM (SELECT step FROM leases WHERE acked_at IS NOT NULL GROUP BY step
+                                  HAVING count(DISTINCT lease_id) <> 1)) AS steps_not_one_lease
+"""
+
+
+def _wait_for_steps(run_dir: pathlib.Path, n: int, thread, timeout_s: float = 300) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and thread.is_alive():
+        path = run_dir / "metrics.jsonl"
+        if path.exists() and sum('"loss/total"' in line for line in path.read_text().splitlines()) >= n:
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"the run did not reach step {n}")
+
+
+def test_a_killed_rollout_actor_and_a_killed_trainer_rank_lose_and_repeat_nothing(cluster, tmp_path):
+    """Acceptance 3: one rollout actor is killed (Ray restarts it on its spool) and, later, trainer
+    rank 1 (the step fails, the group starts again from the last checkpoint); the run finishes and
+    one SQL query shows every accepted row stored once and every trained row acked once."""
+    import threading
+
+    import ray
+
+    from rollbook.run import run
+
+    steps = 6
+    config = small_config(tmp_path / "run")
+    config.num_steps = config.trainer.num_steps = steps
+    config.trainer.lease_seconds = 5.0  # the failed step's lease comes back soon
+    config.trainer.dist_timeout_s = 30.0
+    result: dict = {}
+    thread = threading.Thread(target=lambda: result.update(summary=run(config)), daemon=True)
+    thread.start()
+    _wait_for_steps(tmp_path / "run", 1, thread)
+    victim = ray.get_actor(f"rollbook-rollout-1-{tmp_path.joinpath('run').name}")
+    pid_before = ray.get(victim.where.remote())["pid"]
+    ray.kill(victim, no_restart=False)  # Ray restarts it (max_restarts)
+    _wait_for_steps(tmp_path / "run", 3, thread)
+    ray.kill(ray.get_actor(f"rollbook-trainer-1-{tmp_path.joinpath('run').name}-0"), no_restart=True)
+    thread.join(timeout=600)
+    assert "summary" in result, "the run did not finish"
+    workers = result["summary"]["workers"]
+    assert workers[1]["pid"] != pid_before  # the restarted actor
+    con = duckdb.connect(str(tmp_path / "run" / "rollbook.duckdb"), read_only=True)
+    audit = dict(zip(["stored_twice", "acked_twice", "trained_unacked", "steps_not_one_lease"],
+                     con.execute(EXACTLY_ONCE).fetchone(), strict=True))
+    assert audit == {"stored_twice": 0, "acked_twice": 0, "trained_unacked": 0, "steps_not_one_lease": 0}
+    assert [s for (s,) in con.execute("SELECT step FROM train_steps ORDER BY step").fetchall()] == list(range(steps))
+    (acked_steps,) = con.execute("SELECT count(DISTINCT step) FROM leases WHERE acked_at IS NOT NULL").fetchone()
+    assert acked_steps == steps
+    # the trainer group really failed and came back: the first attempt's metrics stop, a second start
+    # evaluated again before resuming from its checkpoint
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert sum("loss/total" not in m for m in metrics) >= 2
