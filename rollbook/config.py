@@ -118,6 +118,9 @@ class RunConfig(BaseModel):
         self.max_staleness = eta if eta is not None else (0 if self.placement == "colocated" else SEPARATED_MAX_STALENESS)
         self.trainer.run_dir, self.trainer.num_steps = self.run_dir, self.num_steps
         self.trainer.max_staleness = self.rollout.max_staleness = self.max_staleness
+        if self.trainer.num_ranks > 1 and self.placement != "ray":
+            raise ValueError(f"trainer.num_ranks = {self.trainer.num_ranks} needs placement 'ray' (colocated and separated "
+                             "train in one process; `rollbook train --num_ranks N` runs ranks against any store)")
         if self.trainer.loss.distill_coef > 0 and self.warm_start.teacher_steps == 0 and not self.trainer.teachers:
             raise ValueError("MOPD (trainer.loss.distill_coef > 0) needs a teacher: set warm_start.teacher_steps > 0 "
                              "or list [[trainer.teachers]]")
