@@ -1,4 +1,4 @@
-"""``rollbook train --num_ranks 2`` against a real store and a real rollout worker (weights over the
+"""``rollbook train --num_ranks 2`` (and the same under torchrun) against a real store and a real rollout worker (weights over the
 network channel): two gloo ranks train on one lease per step, rank 0 alone reports, checkpoints,
 acks and publishes; the ledger shows one acked lease per step and no row trained twice."""
 
@@ -30,7 +30,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_rank_train_takes_one_lease_and_one_ack_per_step(tmp_path: pathlib.Path):
+@pytest.mark.parametrize("launcher", ["num_ranks", "torchrun"])
+def test_two_rank_train_takes_one_lease_and_one_ack_per_step(tmp_path: pathlib.Path, launcher: str):
     store = StoreProcess(tmp_path / "rollbook.duckdb", **KEYS)
     env = {**os.environ, "ROLLBOOK_TRAINER_KEY": KEYS["trainer_key"]}
     port = _free_port()
@@ -38,11 +39,15 @@ def test_two_rank_train_takes_one_lease_and_one_ack_per_step(tmp_path: pathlib.P
     try:
         with StoreClient(store.address, **KEYS) as client:
             client.register_model("tiny", TOKENIZER.vocab_size)
-        trainer = subprocess.Popen(cli + ["train", "--server", store.address, "--run_dir", str(tmp_path / "trainer"),
-                                          "--weight_server", f"127.0.0.1:{port}", "--num_steps", str(STEPS),
-                                          "--num_samples", "16", "--max_staleness", "1", "--max_wait_s", "240",
-                                          "--num_ranks", "2", "--log-level", "INFO"],
-                                   env=env, stderr=subprocess.PIPE, text=True)
+        train = ["train", "--server", store.address, "--run_dir", str(tmp_path / "trainer"), "--weight_server",
+                 f"127.0.0.1:{port}", "--num_steps", str(STEPS), "--num_samples", "16", "--max_staleness", "1",
+                 "--max_wait_s", "240", "--log-level", "INFO"]
+        if launcher == "torchrun":  # env:// rendezvous; every rank runs the same command
+            launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                      str(_free_port()), "-m", "rollbook.cli"]
+            trainer = subprocess.Popen(launch + train, env=env, stderr=subprocess.PIPE, text=True)
+        else:
+            trainer = subprocess.Popen(cli + train + ["--num_ranks", "2"], env=env, stderr=subprocess.PIPE, text=True)
         worker = subprocess.Popen(cli + ["rollout", "--server", store.address, "--weights", f"grpc:127.0.0.1:{port}",
                                          "--batch_size", "16", "--rollout.group_size", "4", "--rollout.num_prompts", "4",
                                          "--rollout.max_staleness", "1", "--spool_dir", str(tmp_path / "spool")],
