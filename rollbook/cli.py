@@ -7,6 +7,7 @@
     rollbook stats  --server 127.0.0.1:50551
     rollbook admin  register-model tiny                          # admin key from ROLLBOOK_ADMIN_KEY
     rollbook demo   --run-dir runs/demo                          # store + generated workload + SQL
+    rollbook export runs/demo/checkpoints/step-000040 --to out/  # a checkpoint as a Hugging Face directory
 
 ``run``, ``train``, ``rollout`` and ``serve`` take ``--config FILE`` and any config field as a
 dotted flag; ``--help-config`` lists the fields. Environment variables are read in rollbook/env.py
@@ -168,6 +169,14 @@ def _rollout(args: argparse.Namespace, overrides: list[str]) -> int:
     return 0
 
 
+def _export(args: argparse.Namespace) -> int:
+    from rollbook.trainer.export import export_checkpoint
+
+    out = export_checkpoint(args.checkpoint, args.to, tokenizer_dir=args.tokenizer)
+    print(f"exported {args.checkpoint} to {out} (load with AutoModelForCausalLM / AutoTokenizer.from_pretrained)")
+    return 0
+
+
 def _config_model(command: str):
     if command == "run":
         from rollbook.config import RunConfig
@@ -294,6 +303,15 @@ def build_parser() -> argparse.ArgumentParser:
     _config_flags(p, "worker config (example: configs/worker.toml)")
     p.add_argument("--log-level", default="INFO")
     p.set_defaults(func=_rollout, takes_overrides=True)
+
+    p = sub.add_parser("export", help="write a kept checkpoint as a Hugging Face directory (model + tokenizer)",
+                       description="Convert a rollbook checkpoint (RUN_DIR/checkpoints/step-NNNNNN, or a run directory: "
+                       "its LATEST) into a directory that AutoModelForCausalLM and AutoTokenizer.from_pretrained load. "
+                       "The tokenizer is the run's (model.path's files, else the task tokenizer) unless --tokenizer.")
+    p.add_argument("checkpoint", help="checkpoint directory, RUN_DIR/checkpoints, or RUN_DIR (then the LATEST checkpoint)")
+    p.add_argument("--to", required=True, metavar="DIR", help="output directory (must not exist or be empty)")
+    p.add_argument("--tokenizer", default=None, metavar="DIR", help="copy the tokenizer files from this directory instead")
+    p.set_defaults(func=_export)
 
     p = sub.add_parser("demo", help="start a store in a run directory, feed it a generated workload, print SQL answers")
     p.add_argument("--run-dir", default="runs/demo", help="run directory; the ledger is RUN_DIR/rollbook.duckdb (default: %(default)s)")

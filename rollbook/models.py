@@ -9,6 +9,9 @@ that the CLI and the store never pay for them.
 
 from __future__ import annotations
 
+import json
+import os
+import pathlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -24,8 +27,11 @@ class ModelConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    path: str | None = Field(None, description="Local directory of a transformers causal LM; None builds a tiny model from the fields below.")
-    vocab_size: int | None = Field(None, ge=2, description="Tiny model: vocabulary size; None = the task tokenizer's (rollbook/tasks.py).")
+    path: str | None = Field(
+        None, description="Local Hugging Face directory of the student (config.json + weights, e.g. saved with "
+        "save_pretrained; nothing is downloaded): the trainer and the rollout worker load the same directory and its "
+        "config.json vocab_size is what the store registers. None builds a tiny model from the fields below.")
+    vocab_size: int | None = Field(None, ge=2, description="Tiny model: vocabulary size; None = the task tokenizer's (rollbook/tasks.py). Ignored with path.")
     hidden_size: int = Field(64, ge=8, description="Tiny model: hidden size.")
     num_layers: int = Field(2, ge=1, description="Tiny model: number of decoder layers.")
     num_heads: int = Field(4, ge=1, description="Tiny model: attention heads.")
@@ -71,12 +77,65 @@ def build_tiny_model(spec: TinyModelSpec, *, seed: int = 0, dtype: "torch.dtype 
     return model.to(dtype or torch.float32)  # type: ignore[arg-type]  # transformers' decorator hides nn.Module.to(dtype)
 
 
-def load_model(path: str, *, dtype: "torch.dtype | None" = None):
-    """Load a causal LM from a local directory (``local_files_only``: never touches a hub)."""
+def quiet_transformers() -> None:
+    """No tqdm bars from transformers or huggingface_hub ("Loading weights", "Writing model shards"):
+    they would interleave with the console and break one-line errors."""
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    try:
+        from huggingface_hub.utils import disable_progress_bars
+    except ImportError:  # pragma: no cover - an older huggingface_hub
+        return
+    disable_progress_bars()
+
+
+def check_model_dir(path: str | os.PathLike, what: str = "model") -> pathlib.Path:
+    """``path`` as a Path when it is a local Hugging Face model directory (a folder with config.json);
+    a one-line ``ConfigError`` naming ``what`` otherwise (so a typo never reaches a hub lookup)."""
+    from rollbook.errors import ConfigError
+
+    p = pathlib.Path(path)
+    if not p.is_dir():
+        raise ConfigError(f"{what} {str(path)!r}: no such directory (a local Hugging Face model directory is needed)")
+    if not (p / "config.json").is_file():
+        raise ConfigError(f"{what} {str(path)!r}: not a Hugging Face model directory (no config.json)")
+    return p
+
+
+def load_model(path: str | os.PathLike, *, dtype: "torch.dtype | None" = None, what: str = "model"):
+    """Load a causal LM from a local Hugging Face directory (``local_files_only``: never touches a
+    hub), fp32 unless ``dtype``; ``what`` names it in the error for a directory that is not one."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype or torch.float32)
+    p = check_model_dir(path, what)
+    quiet_transformers()
+    return AutoModelForCausalLM.from_pretrained(p, local_files_only=True, dtype=dtype or torch.float32)
+
+
+def model_vocab_size(model) -> int:
+    """Rows of a causal LM's input embedding: the ids it can read and, untied or tied, emit (a
+    checkpoint's ``config.vocab_size`` may be padded past its tokenizer's size; this is the bound)."""
+    return int(model.get_input_embeddings().weight.shape[0])
+
+
+def student_vocab_size(m: ModelConfig) -> int:
+    """The vocabulary size of the student a ``ModelConfig`` builds, without building it: the loaded
+    directory's ``config.json`` ``vocab_size`` for ``path``, else ``vocab_size`` or the task
+    tokenizer's. This is what ``RegisterModel`` gets, so the store's token-range rule matches the model."""
+    if m.path:
+        config = json.loads((check_model_dir(m.path, "model.path") / "config.json").read_text())
+        text = config.get("text_config") or {}
+        vocab = config.get("vocab_size") or text.get("vocab_size")
+        if not isinstance(vocab, int) or vocab < 2:
+            from rollbook.errors import ConfigError
+
+            raise ConfigError(f"model.path {m.path!r}: config.json has no vocab_size")
+        return vocab
+    from rollbook.tasks import TOKENIZER
+
+    return m.vocab_size or TOKENIZER.vocab_size
 
 
 def build_student(m: ModelConfig, *, seed: int | None = None):
@@ -85,7 +144,7 @@ def build_student(m: ModelConfig, *, seed: int | None = None):
     from rollbook.tasks import TOKENIZER
 
     if m.path:
-        return load_model(m.path)
+        return load_model(m.path, what="model.path")
     spec = TinyModelSpec(vocab_size=m.vocab_size or TOKENIZER.vocab_size, hidden_size=m.hidden_size,
                          num_layers=m.num_layers, num_heads=m.num_heads, num_kv_heads=m.num_kv_heads,
                          intermediate_size=m.intermediate_size)

@@ -30,8 +30,8 @@ import sys
 from rollbook import env as rollbook_env
 from rollbook.config import RunConfig, write_resolved
 from rollbook.errors import CommandError
+from rollbook.models import student_vocab_size
 from rollbook.run_support import MetricsLog, heldout_text, install_weights, step_line, steps_done
-from rollbook.tasks import TOKENIZER
 
 log = logging.getLogger("rollbook.run")
 
@@ -110,7 +110,7 @@ def run(config: RunConfig) -> dict:
     print(f"store: {store.address}, ledger {run_dir / 'rollbook.duckdb'}", flush=True)
     try:
         client = StoreClient.from_env(store.address, **keys)
-        client.register_model(config.trainer.model_id, vocab_size=TOKENIZER.vocab_size)
+        client.register_model(config.trainer.model_id, vocab_size=student_vocab_size(config.trainer.model))
         if config.placement == "colocated":
             summary = _colocated(config, client)
         elif config.placement == "ray":

@@ -1,7 +1,9 @@
 """Checkpoints that neither lose nor repeat a batch.
 
 A checkpoint holds the model, the optimizer, the policy version, the step, every RNG state, and the
-lease ids the checkpointed weights consumed. It is written to a temporary directory and renamed into
+lease ids the checkpointed weights consumed (``state.pt``, ``trainer.json``), and the model's Hugging
+Face ``config.json`` (its architecture: ``rollbook export`` turns any kept checkpoint into a Hugging
+Face directory, ``trainer/export.py``). It is written to a temporary directory and renamed into
 place (atomic on POSIX), so a kill -9 leaves either the old checkpoint or the new one. A lease is
 acked only after the checkpoint holding it exists; on restart the trainer re-acks the checkpoint's
 leases (acks are idempotent) and republishes its version, so a crash between checkpoint and ack
@@ -46,6 +48,9 @@ def save_checkpoint(run_dir: pathlib.Path, model: torch.nn.Module, optimizer: to
         tmp / "state.pt",
     )
     (tmp / "trainer.json").write_text(json.dumps(asdict(state), indent=2))
+    hf_config = getattr(model, "config", None)
+    if hasattr(hf_config, "to_json_file"):  # the architecture, for `rollbook export` (trainer/export.py)
+        hf_config.to_json_file(tmp / "config.json")
     _fsync_tree(tmp)
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)

@@ -24,12 +24,19 @@ class LossConfig(BaseModel):
     rl_coef: float = Field(1.0, ge=0, description="Weight of the decoupled-PPO loss.")
     distill_coef: float = Field(0.0, ge=0, description="Weight of the MOPD loss (needs teachers).")
     adv_clip: float = Field(5.0, gt=0, description="MOPD: clip of the teacher advantage log pi_T - log pi_theta.")
+    kl_coef: float = Field(0.0, ge=0, description="Weight of the KL penalty to the reference policy (TrainerConfig.reference), "
+                           "added to the loss on the same packed tokens (verl's kl_loss_coef, TRL's beta); 0 = off "
+                           "(no reference is loaded). Reported per step as kl/mean.")
+    kl_estimator: Literal["k1", "k3"] = Field(
+        "k3", description="Per-token KL estimate with r = log pi_theta - log pi_ref: 'k1' = r, 'k3' = exp(-r) - 1 + r "
+        "(never negative; verl's low_var_kl, TRL's GRPO); see docs/design.md, 'The trainer'.")
 
 
 class TeacherConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    path: str = Field(description="Local directory of the teacher (a transformers causal LM or a rollbook checkpoint's model/).")
+    path: str = Field(description="Local Hugging Face directory of the teacher (a causal LM with config.json and weights: a "
+                      "model's own, or a run's export RUN_DIR/hf/step-NNNNNN/ or `rollbook export`); same vocabulary as the student.")
     domain: str | None = Field(None, description="Domain this teacher serves (routing 'domain').")
     weight: float = Field(1.0, gt=0, description="Mixture weight (routing 'mixture').")
 
@@ -49,6 +56,10 @@ class TrainerConfig(BaseModel):
     loss: LossConfig = Field(default_factory=LossConfig)
     teachers: list[TeacherConfig] = Field(default_factory=list, description="Teachers for MOPD.")
     teacher_routing: Literal["domain", "mixture"] = Field("domain", description="How tokens are routed to teachers.")
+    reference: str = Field(
+        "initial", description="Reference policy of the KL penalty (loss.kl_coef > 0): 'initial' = a frozen copy of the "
+        "student as built before any checkpoint is restored (model.path or the warm-started base, so a resumed run keeps "
+        "the same reference), or a local Hugging Face directory with the student's vocabulary.")
     weight_server: str | None = Field(
         None, description="HOST:PORT to serve each published version over gRPC (full copies and deltas) for rollout "
         "workers on other hosts (`rollbook rollout --weights grpc:HOST:PORT`); port 0 picks one (logged). The weight "
@@ -67,6 +78,11 @@ class TrainerConfig(BaseModel):
     checkpoint_every: int = Field(1, ge=1, description="Checkpoint every N steps. A batch is acked only once checkpointed, so the "
                                   "lease time must cover N steps; versions published between checkpoints are redone after a crash.")
     keep_last: int = Field(2, ge=1, description="Checkpoints kept in RUN_DIR/checkpoints/ (the newest N; LATEST names the newest).")
+    export_every: int | None = Field(
+        None, ge=1, description="Also write a Hugging Face directory (model + tokenizer, loadable with from_pretrained) "
+        "every N steps, to RUN_DIR/hf/step-NNNNNN/; None = only after the last step (export_final).")
+    export_final: bool = Field(True, description="Write a Hugging Face export after the last step (num_steps).")
+    export_keep_last: int = Field(2, ge=1, description="Hugging Face exports kept in RUN_DIR/hf/ (the newest N).")
     seed: int = Field(0, description="Trainer RNG seed.")
     num_ranks: int = Field(1, ge=1, description="Data-parallel ranks (trainer/distributed.py): one lease per step split "
                            "across them by whole groups, gradients summed, one checkpoint and one ack (rank 0). "
@@ -80,6 +96,8 @@ class TrainerConfig(BaseModel):
     def _check(self) -> "TrainerConfig":
         if self.teachers and self.loss.distill_coef == 0:
             warnings.warn("teachers are configured but loss.distill_coef = 0: they will not be used", stacklevel=2)
+        if self.reference != "initial" and self.loss.kl_coef == 0:
+            warnings.warn("a reference model is configured but loss.kl_coef = 0: it will not be used", stacklevel=2)
         if self.teacher_routing == "domain" and len(self.teachers) > 1 and any(t.domain is None for t in self.teachers):
             raise ValueError("teacher_routing 'domain' with several teachers needs a domain on each")
         return self

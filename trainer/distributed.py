@@ -9,14 +9,19 @@ One step:
 1. rank 0 pulls one lease (``PullBatch``) and broadcasts the Arrow table to every rank (an empty
    pull too, so every rank returns None together);
 2. every rank takes its share by whole groups (``shard_groups``: greedy by tokens, the same answer on
-   every rank), recomputes proximal (and teacher) log-probs for its share only;
+   every rank), recomputes proximal (and teacher, and KL reference) log-probs for its share only;
 3. each optimizer update: the global token count of the minibatch is all-reduced first, each rank
    scales its micro-batch losses by ``tokens / global_tokens`` and the gradients are summed
    (one flat all-reduce), so N ranks with a share each take the same step as one rank with the whole
    batch (tested in tests/unit/trainer/test_distributed.py); clipping and AdamW then run on the same
    gradients on every rank, and the replicas stay identical;
-4. rank 0 alone reports the step, writes the checkpoint, acks the lease and publishes version v + 1
-   (to its weight publishers and the store); the other ranks only advance their step and version.
+4. rank 0 alone reports the step, writes the checkpoint, acks the lease, writes a due Hugging Face
+   export and publishes version v + 1 (to its weight publishers and the store); the other ranks only
+   advance their step and version.
+
+``update`` mirrors ``Trainer.update`` (loop.py) with the share and the reductions added: a term added
+to the loss there (as the KL penalty was) must be added here too; the equivalence test
+(tests/unit/trainer/test_distributed.py) runs with the KL penalty on to catch one that is not.
 
 There is one lease, one checkpoint and one ack per step, whatever N. A rank that dies makes the
 others' next collective fail (or time out after ``dist_timeout_s``): the step fails, nothing was
@@ -151,6 +156,7 @@ class DistributedTrainer(Trainer):
         local = _subset(rows, mine) if mine else None
         proximal = self._proximal(local) if local is not None else None
         teacher = self._teacher_logprobs(local) if local is not None and cfg.loss.distill_coef > 0 else None
+        reference = self._reference_logprobs(local) if local is not None and self.reference is not None else None
         order = np.random.permutation(len(mine))
         acc: dict[str, list[float]] = defaultdict(list)
         for minibatch in np.array_split(order, cfg.num_minibatches):
@@ -164,7 +170,8 @@ class DistributedTrainer(Trainer):
                 for _seqs, idx, packed in self._micro_batches(local, minibatch):
                     logp = packed_logprobs(self.model, packed, local.temperatures[idx])
                     loss, stats = self._loss(logp, proximal[idx], local.behavior[idx], local.advantages[idx],
-                                             teacher[idx] if teacher is not None else None)
+                                             teacher[idx] if teacher is not None else None,
+                                             reference[idx] if reference is not None else None)
                     (loss * (len(idx) / total)).backward()
                     for k, v in stats.items():
                         acc[k].append(float(v))

@@ -9,9 +9,11 @@ One step (``Trainer.step``):
 2. proximal log-probs: recomputed with the current weights before any update (no grad), or AReaL's
    log-linear approximation between the behavior and the current log-probs;
 3. ``num_minibatches`` optimizer updates over the batch (packed micro-batches, token-weighted
-   gradient accumulation) on ``rl_coef * decoupled_ppo + distill_coef * mopd``;
+   gradient accumulation) on ``rl_coef * decoupled_ppo + distill_coef * mopd + kl_coef * kl``
+   (the KL penalty to the frozen reference policy, scored like the proximal log-probs);
 4. the step's statistics to ``train_steps`` (``ReportTrainStep``), then a checkpoint holding the
-   lease, then ``AckBatch``, then version ``v + 1`` to every weight publisher and ``PublishVersion``.
+   lease, then ``AckBatch``, then a Hugging Face export when one is due (``trainer.export``), then
+   version ``v + 1`` to every weight publisher and ``PublishVersion``.
 A kill -9 anywhere in between neither loses nor repeats a batch (see ``trainer.checkpoint``).
 """
 
@@ -32,6 +34,8 @@ import torch
 from rollbook.trainer import losses
 from rollbook.trainer.checkpoint import TrainerState, load_checkpoint, save_checkpoint
 from rollbook.trainer.config import TrainerConfig
+from rollbook.trainer.export import export_due, export_model
+from rollbook.trainer.model_builders import build_reference
 from rollbook.trainer.packing import pack_sequences, packed_logprobs
 from rollbook.trainer.proximal import loglinear_alpha, loglinear_proximal_logprobs
 
@@ -82,11 +86,18 @@ class _Rows:
 
 class Trainer:
     def __init__(self, config: TrainerConfig, client, *, model: torch.nn.Module, teacher=None,
-                 publishers: Sequence[Publisher] = (), on_step: Callable[[dict], None] | None = None):
+                 publishers: Sequence[Publisher] = (), on_step: Callable[[dict], None] | None = None,
+                 reference: torch.nn.Module | None = None):
         self.config = config
         self.client = client
         self.model = model
         self.teacher = teacher
+        # the KL reference (None while loss.kl_coef is 0) is built here, before start() restores a
+        # checkpoint into the model: reference = "initial" copies the starting student
+        self.reference: torch.nn.Module | None = None
+        if config.loss.kl_coef > 0:
+            self.reference = (build_reference(config, model) if reference is None
+                              else reference.eval().requires_grad_(False))
         self.publishers = list(publishers)
         self.on_step = on_step
         self.run_dir = pathlib.Path(config.run_dir)
@@ -150,6 +161,8 @@ class Trainer:
             for lease in self._unacked:  # only now are these batches safe: the weights holding them are on disk
                 self.client.ack_batch(lease, cfg.trainer_id)
             self._unacked = []
+        if export_due(cfg, self.state.step):
+            export_model(self.run_dir, self.state.step, self.model, cfg.model, keep_last=cfg.export_keep_last)
         self._publish()
         stats["step"] = self.state.step - 1
         log.info("step %d  reward %.3f  loss %.4f  clip %.3f  tokens/s %.0f", stats["step"], stats["reward/mean"],
@@ -163,6 +176,7 @@ class Trainer:
         cfg = self.config
         proximal = self._proximal(rows)
         teacher = self._teacher_logprobs(rows) if cfg.loss.distill_coef > 0 else None
+        reference = self._reference_logprobs(rows) if self.reference is not None else None
         order = np.random.permutation(len(rows.outputs))
         acc: dict[str, list[float]] = defaultdict(list)
         for minibatch in np.array_split(order, cfg.num_minibatches):
@@ -174,7 +188,8 @@ class Trainer:
             for _seqs, idx, packed in self._micro_batches(rows, minibatch):
                 logp = packed_logprobs(self.model, packed, rows.temperatures[idx])
                 loss, stats = self._loss(logp, proximal[idx], rows.behavior[idx], rows.advantages[idx],
-                                         teacher[idx] if teacher is not None else None)
+                                         teacher[idx] if teacher is not None else None,
+                                         reference[idx] if reference is not None else None)
                 (loss * (len(idx) / total)).backward()
                 for k, v in stats.items():
                     acc[k].append(float(v))
@@ -187,9 +202,17 @@ class Trainer:
             out.update(_teacher_gap_by_domain(rows, teacher, proximal))
         return out
 
-    def _loss(self, logp, prox, behav, adv, teacher_logp):
+    def _loss(self, logp, prox, behav, adv, teacher_logp, reference_logp=None):
         cfg = self.config.loss
         mask = torch.ones_like(logp, dtype=torch.bool)
+        out = self._policy_loss(logp, prox, behav, adv, teacher_logp, mask)
+        if reference_logp is None:
+            return out
+        kl = losses.kl_penalty(logp, reference_logp, mask, estimator=cfg.kl_estimator)
+        return losses.add_kl_penalty(out, kl, kl_coef=cfg.kl_coef)
+
+    def _policy_loss(self, logp, prox, behav, adv, teacher_logp, mask):
+        cfg = self.config.loss
         rl = losses.decoupled_ppo_loss(
             logp, prox, behav, adv, mask, eps_clip=cfg.eps_clip, eps_clip_high=cfg.eps_clip_high,
             behavior_weight_cap=cfg.behavior_weight_cap, behavior_weight_action=cfg.behavior_weight_action,
@@ -230,6 +253,16 @@ class Trainer:
         out = torch.empty_like(rows.behavior)
         for members, idx, packed in self._micro_batches(rows, list(range(len(rows.outputs)))):
             out[idx] = self.teacher.score(packed, [rows.domains[s] for s in members])
+        return out
+
+    @torch.no_grad()
+    def _reference_logprobs(self, rows: _Rows) -> torch.Tensor:
+        """The reference policy's log-probs of the sampled tokens, on the same packed micro-batches and
+        at the same temperatures as the student's (so a reference equal to the student scores 0 KL)."""
+        assert self.reference is not None
+        out = torch.empty_like(rows.behavior)
+        for _, idx, packed in self._micro_batches(rows, list(range(len(rows.outputs)))):
+            out[idx] = packed_logprobs(self.reference, packed, rows.temperatures[idx])
         return out
 
     def _publish(self) -> None:

@@ -1,4 +1,5 @@
-"""Pure loss functions of the trainer: decoupled PPO and multi-teacher on-policy distillation.
+"""Pure loss functions of the trainer: decoupled PPO, multi-teacher on-policy distillation, and the
+KL penalty to a reference policy.
 
 Tensors in, ``(loss, stats)`` out: no model, no optimizer, no config object. The step loop calls
 them per micro-batch on packed tokens, shape ``[T]`` (any shape works if every argument has the
@@ -39,7 +40,11 @@ import torch
 LOG_RATIO_CLAMP = 20.0
 """exp(20) ~ 4.9e8: far beyond any cap or clip, still finite in float32 and bfloat16."""
 
+K3_CLAMP = 10.0
+"""Bound on the per-token k3 estimate (verl clamps its ``low_var_kl`` to [-10, 10] the same way)."""
+
 BehaviorWeightAction = Literal["mask", "clamp"]
+KLEstimator = Literal["k1", "k3"]
 LossOutput = tuple[torch.Tensor, dict[str, torch.Tensor]]
 
 
@@ -186,6 +191,67 @@ def mix_teacher_logprobs(
     log_w = (w / w.sum()).log().to(device=teacher_logprobs.device, dtype=dtype)
     log_w = log_w.view(-1, *([1] * (teacher_logprobs.ndim - 1)))
     return torch.logsumexp(teacher_logprobs.to(dtype) + log_w, dim=0)
+
+
+def kl_penalty(
+    logprobs: torch.Tensor,
+    reference_logprobs: torch.Tensor,
+    loss_mask: torch.Tensor,
+    *,
+    estimator: KLEstimator,
+) -> LossOutput:
+    """Token-mean estimate of KL(current || reference) on the sampled tokens, as a loss term.
+
+    With ``r = log pi_current - log pi_reference`` per token (clamped like every log-ratio here):
+
+    - ``k1 = r``: unbiased for the KL when the tokens are sampled from the current policy, but may be
+      negative per token;
+    - ``k3 = exp(-r) - 1 + r`` (``= ratio - log ratio - 1`` with ``ratio = pi_reference / pi_current``):
+      never negative, lower variance; clamped to ``[0, K3_CLAMP]``.
+
+    The names and formulas are those of J. Schulman, "Approximating KL divergence" (2020,
+    http://joschu.net/blog/kl-approx.html), as verl's ``kl_penalty`` spells them
+    (verl/trainer/ppo/core_algos.py: ``"kl"``/``"k1"`` is ``logprob - ref_logprob``,
+    ``"low_var_kl"``/``"k3"`` is ``exp(ref_logprob - logprob) - (ref_logprob - logprob) - 1`` clamped
+    to [-10, 10]) and TRL's GRPO trainer computes its ``beta`` term (k3). Like verl's ``use_kl_loss``
+    the term goes into the loss (not into the reward) and carries no importance weight.
+
+    Args:
+        logprobs: current policy, ``[T]``; carries the gradient.
+        reference_logprobs: reference policy, ``[T]``, scored on the same tokens at the same
+            temperature.
+        loss_mask: ``[T]``, bool or 0/1.
+        estimator: ``"k1"`` or ``"k3"``: which estimate is the loss.
+
+    Returns:
+        The scalar token mean of the chosen estimate and ``kl/*`` stats: ``kl/mean`` (that loss),
+        ``kl/k1_mean`` and ``kl/k3_mean`` (both estimates, whichever is the loss).
+    """
+    if estimator not in ("k1", "k3"):
+        raise ValueError(f"kl estimator must be 'k1' or 'k3', got {estimator!r}")
+    mask, (logp, ref) = _prepare(loss_mask, logprobs, reference_logprobs)
+    log_ratio = _clamp_log_ratio(logp - ref)
+    k1 = log_ratio
+    k3 = ((-log_ratio).exp() - 1.0 + log_ratio).clamp(0.0, K3_CLAMP)
+    loss = _token_mean(k1 if estimator == "k1" else k3, mask, mask)
+    return loss, {
+        "kl/mean": loss.detach(),
+        "kl/k1_mean": _masked_mean(k1, mask),
+        "kl/k3_mean": _masked_mean(k3, mask),
+        "kl/num_valid_tokens": mask.sum().to(k1.dtype),
+    }
+
+
+def add_kl_penalty(policy: LossOutput, kl: LossOutput, *, kl_coef: float) -> LossOutput:
+    """``L = L_policy + kl_coef * L_KL``, stats merged, ``loss/total`` the sum.
+
+    Args:
+        policy: the step's loss so far (``decoupled_ppo_loss`` or ``combined_loss``, already weighted).
+        kl: the output of ``kl_penalty`` on the same tokens.
+        kl_coef: weight of the KL term (verl's ``kl_loss_coef``, TRL's ``beta``).
+    """
+    loss = policy[0] + kl_coef * kl[0]
+    return loss, {**policy[1], **kl[1], "loss/total": loss.detach()}
 
 
 def combined_loss(

@@ -160,9 +160,9 @@ def _start(trainer, client, config: TrainerConfig) -> None:
     from rollbook.errors import CommandError, unreachable
 
     if client.admin_key:
-        from rollbook.tasks import TOKENIZER
+        from rollbook.models import student_vocab_size
 
-        client.register_model(config.model_id, vocab_size=config.model.vocab_size or TOKENIZER.vocab_size)
+        client.register_model(config.model_id, vocab_size=student_vocab_size(config.model))
     try:
         trainer.start()
     except grpc.RpcError as exc:

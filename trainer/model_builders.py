@@ -1,12 +1,14 @@
-"""Build the models a run trains with: the student (warm-started, cached in the run dir) and the MOPD
-teacher(s) a config asks for. (The bare student, without warm start, is ``rollbook.models.build_student``,
-which the rollout worker uses too.)"""
+"""Build the models a run trains with: the student (warm-started, cached in the run dir, or loaded from
+``model.path``), the MOPD teacher(s) and the KL reference a config asks for. (The bare student, without
+warm start, is ``rollbook.models.build_student``, which the rollout worker uses too.) Every model from
+a path is a local Hugging Face directory; a wrong path is a one-line ``ConfigError``."""
 
 from __future__ import annotations
 
+import copy
 import pathlib
 
-from rollbook.models import build_student, load_model
+from rollbook.models import build_student, load_model, model_vocab_size
 from rollbook.tasks import build_domains, make_tasks
 from rollbook.trainer.warmstart import cached_warm_start
 
@@ -44,8 +46,11 @@ def build_teachers(config, extra: list | None = None):
     every domain), routed by ``teacher_routing``; None without teachers."""
     from rollbook.trainer.teachers import DomainRouter, LocalTeacher, MixtureRouter
 
-    scorers = [(LocalTeacher(load_model(t.path)), t) for t in config.teachers] + [(s, None) for s in extra or []]
-    if not scorers or config.loss.distill_coef == 0:
+    if config.loss.distill_coef == 0:
+        return None
+    scorers = [(LocalTeacher(load_model(t.path, what="teacher")), t) for t in config.teachers]
+    scorers += [(s, None) for s in extra or []]
+    if not scorers:
         return None
     if len(scorers) == 1:
         return scorers[0][0]
@@ -53,3 +58,22 @@ def build_teachers(config, extra: list | None = None):
         return MixtureRouter([s for s, _ in scorers], [t.weight if t else 1.0 for s, t in scorers])
     return DomainRouter({t.domain: s for s, t in scorers if t and t.domain},
                         default=next((s for s, t in scorers if t is None or t.domain is None), None))
+
+
+def build_reference(config, student):
+    """The frozen reference policy of the KL penalty for a ``TrainerConfig``, or None when
+    ``loss.kl_coef`` is 0: a deep copy of ``student`` (``reference = "initial"``; call this before a
+    checkpoint is restored into the student) or the model in the ``reference`` directory, whose
+    vocabulary must be the student's. In eval mode, no parameter requires grad."""
+    from rollbook.errors import ConfigError
+
+    if config.loss.kl_coef == 0:
+        return None
+    if config.reference == "initial":
+        reference = copy.deepcopy(student)
+    else:
+        reference = load_model(config.reference, what="reference")
+        if model_vocab_size(reference) != model_vocab_size(student):
+            raise ConfigError(f"reference {config.reference!r} has a vocabulary of {model_vocab_size(reference)} ids, the "
+                              f"student {model_vocab_size(student)}: the KL penalty compares log-probs of the same token ids")
+    return reference.eval().requires_grad_(False)

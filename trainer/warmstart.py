@@ -17,6 +17,7 @@ import random
 import torch
 import torch.nn.functional as F
 
+from rollbook.models import quiet_transformers
 from rollbook.tasks import TOKENIZER, Task
 
 log = logging.getLogger("rollbook.trainer")
@@ -78,15 +79,3 @@ def cached_warm_start(path: pathlib.Path, build, tasks: list[Task], *, steps: in
         log.info("warm start %s: %d steps, loss %.3f -> %.3f", path.name, steps, losses[0], losses[-1])
     model.save_pretrained(path)
     return model
-
-
-def quiet_transformers() -> None:
-    """No tqdm bars from transformers or huggingface_hub (they would interleave with the console)."""
-    import transformers
-
-    transformers.utils.logging.disable_progress_bar()
-    try:
-        from huggingface_hub.utils import disable_progress_bars
-    except ImportError:  # pragma: no cover - an older huggingface_hub
-        return
-    disable_progress_bars()

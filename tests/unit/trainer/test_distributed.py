@@ -95,10 +95,11 @@ def _assert_same(a: dict, b: dict) -> None:
         torch.testing.assert_close(b["params"][name], tensor, rtol=0, atol=1e-4 * 2, msg=lambda m, n=name: f"{n}: {m}")
 
 
-@pytest.mark.parametrize("grad_clip", [1e6, 0.05], ids=["unclipped", "clipped"])
-def test_two_ranks_with_half_the_groups_each_take_the_step_of_one_rank_with_all(tmp_path, grad_clip):
-    one = _one_rank(tmp_path / "one", 6, grad_clip=grad_clip, lr=1e-2)
-    ranks = _two_ranks(tmp_path, 6, grad_clip=grad_clip, lr=1e-2)
+@pytest.mark.parametrize("grad_clip,loss", [(1e6, {}), (0.05, {}), (1e6, {"kl_coef": 0.5, "kl_estimator": "k1"})],
+                         ids=["unclipped", "clipped", "kl-penalty"])
+def test_two_ranks_with_half_the_groups_each_take_the_step_of_one_rank_with_all(tmp_path, grad_clip, loss):
+    one = _one_rank(tmp_path / "one", 6, grad_clip=grad_clip, lr=1e-2, loss=loss)
+    ranks = _two_ranks(tmp_path, 6, grad_clip=grad_clip, lr=1e-2, loss=loss)
     before = _model().state_dict()
     assert any(not torch.equal(before[k], v) for k, v in one["params"].items())  # the step moved the weights
     _assert_same(one, ranks[0])

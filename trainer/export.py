@@ -1,0 +1,247 @@
+"""Hugging Face exports: the student as a directory ``from_pretrained`` loads (model + tokenizer).
+
+    export_model(run_dir, step, model, config.model, keep_last=2)      # the loop, RUN_DIR/hf/step-NNNNNN/
+    export_checkpoint("runs/x/checkpoints/step-000040", "out/")       # `rollbook export CHECKPOINT --to DIR`
+
+The loop exports every ``export_every`` steps and after the last one (``export_final``), keeping the
+newest ``export_keep_last`` under ``RUN_DIR/hf/``. An export is written to a temporary directory
+and renamed into place, so a kill leaves the previous exports and no half-written one. It holds the
+model (``save_pretrained``: config.json, generation_config.json, safetensors weights; the generation
+config's end-of-sequence, padding and start ids filled in from the tokenizer where it has none, so
+``generate`` stops on end of sequence) and the tokenizer the run used (``export_tokenizer``).
+
+``rollbook export`` rebuilds the model of a kept checkpoint from the Hugging Face config the
+checkpoint holds (``config.json`` beside ``state.pt``; for a checkpoint written before that, from the
+run's resolved config, ``RUN_DIR/config.json``), loads its weights strictly and writes the same
+directory. Exported weights equal the checkpoint's, tensor for tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pathlib
+import shutil
+
+import torch
+
+from rollbook.durable import fsync_dir
+from rollbook.models import ModelConfig, quiet_transformers
+
+log = logging.getLogger("rollbook.trainer")
+
+HF_DIR = "hf"  # RUN_DIR/hf/step-NNNNNN/
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "vocab.json", "merges.txt", "vocab.txt", "tokenizer.model", "spiece.model",
+                   "chat_template.jinja", "chat_template.json")
+
+
+def export_due(config, step: int) -> bool:
+    """Whether the loop exports after ``step`` steps are done (``TrainerConfig`` export fields)."""
+    every = config.export_every is not None and step % config.export_every == 0
+    return every or (config.export_final and step == config.num_steps)
+
+
+def export_model(run_dir: pathlib.Path, step: int, model: torch.nn.Module, model_config: ModelConfig, *,
+                 keep_last: int = 2) -> pathlib.Path:
+    """Write ``RUN_DIR/hf/step-NNNNNN/`` (model + tokenizer) and keep the newest ``keep_last``."""
+    root = pathlib.Path(run_dir) / HF_DIR
+    root.mkdir(parents=True, exist_ok=True)
+    final = write_hf_dir(model, model_config, root / f"step-{step:06d}")
+    _prune(root, newest=final.name, keep_last=keep_last)
+    log.info("exported step %d to %s", step, final)
+    return final
+
+
+def write_hf_dir(model: torch.nn.Module, model_config: ModelConfig, out: pathlib.Path, *,
+                 tokenizer_dir: str | os.PathLike | None = None) -> pathlib.Path:
+    """``model`` and the run's tokenizer to ``out`` (replaced if it exists), through a temporary
+    sibling renamed into place. ``tokenizer_dir``: copy the tokenizer from there instead."""
+    quiet_transformers()
+    out = pathlib.Path(out)
+    tmp = out.with_name(f".tmp-{out.name}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    model.save_pretrained(tmp)  # type: ignore[operator]  # a transformers PreTrainedModel, typed as its nn.Module base
+    if tokenizer_dir is not None:
+        if not _copy_tokenizer_files(pathlib.Path(tokenizer_dir), tmp):
+            raise FileNotFoundError(f"no tokenizer files ({', '.join(TOKENIZER_FILES[:2])}, ...) in {tokenizer_dir}")
+    else:
+        export_tokenizer(model_config, tmp)
+    _fill_special_token_ids(tmp)
+    for p in tmp.iterdir():
+        if p.is_file():
+            with open(p, "rb") as f:
+                os.fsync(f.fileno())
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)
+    fsync_dir(out.parent)
+    return out
+
+
+def export_tokenizer(model_config: ModelConfig, out: pathlib.Path) -> None:
+    """The tokenizer of a run with this student into ``out``: the tokenizer files of ``model.path``
+    when it has them, else the task tokenizer (``rollbook.tasks.TOKENIZER``).
+
+    Merge point: when the run's tokenizer is configured apart from the model (an HF tokenizer
+    directory, the character tokenizer of the toy tasks), resolve it here and hand it to
+    ``_save_tokenizer``; nothing else in the export depends on which tokenizer it is."""
+    if model_config.path and _copy_tokenizer_files(pathlib.Path(model_config.path), out):
+        return
+    from rollbook.tasks import TOKENIZER
+
+    _save_tokenizer(TOKENIZER, out)
+
+
+def _save_tokenizer(tokenizer, out: pathlib.Path) -> None:
+    """Write ``tokenizer`` as a Hugging Face tokenizer directory that ``AutoTokenizer`` loads.
+
+    A tokenizer with ``save_pretrained(dir)`` writes itself. ``rollbook.tasks.CharTokenizer`` (which
+    has no such method) becomes the equivalent ``tokenizers`` model: WordLevel over its tokens, one
+    token per character, ``<bos>`` prepended by the post-processor (the rollout encodes prompts with
+    ``add_bos=True``), decoded by concatenation, ``<pad>``/``<bos>``/``<eos>`` special; an unknown
+    character is an error, as in ``CharTokenizer.encode``."""
+    save = getattr(tokenizer, "save_pretrained", None)
+    if callable(save):
+        save(str(out))
+        return
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    from rollbook.tasks import BOS, EOS, PAD
+
+    vocab = {token: i for i, token in enumerate(tokenizer.tokens)}
+    # an unk token absent from the vocabulary: encoding an unknown character raises
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    backend.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, tokenizer.bos_token_id)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=BOS, eos_token=EOS, pad_token=PAD)
+    fast.save_pretrained(str(out))
+
+
+def export_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike, *,
+                      tokenizer_dir: str | os.PathLike | None = None) -> pathlib.Path:
+    """Convert a kept rollbook checkpoint into a Hugging Face directory at ``out``.
+
+    ``checkpoint``: a checkpoint directory (``RUN_DIR/checkpoints/step-NNNNNN``), or a run directory
+    or its ``checkpoints/`` (then the one ``LATEST`` names). ``out`` must not exist or be empty.
+    Errors the user must fix (no checkpoint there, an unreadable or corrupt one, weights that do not
+    fit the architecture) are one-line ``CommandError``s."""
+    from rollbook.errors import CommandError
+
+    path = resolve_checkpoint(checkpoint)
+    if tokenizer_dir is not None and not any((pathlib.Path(tokenizer_dir) / name).is_file() for name in TOKENIZER_FILES):
+        raise CommandError(f"--tokenizer {tokenizer_dir}: no tokenizer files there ({', '.join(TOKENIZER_FILES[:2])}, ...)")
+    out = pathlib.Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise CommandError(f"--to {out}: exists and is not an empty directory")
+    try:
+        blob = torch.load(path / "state.pt", map_location="cpu", weights_only=False)
+        state = blob["model"]
+        if not isinstance(state, dict):
+            raise TypeError(f"'model' is a {type(state).__name__}, not a state dict")
+    except Exception as exc:  # noqa: BLE001 - a checkpoint that does not load is the user's to fix
+        raise CommandError(f"{path}: corrupt checkpoint: state.pt does not load ({' '.join(str(exc).split())[:200]})") from None
+    model, model_config = _checkpoint_model(path)
+    try:
+        model.load_state_dict(state, strict=True)
+    except RuntimeError as exc:
+        first = next((line.strip() for line in str(exc).splitlines()[1:] if line.strip()), str(exc))
+        raise CommandError(f"{path}: the weights do not fit the model's architecture ({first[:200]})") from None
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return write_hf_dir(model, model_config, out, tokenizer_dir=tokenizer_dir)
+
+
+def resolve_checkpoint(checkpoint: str | os.PathLike) -> pathlib.Path:
+    """The checkpoint directory meant by a checkpoint, ``checkpoints/`` or run directory path."""
+    from rollbook.errors import CommandError
+
+    p = pathlib.Path(checkpoint)
+    if not p.exists():
+        raise CommandError(f"{p}: no such checkpoint")
+    if not (p / "state.pt").exists():
+        for latest in (p / "LATEST", p / "checkpoints" / "LATEST"):
+            if latest.is_file():
+                p = latest.parent / latest.read_text().strip()
+                break
+    if not (p / "state.pt").is_file():
+        raise CommandError(f"{p}: not a rollbook checkpoint (no state.pt; kept checkpoints are RUN_DIR/checkpoints/step-NNNNNN)")
+    return p
+
+
+def _checkpoint_model(path: pathlib.Path) -> tuple[torch.nn.Module, ModelConfig]:
+    """An empty model of the checkpoint's architecture, and the run's ``ModelConfig`` (tokenizer)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from rollbook.errors import CommandError
+    from rollbook.models import build_student
+
+    model_config = _run_model_config(path)
+    if (path / "config.json").is_file():
+        try:
+            hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
+        except Exception as exc:  # noqa: BLE001 - a damaged config.json
+            raise CommandError(f"{path}: corrupt checkpoint: config.json does not load ({' '.join(str(exc).split())[:200]})") from None
+        return AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32), model_config or ModelConfig()
+    if model_config is None:
+        raise CommandError(f"{path}: no config.json in the checkpoint and no run config at {path.parent.parent / 'config.json'}: "
+                           "the model's architecture is unknown")
+    return build_student(model_config), model_config
+
+
+def _run_model_config(path: pathlib.Path) -> ModelConfig | None:
+    """The student's ``ModelConfig`` from the run's resolved config (a ``RunConfig`` or a
+    ``TrainerConfig``), ``RUN_DIR/config.json`` beside ``checkpoints/``; None when there is none."""
+    run_config = path.parent.parent / "config.json"
+    if not run_config.is_file():
+        return None
+    try:
+        data = json.loads(run_config.read_text())
+        return ModelConfig(**data.get("trainer", data)["model"])
+    except Exception:  # noqa: BLE001 - not a rollbook run config: fall back to the defaults
+        log.warning("%s: no trainer model section; exporting with the task tokenizer", run_config)
+        return None
+
+
+def _copy_tokenizer_files(src: pathlib.Path, out: pathlib.Path) -> bool:
+    copied = False
+    for name in TOKENIZER_FILES:
+        if (src / name).is_file():
+            shutil.copyfile(src / name, out / name)
+            copied = True
+    return copied
+
+
+def _fill_special_token_ids(directory: pathlib.Path) -> None:
+    """Give the export's generation config the tokenizer's eos / pad / bos ids where it has none, so
+    ``generate`` stops on end of sequence (a tiny model is built without them). config.json is left
+    as saved (its pad_token_id would become the embedding's padding_idx in a model built from it)."""
+    from transformers import AutoTokenizer, GenerationConfig
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    except Exception:  # noqa: BLE001 - no loadable tokenizer: leave the model's ids as they are
+        return
+    path = directory / "generation_config.json"
+    generation = GenerationConfig.from_pretrained(directory) if path.exists() else GenerationConfig()
+    changed = False
+    for name in ("eos_token_id", "pad_token_id", "bos_token_id"):
+        value = getattr(tokenizer, name, None)
+        if value is not None and getattr(generation, name, None) is None:
+            setattr(generation, name, value)
+            changed = True
+    if changed:
+        generation.save_pretrained(directory)
+
+
+def _prune(root: pathlib.Path, newest: str, keep_last: int) -> None:
+    """Keep ``newest`` and the ``keep_last - 1`` exports before it (a later one, left by a run rolled
+    back by hand, is removed, as in ``trainer.checkpoint``)."""
+    older = sorted(p.name for p in root.glob("step-*") if p.name < newest)
+    keep = {newest, *(older[len(older) - (keep_last - 1):] if keep_last > 1 else [])}
+    for p in root.glob("step-*"):
+        if p.name not in keep:
+            shutil.rmtree(p, ignore_errors=True)
