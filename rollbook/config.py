@@ -64,7 +64,8 @@ class RayConfig(BaseModel):
     trainer_cpus: float = Field(1.0, gt=0, description="CPUs each trainer rank actor declares.")
     trainer_resources: dict[str, float] = Field(default_factory=dict, description="Custom Ray resources of every trainer "
                                                 "rank (e.g. {gpu_node = 1}); empty = any node.")
-    trainer_gpus: float = Field(0.0, ge=0, description="GPUs each trainer rank declares (nccl then, with dist_backend auto).")
+    trainer_gpus: float = Field(0.0, ge=0, description="GPUs each trainer rank declares (placement only: the trainer keeps "
+                                "its model on the CPU today).")
     max_restarts: int = Field(3, ge=0, description="Restarts of a rollout actor that dies; the restarted actor reuses its "
                               "spool, so its in-flight trajectories arrive exactly once.")
     trainer_restarts: int = Field(2, ge=0, description="Times the trainer group is started again after a rank dies; it "

@@ -9,7 +9,7 @@ placements, as Ray actors on any nodes of a cluster.
 - the store: the run's own ``rollbook serve`` process beside this driver (``rollbook/run.py``), on
   the node the driver runs on (run it on the machine with the disk the ledger should live on);
 - the trainer: ``trainer.num_ranks`` actors (``TrainerRank``), one data-parallel group
-  (trainer/distributed.py; gloo, or nccl with GPUs); rank 0 pulls, reports, checkpoints, acks,
+  (trainer/distributed.py, gloo); rank 0 pulls, reports, checkpoints, acks,
   publishes every version on the network weight channel (full copies and deltas,
   rollbook/weights/network.py) and evaluates held-out reward into RUN_DIR/metrics.jsonl;
 - rollout workers: ``ray.num_workers`` actors (``RolloutActor``), each the loop of ``rollbook rollout``

@@ -88,7 +88,7 @@ class TrainerConfig(BaseModel):
                            "across them by whole groups, gradients summed, one checkpoint and one ack (rank 0). "
                            "`rollbook train` starts ranks 1..N-1 itself; under torchrun the launcher's world size wins.")
     dist_backend: Literal["auto", "gloo", "nccl"] = Field("auto", description="torch.distributed backend of the ranks "
-                                                          "(auto: nccl when CUDA is available, else gloo).")
+                                                          "(auto: gloo, as the trainer keeps its model on the CPU; nccl only for a model on CUDA).")
     dist_timeout_s: float = Field(120.0, gt=0, description="How long a rank waits in a collective for the others; a dead "
                                   "rank fails the step after at most this long.")
 

@@ -1,5 +1,5 @@
-"""The data-parallel trainer: N ranks of ``torch.distributed`` (gloo on CPU, nccl on GPU) training one
-policy on one lease per step.
+"""The data-parallel trainer: N ranks of ``torch.distributed`` (gloo for the CPU models of today,
+nccl for a model on CUDA) training one policy on one lease per step.
 
     rollbook train --num_ranks 2 ...                        # spawns the ranks itself (torch.multiprocessing)
     torchrun --nproc_per_node 2 -m rollbook.cli train ...   # env:// rendezvous, one process per rank
@@ -55,10 +55,9 @@ log = logging.getLogger("rollbook.trainer")
 
 
 def backend_for(choice: str) -> str:
-    """``auto``: nccl when CUDA is available, else gloo."""
-    if choice != "auto":
-        return choice
-    return "nccl" if torch.cuda.is_available() else "gloo"
+    """``auto``: gloo, as the trainer keeps its model on the CPU today (trainer/loop.py never moves it);
+    nccl is for a model on CUDA, where gradients and the token counts then live."""
+    return "gloo" if choice == "auto" else choice
 
 
 def init_group(rank: int | None = None, world_size: int | None = None, init_method: str = "env://", *,
