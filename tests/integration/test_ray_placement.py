@@ -32,11 +32,11 @@ def cluster():
     c.shutdown()
 
 
-def small_config(run_dir: pathlib.Path, **ray_fields):
+def small_config(run_dir: pathlib.Path, max_staleness: int = 2, **ray_fields):
     from rollbook.config import RunConfig
 
     return RunConfig.model_validate({
-        "run_dir": str(run_dir), "placement": "ray", "num_steps": STEPS, "eval_every": STEPS,
+        "run_dir": str(run_dir), "placement": "ray", "num_steps": STEPS, "eval_every": STEPS, "max_staleness": max_staleness,
         "warm_start": {"student_steps": 20},
         "trainer": {"num_samples": 16, "num_ranks": 2, "lr": 1e-3, "model": {"hidden_size": 64, "intermediate_size": 128}},
         "rollout": {"domains": ["reverse"], "reverse_max_len": 3, "group_size": 4, "num_prompts": 2,
@@ -51,7 +51,9 @@ def test_ray_placement_spreads_rollout_over_two_nodes_and_trains_with_two_ranks(
 
     from rollbook.run import run
 
-    summary = run(small_config(tmp_path / "run"))
+    # eta = 0: each actor's staleness gate admits half a batch per version (the batch is split over the
+    # actors), so every step needs rows of both, however late one of them starts on a loaded machine
+    summary = run(small_config(tmp_path / "run", max_staleness=0))
     assert {w["version"] for w in summary["workers"]} and all(w["rounds"] > 0 for w in summary["workers"])
     node_of = {n["NodeID"]: ("a" if "node_a" in n["Resources"] else "b") for n in ray.nodes()}
     assert sorted(node_of[w["node_id"]] for w in summary["workers"]) == ["a", "b"]  # a rollout actor on each node
