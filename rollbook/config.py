@@ -54,7 +54,8 @@ class RayConfig(BaseModel):
 
     address: str | None = Field(None, description="Ray cluster to join (HOST:PORT of `ray start --head`, or 'auto'); "
                                 "None starts a local Ray instance for this run.")
-    num_cpus: int | None = Field(None, ge=1, description="CPUs of the local Ray instance (address None); None = Ray's count.")
+    num_cpus: int | None = Field(None, ge=1, description="CPUs of the local Ray instance (address None); None = this "
+                                 "machine's count, raised to what the actors declare. Fewer than the actors declare is refused.")
     num_workers: int = Field(2, ge=1, description="Rollout worker actors; each runs `rollbook rollout`'s loop with its own "
                              "spool (RUN_DIR/spool-I), worker_id 'ray-worker-I' and task seed rollout.seed + I.")
     worker_cpus: float = Field(1.0, gt=0, description="CPUs each rollout actor declares.")

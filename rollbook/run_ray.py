@@ -163,13 +163,26 @@ def run_ray(config: RunConfig, address: str, keys: dict) -> dict:
     """Start the actors, train to ``num_steps`` (starting the trainer group again after a rank
     dies, up to ``ray.trainer_restarts`` times), stop the workers; returns the first and last
     held-out evaluations."""
-    import ray
-
     from rollbook.errors import CommandError
+
+    try:
+        import ray
+    except ImportError:
+        raise CommandError("placement 'ray' needs the ray package: pip install -c constraints.txt -e '.[bench]'") from None
     from rollbook.rollout.main import WorkerConfig
     from rollbook.trainer.model_builders import build_models
 
     rc = config.ray
+    num_cpus = None
+    if rc.address is None:  # a local instance: room for every actor asked for, or they would wait forever
+        import os
+
+        needed = math.ceil(rc.num_workers * rc.worker_cpus + config.trainer.num_ranks * rc.trainer_cpus)
+        num_cpus = rc.num_cpus or max(os.cpu_count() or 1, needed)
+        if num_cpus < needed:
+            raise CommandError(f"ray.num_cpus {num_cpus} is fewer than the actors declare ({needed}: "
+                               f"{rc.num_workers} x ray.worker_cpus {rc.worker_cpus:g} + {config.trainer.num_ranks} x "
+                               f"ray.trainer_cpus {rc.trainer_cpus:g}); the actors would never be scheduled")
     run_dir = pathlib.Path(config.run_dir).resolve()
     config = config.model_copy(update={"run_dir": str(run_dir)})
     config.trainer = config.trainer.model_copy(update={"run_dir": str(run_dir), "server": address,
@@ -177,8 +190,7 @@ def run_ray(config: RunConfig, address: str, keys: dict) -> dict:
     build_models(config)  # the warm start, once, cached in the run directory before the ranks read it
     started_here = not ray.is_initialized()
     if started_here:
-        ray.init(address=rc.address, num_cpus=rc.num_cpus if rc.address is None else None,
-                 include_dashboard=False, log_to_driver=True)
+        ray.init(address=rc.address, num_cpus=num_cpus, include_dashboard=False, log_to_driver=True)
     trainer_cls = ray.remote(TrainerRank)
     rollout_cls = ray.remote(RolloutActor)
     weight_port = None
