@@ -218,6 +218,9 @@ def run_ray(config: RunConfig, address: str, keys: dict) -> dict:
                 ray.get([ref for _, ref in ranks[1:]])
                 break
             except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as exc:
+                cause = getattr(exc, "cause", None)
+                if isinstance(cause, CommandError):  # e.g. no batch for max_wait_s: for the user, not a restart
+                    raise CommandError(str(cause)) from None
                 _kill(ranks)
                 attempts += 1
                 if attempts > rc.trainer_restarts:
@@ -226,9 +229,7 @@ def run_ray(config: RunConfig, address: str, keys: dict) -> dict:
                 log.warning("a trainer rank failed (%s); starting the group again from the last checkpoint",
                             str(exc).splitlines()[0])
                 ranks, _ = _start_ranks(trainer_cls, config, weight_port, attempt=attempts)
-        where = ray.get([w.where.remote() for w in workers])
-        worker_stats = ray.get([w.stop.remote() for w in workers])
-        summary["workers"] = [{**s, **w} for s, w in zip(worker_stats, where, strict=True)]
+        summary["workers"] = [_stop_worker(w) for w in workers]
         summary["trainer_node_ids"] = [info["node_id"] for info in ray.get([a.where.remote() for a, _ in ranks])]
         return summary
     finally:
@@ -237,6 +238,19 @@ def run_ray(config: RunConfig, address: str, keys: dict) -> dict:
         _kill(ranks, pause_s=0)
         if started_here:
             ray.shutdown()
+
+
+def _stop_worker(worker) -> dict:
+    """Where the actor ran and its final statistics; an actor that failed for good (past
+    ``ray.max_restarts``) is reported, not raised: the training it fed is done and acked."""
+    import ray
+
+    try:
+        where = ray.get(worker.where.remote())
+        return {**ray.get(worker.stop.remote()), **where}
+    except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as exc:
+        log.warning("rollout actor failed: %s", str(exc).splitlines()[0])
+        return {"error": str(exc).splitlines()[0]}
 
 
 def _start_ranks(trainer_cls, config: RunConfig, weight_port: int | None, attempt: int):
