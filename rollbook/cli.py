@@ -6,10 +6,11 @@
     rollbook query  --db runs/demo/rollbook.duckdb "SHOW TABLES"  # file, read-only, server down
     rollbook stats  --server 127.0.0.1:50551
     rollbook admin  register-model tiny                          # admin key from ROLLBOOK_ADMIN_KEY
+    rollbook proxy  --server 127.0.0.1:50551 --port 8000         # OpenAI-compatible endpoint (docs/online.md)
     rollbook demo   --run-dir runs/demo                          # store + generated workload + SQL
     rollbook export runs/demo/checkpoints/step-000040 --to out/  # a checkpoint as a Hugging Face directory
 
-``run``, ``train``, ``rollout`` and ``serve`` take ``--config FILE`` and any config field as a
+``run``, ``train``, ``rollout``, ``proxy`` and ``serve`` take ``--config FILE`` and any config field as a
 dotted flag; ``--help-config`` lists the fields. Environment variables are read in rollbook/env.py
 (keys, TLS files, ROLLBOOK_SERVER; docs/security.md).
 
@@ -177,7 +178,24 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _proxy(args: argparse.Namespace, overrides: list[str]) -> int:
+    from rollbook.config import load_config
+    from rollbook.logs import setup_logging
+    from rollbook.rollout.proxy import ProxyConfig
+
+    config = load_config(ProxyConfig, args.config, overrides)
+    setup_logging(args.log_level)
+    from rollbook.rollout.proxy import serve as serve_proxy
+
+    serve_proxy(config)
+    return 0
+
+
 def _config_model(command: str):
+    if command == "proxy":
+        from rollbook.rollout.proxy import ProxyConfig
+
+        return ProxyConfig
     if command == "run":
         from rollbook.config import RunConfig
 
@@ -214,7 +232,8 @@ class _HelpConfig(argparse.Action):
 
 def _example(command: str) -> str:
     return {"run": "trainer.lr 3e-4", "train": "loss.eps_clip 0.1", "rollout": "rollout.group_size 4",
-            "serve": "validator.norm.mode group_mean"}[command]
+            "serve": "validator.norm.mode group_mean",
+            "proxy": "max_concurrent 16"}[command]
 
 
 def _config_flags(p: argparse.ArgumentParser, what: str) -> None:
@@ -312,6 +331,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--to", required=True, metavar="DIR", help="output directory (must not exist or be empty)")
     p.add_argument("--tokenizer", default=None, metavar="DIR", help="copy the tokenizer files from this directory instead")
     p.set_defaults(func=_export)
+    p = sub.add_parser("proxy", help="serve an OpenAI-compatible endpoint that records an agent's calls as trajectories",
+                       description="Serve /v1/chat/completions and /v1/completions for agents (a session key as the API "
+                       "key) and record every completion in the store (docs/online.md). Dotted overrides set any ProxyConfig "
+                       "field, e.g. --server 127.0.0.1:50551 --port 8000 --model_id tiny; --help-config lists them. Keys: "
+                       "ROLLBOOK_ADMIN_KEY (control endpoints), ROLLBOOK_WORKER_KEY (starting sessions).")
+    _config_flags(p, "proxy config")
+    p.add_argument("--log-level", default="INFO")
+    p.set_defaults(func=_proxy, takes_overrides=True)
 
     p = sub.add_parser("demo", help="start a store in a run directory, feed it a generated workload, print SQL answers")
     p.add_argument("--run-dir", default="runs/demo", help="run directory; the ledger is RUN_DIR/rollbook.duckdb (default: %(default)s)")

@@ -5,6 +5,10 @@
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover
+    from rollbook.client import StoreClient
 
 
 def client_flags(p: argparse.ArgumentParser) -> None:
@@ -14,7 +18,7 @@ def client_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-client-key", default=None, help="PEM key of --tls-client-cert (env ROLLBOOK_TLS_CLIENT_KEY)")
 
 
-def store_client(args: argparse.Namespace, **kwargs):
+def store_client(args: argparse.Namespace, **kwargs: Any) -> StoreClient:
     """A ``StoreClient`` with the keys of the environment and the TLS files of the flags (or env)."""
     from rollbook.client import StoreClient
     from rollbook.tls import ClientTLS

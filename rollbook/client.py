@@ -12,7 +12,7 @@ the stream breaks (store restarted, network blip) reconnects and resends every u
 batch. Resending is safe: ``trajectory_id`` is an idempotency key, so a batch the store had
 already committed comes back ``DUPLICATE`` and nothing is stored twice.
 
-Keys: each call sends the key of its role (worker: submit, set_reward; trainer: pull_batch,
+Keys: each call sends the key of its role (worker: submit, set_reward, get_model; trainer: pull_batch,
 ack_batch, publish_version, report_train_step; reader: query, stats; admin: register_model) as
 ``authorization: Bearer <key>``, or the admin key when the client has no key of that role, or none
 (a store on loopback with that role's key unset lets it through). ``tls`` (``rollbook.tls.ClientTLS``)
@@ -29,7 +29,7 @@ import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 import pyarrow as pa
@@ -88,6 +88,41 @@ class PulledBatch:
         return self.table.num_rows
 
 
+@dataclass(frozen=True)
+class ModelInfo:
+    """A registered model (``get_model``). ``max_staleness`` and ``samples_per_version`` are what
+    its trainer announced with its last ``publish_version`` (None: nothing announced yet)."""
+
+    model_id: str
+    vocab_size: int
+    latest_version: int  # -1: no version published
+    max_staleness: int | None
+    samples_per_version: int | None
+
+
+class TrainerClient(Protocol):
+    """What the trainer (``rollbook.trainer.loop.Trainer``) needs from the store: the trainer-role
+    calls. ``StoreClient`` is one; unit tests pass hand-written fakes (tests/unit/trainer/test_loop.py)."""
+
+    def pull_batch(self, **fields: Any) -> PulledBatch:
+        """Lease a batch; ``fields`` are ``PullBatchRequest``'s."""
+        ...
+
+    def ack_batch(self, lease_id: str, trainer_id: str) -> int:
+        """Confirm a checkpointed lease; returns its rows."""
+        ...
+
+    def report_train_step(self, *, step: int, trainer_id: str, version: int, lease_id: str, started_at: float,
+                          finished_at: float, stats: Mapping[str, Any]) -> None:
+        """Write one ``train_steps`` row."""
+        ...
+
+    def publish_version(self, model_id: str, version: int, checksum: str = "", *, max_staleness: int | None = None,
+                        samples_per_version: int | None = None) -> int:
+        """Add a version to the registry, announcing the trainer's staleness contract; returns the latest."""
+        ...
+
+
 def as_trajectory(item: pb.Trajectory | Mapping[str, Any]) -> pb.Trajectory:
     return item if isinstance(item, pb.Trajectory) else trajectory_from_dict(item)
 
@@ -138,7 +173,7 @@ class StoreClient:
     def __enter__(self) -> "StoreClient":
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     # ---- submit ---------------------------------------------------------------------------------
@@ -157,11 +192,24 @@ class StoreClient:
         self.stub.RegisterModel(pb.RegisterModelRequest(model_id=model_id, vocab_size=vocab_size),
                                 metadata=self._auth("admin"), timeout=self.timeout_s)
 
-    def publish_version(self, model_id: str, version: int, checksum: str = "") -> int:
+    def publish_version(self, model_id: str, version: int, checksum: str = "", *, max_staleness: int | None = None,
+                        samples_per_version: int | None = None) -> int:
+        """Add ``version`` to the model's registry (trainer key); returns the latest published version.
+        ``max_staleness`` and ``samples_per_version`` announce the trainer's staleness contract, which
+        rollout workers read with ``get_model`` and run their gate with (None: not announced)."""
         response = self.stub.PublishVersion(
-            pb.PublishVersionRequest(model_id=model_id, version=version, checksum=checksum),
+            pb.PublishVersionRequest(model_id=model_id, version=version, checksum=checksum, max_staleness=max_staleness,
+                                     samples_per_version=samples_per_version),
             metadata=self._auth("trainer"), timeout=self.timeout_s)
         return response.latest_version
+
+    def get_model(self, model_id: str) -> ModelInfo:
+        """The store's entry for ``model_id`` (worker key): vocabulary, latest version and the
+        staleness contract its trainer announced. FAILED_PRECONDITION if it is not registered."""
+        r = self.stub.GetModel(pb.GetModelRequest(model_id=model_id), metadata=self._auth("worker"), timeout=self.timeout_s)
+        return ModelInfo(r.model_id, r.vocab_size, r.latest_version,
+                         r.max_staleness if r.HasField("max_staleness") else None,
+                         r.samples_per_version if r.HasField("samples_per_version") else None)
 
     def set_reward(self, reward: float, *, trajectory_id: str = "", session_id: str = "") -> str:
         response = self.stub.SetReward(
@@ -225,7 +273,8 @@ def _auth(key: str | None) -> list[tuple[str, str]]:
 class _SubmitSession:
     """One ``submit`` call: a source of batches, the unacknowledged window, reconnects."""
 
-    def __init__(self, client: "StoreClient", trajectories, batch_size: int, max_in_flight: int, retry_deadline_s: float):
+    def __init__(self, client: "StoreClient", trajectories: Iterable[pb.Trajectory | Mapping[str, Any]], batch_size: int,
+                 max_in_flight: int, retry_deadline_s: float):
         self.client = client
         self.submit = client._submit
         self.source = _batches(trajectories, batch_size)

@@ -149,11 +149,12 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
     for item in it:
         if not item.startswith("--"):
             raise ConfigError(f"expected --dotted.key VALUE, got {item!r}")
-        key, _, value = item[2:].partition("=")
-        if not _:
-            value = next(it, None)
-            if value is None:
+        key, eq, value = item[2:].partition("=")
+        if not eq:
+            following = next(it, None)
+            if following is None:
                 raise ConfigError(f"override {item} has no value")
+            value = following
         node = out
         *parents, leaf = key.replace("-", "_").split(".")
         for p in parents:
@@ -234,7 +235,21 @@ def field_help(model: type[BaseModel], prefix: str = "") -> list[str]:
         lines.append(f"--{dotted}  {_type_name(info.annotation)}  (default: {default})")
         if info.description:
             lines.append(f"      {info.description}")
+        inner = _inner_model(info.annotation)  # an optional section or a table of sections: their fields too
+        if inner is not None:
+            lines += field_help(inner[1], f"{dotted}.{inner[0]}")
     return lines
+
+
+def _inner_model(annotation: Any) -> tuple[str, type[BaseModel]] | None:
+    """``Model | None`` -> ("", Model); ``dict[str, Model]`` -> ("<key>.", Model); else None."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin in (typing.Union, types.UnionType):
+        models = [m for m in map(_model_of, args) if m is not None]
+        return ("", models[0]) if len(models) == 1 else None
+    if origin is dict and len(args) == 2 and _model_of(args[1]) is not None:
+        return ("<key>.", args[1])
+    return None
 
 
 def _model_of(annotation: Any) -> type[BaseModel] | None:

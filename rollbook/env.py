@@ -3,7 +3,7 @@
 ==============================  ===================================================================
 ``ROLLBOOK_SERVER``             store address HOST:PORT for ``query``, ``stats``, ``admin`` (default
                                 ``127.0.0.1:50551``, ``DEFAULT_SERVER``)
-``ROLLBOOK_WORKER_KEY``         worker role key: Submit, SetReward
+``ROLLBOOK_WORKER_KEY``         worker role key: Submit, SetReward, GetModel
 ``ROLLBOOK_TRAINER_KEY``        trainer role key: PullBatch, AckBatch, PublishVersion, ReportTrainStep
 ``ROLLBOOK_READER_KEY``         reader role key: Query, GetStats
 ``ROLLBOOK_ADMIN_KEY``          admin role key: every RPC, and the only one for RegisterModel

@@ -35,7 +35,7 @@ def _where(error: dict) -> str:
     return f"{loc}: " if loc else ""
 
 
-def unreachable(exc, address: str) -> str | None:
+def unreachable(exc: BaseException, address: str) -> str | None:
     """The one-line reason when ``exc`` is a gRPC error that says the store cannot be reached (or
     refuses the key); None for anything else."""
     import grpc

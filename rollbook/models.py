@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
+    from transformers import PreTrainedModel
 
 
 class ModelConfig(BaseModel):
@@ -54,7 +55,7 @@ class TinyModelSpec:
     tie_word_embeddings: bool = True
 
 
-def build_tiny_model(spec: TinyModelSpec, *, seed: int = 0, dtype: "torch.dtype | None" = None):
+def build_tiny_model(spec: TinyModelSpec, *, seed: int = 0, dtype: "torch.dtype | None" = None) -> "PreTrainedModel":
     """A freshly initialised ``LlamaForCausalLM`` of the given shape (fp32 by default, eager/sdpa)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -103,7 +104,7 @@ def check_model_dir(path: str | os.PathLike, what: str = "model") -> pathlib.Pat
     return p
 
 
-def load_model(path: str | os.PathLike, *, dtype: "torch.dtype | None" = None, what: str = "model"):
+def load_model(path: str | os.PathLike, *, dtype: "torch.dtype | None" = None, what: str = "model") -> "PreTrainedModel":
     """Load a causal LM from a local Hugging Face directory (``local_files_only``: never touches a
     hub), fp32 unless ``dtype``; ``what`` names it in the error for a directory that is not one."""
     import torch
@@ -138,7 +139,7 @@ def student_vocab_size(m: ModelConfig) -> int:
     return m.vocab_size or TOKENIZER.vocab_size
 
 
-def build_student(m: ModelConfig, *, seed: int | None = None):
+def build_student(m: ModelConfig, *, seed: int | None = None) -> "PreTrainedModel":
     """A model for a ``ModelConfig``: loaded from ``path``, or a fresh tiny one (vocabulary: the task
     tokenizer's unless set)."""
     from rollbook.tasks import TOKENIZER

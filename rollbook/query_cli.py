@@ -14,8 +14,12 @@ import io
 import json
 import pathlib
 import sys
+from typing import TYPE_CHECKING
 
 import pyarrow as pa
+
+if TYPE_CHECKING:  # pragma: no cover
+    import duckdb
 
 from rollbook import env
 from rollbook.env import DEFAULT_SERVER
@@ -117,7 +121,7 @@ def _private_copy(path: pathlib.Path, dest: pathlib.Path) -> None:
         con.close()
 
 
-def _fold_unfolded_log(con, path: pathlib.Path) -> None:
+def _fold_unfolded_log(con: duckdb.DuckDBPyConnection, path: pathlib.Path) -> None:
     from rollbook.store import wal
 
     root = wal.log_root(path)
@@ -181,7 +185,7 @@ def format_table(table: pa.Table, *, max_width: int = 48) -> str:
     return "\n".join(out) + "\n"
 
 
-def _cell(value, max_width: int) -> str:
+def _cell(value: object, max_width: int) -> str:
     if value is None:
         return "NULL"
     if isinstance(value, float):

@@ -30,7 +30,6 @@ import sys
 from rollbook import env as rollbook_env
 from rollbook.config import RunConfig, write_resolved
 from rollbook.errors import CommandError
-from rollbook.models import student_vocab_size
 from rollbook.run_support import MetricsLog, heldout_text, install_weights, step_line, steps_done
 
 log = logging.getLogger("rollbook.run")
@@ -110,7 +109,7 @@ def run(config: RunConfig) -> dict:
     print(f"store: {store.address}, ledger {run_dir / 'rollbook.duckdb'}", flush=True)
     try:
         client = StoreClient.from_env(store.address, **keys)
-        client.register_model(config.trainer.model_id, vocab_size=student_vocab_size(config.trainer.model))
+        client.register_model(config.trainer.model_id, vocab_size=_vocab_size(config))
         if config.placement == "colocated":
             summary = _colocated(config, client)
         elif config.placement == "ray":
@@ -126,6 +125,20 @@ def run(config: RunConfig) -> dict:
     finally:
         store.stop()
     return summary
+
+
+def _vocab_size(config: RunConfig) -> int:
+    """The vocabulary the store checks token ids against: the model's (``rollbook.models.student_vocab_size``
+    through rollout/worker.py ``registered_vocab_size``). A tiny model for a dataset's own tokenizer takes
+    that tokenizer's size."""
+    from rollbook.rollout.worker import registered_vocab_size, use_model_tokenizer
+
+    use_model_tokenizer(config.rollout, config.trainer.model)  # a dataset without its own tokenizer: the model's
+    vocab = registered_vocab_size(config.rollout, config.trainer.model)
+    model = config.trainer.model
+    if config.rollout.dataset is not None and model.path is None and model.vocab_size is None:
+        model.vocab_size = vocab
+    return vocab
 
 
 def _colocated(config: RunConfig, client) -> dict:
@@ -147,6 +160,9 @@ def _colocated(config: RunConfig, client) -> dict:
     metrics.write(first)
     print(f"held-out reward before step {trainer.state.step}: {heldout_text(first)}", flush=True)
     while trainer.state.step < config.num_steps:
+        if worker.exhausted:  # a dataset whose epochs are done
+            print(f"dataset epochs done at step {trainer.state.step}: stopping", flush=True)
+            break
         result = client.submit(worker.produce())
         stats = trainer.step()
         if stats is None:

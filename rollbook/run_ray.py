@@ -210,7 +210,7 @@ def run_ray(config: RunConfig, address: str, keys: dict) -> dict:
                              "runtime_env": {"env_vars": {"ROLLBOOK_WORKER_KEY": keys["worker_key"]}}}
             if rc.worker_resources:
                 options["resources"] = rc.worker_resources[i % len(rc.worker_resources)]
-            workers.append(rollout_cls.options(**options).remote(wcfg))  # type: ignore[attr-defined]
+            workers.append(rollout_cls.options(**options).remote(wcfg))
         attempts = 0
         while True:
             try:

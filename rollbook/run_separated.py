@@ -49,6 +49,9 @@ def run_separated(config: RunConfig, client, address: str, keys: dict) -> dict:
         while trainer.state.step < config.num_steps:
             stats = trainer.step()
             if stats is None:
+                if worker.poll() == 0 and config.rollout.dataset is not None and config.rollout.dataset.epochs:
+                    print(f"dataset epochs done at step {trainer.state.step}: stopping", flush=True)
+                    break
                 if worker.poll() is not None:
                     raise RuntimeError(f"rollout worker exited with {worker.returncode}")
                 if time.monotonic() - waited > config.trainer.max_wait_s:

@@ -13,6 +13,8 @@ A model answers with the answer's characters followed by ``<eos>`` (pass ``TOKEN
 as a stop token). Splits are disjoint by construction: a problem belongs to ``heldout`` or ``train``
 by a stable hash of its prompt, whatever the seed, so no seed or size can leak an evaluation problem
 into training. A verifier that raises is an ``error`` outcome, counted apart and never a 0.0 reward.
+``CharTokenizer`` lives in ``rollbook/tokenizers.py`` (one implementation of the ``Tokenizer``
+interface) and is re-exported here.
 """
 
 from __future__ import annotations
@@ -20,46 +22,14 @@ from __future__ import annotations
 import hashlib
 import random
 import string
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
-PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
+from rollbook.tokenizers import BOS, EOS, PAD, CharTokenizer  # noqa: F401  (re-exported: existing imports keep working)
+
 Split = Literal["train", "heldout"]
 HELDOUT_BUCKETS = 10  # one problem in this many (by prompt hash) is held out
-
-
-class CharTokenizer:
-    """One token per character; ids 0, 1, 2 are ``<pad>``, ``<bos>``, ``<eos>``."""
-
-    def __init__(self, chars: str) -> None:
-        if len(set(chars)) != len(chars):
-            raise ValueError("tokenizer characters must be distinct")
-        self.tokens = [PAD, BOS, EOS, *chars]
-        self._ids = {ch: i for i, ch in enumerate(self.tokens) if len(ch) == 1}
-        self.pad_token_id, self.bos_token_id, self.eos_token_id = 0, 1, 2
-
-    @property
-    def vocab_size(self) -> int:
-        return len(self.tokens)
-
-    def encode(self, text: str, *, add_bos: bool = False, add_eos: bool = False) -> list[int]:
-        unknown = sorted(set(text) - self._ids.keys())
-        if unknown:
-            raise ValueError(f"characters not in the vocabulary: {unknown!r}")
-        ids = [self._ids[ch] for ch in text]
-        return [self.bos_token_id] * add_bos + ids + [self.eos_token_id] * add_eos
-
-    def decode(self, ids: Sequence[int]) -> str:
-        """The text up to the first ``<eos>``, without ``<pad>``/``<bos>``."""
-        chars = []
-        for i in ids:
-            if i == self.eos_token_id:
-                break
-            if i not in (self.pad_token_id, self.bos_token_id):
-                chars.append(self.tokens[i])
-        return "".join(chars)
-
 
 TOKENIZER = CharTokenizer(string.digits + string.ascii_lowercase + "+-*=:;,.?! ")
 

@@ -48,11 +48,12 @@ class ServerTLS:
         from rollbook import env
 
         values = env.server_tls()
-        if not values["cert"] and not values["key"]:
+        cert, key = values["cert"], values["key"]
+        if not cert and not key:
             return None
-        if not (values["cert"] and values["key"]):
+        if not (cert and key):
             raise ValueError("ROLLBOOK_TLS_CERT and ROLLBOOK_TLS_KEY go together")
-        return cls(**values)
+        return cls(cert, key, values["client_ca"])
 
 
 @dataclass(frozen=True)
@@ -89,7 +90,7 @@ def channel(target: str, tls: ClientTLS | None, options: list[tuple[str, object]
     return grpc.secure_channel(target, tls.credentials(), options=[*options, *tls.options()])
 
 
-def add_port(server, address: str, tls: ServerTLS | None) -> int:
+def add_port(server: grpc.Server | grpc.aio.Server, address: str, tls: ServerTLS | None) -> int:
     """Bind ``address`` on a sync or aio gRPC server, with TLS when ``tls`` is given."""
     if tls is None:
         return server.add_insecure_port(address)

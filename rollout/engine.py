@@ -70,6 +70,11 @@ class GenerationRequest:
     top_p: float = 1.0  # in (0, 1]
     top_k: int = 0  # >= -1
     stop_token_ids: Sequence[int] = ()  # a sampled stop token ends the output and is part of it
+    # Called with the output ids so far after every token; True ends the output there (stop strings:
+    # rollbook.tokenizers.StopStrings; the token that completed the string is part of the output).
+    # The native engine honours it; engines that cannot (vLLM here) ignore it and the worker cuts the
+    # text at the stop string before scoring.
+    stop: Callable[[Sequence[int]], bool] | None = field(default=None, compare=False)
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
 
     def __post_init__(self) -> None:
@@ -448,7 +453,7 @@ class _DecodeState:
             self._tokens[row].append(token)
             self._logprobs[row].append(logprob)
             self._versions[row].append(version)
-            stopped = token in request.stop_token_ids
+            stopped = token in request.stop_token_ids or (request.stop is not None and bool(request.stop(self._tokens[row])))
             if stopped:
                 self._finish[row] = "stop"
             keep.append(not stopped and len(self._tokens[row]) < request.max_new_tokens)

@@ -13,6 +13,10 @@ beyond that exist or are being made: every sample is at most ``eta`` versions be
 trains on it. ``eta = 0`` is synchronous RL: one batch per version, then admission stops until the
 version advances. Dropped samples (failed, filtered) give their slot back.
 
+``eta`` and ``batch_size`` are the trainer's (its ``max_staleness`` and ``num_samples``): a
+separately started worker learns them from the store, where the trainer announces them with every
+version it publishes, and calls ``set_bound`` (rollout/main.py ``TrainerContract``).
+
     gate = StalenessGate(max_staleness=2, batch_size=4)
     n = gate.try_admit(8, version=engine.version)   # how many of 8 prompts may start now
     ...
@@ -28,16 +32,21 @@ from collections.abc import Callable
 
 class StalenessGate:
     def __init__(self, max_staleness: int, batch_size: int):
-        if max_staleness < 0:
-            raise ValueError(f"max_staleness must be >= 0 (0 = synchronous), got {max_staleness}")
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1 (the trainer's samples per version), got {batch_size}")
+        _check_bound(max_staleness, batch_size)
         self.max_staleness = max_staleness
         self.batch_size = batch_size
         self._accepted = 0
         self._running = 0
         self._dropped = 0
         self._cond = threading.Condition()
+
+    def set_bound(self, max_staleness: int, batch_size: int) -> None:
+        """Gate by a new ``eta`` and ``batch_size`` from now on (the trainer's, once announced).
+        Samples already admitted stay admitted; capacity follows the new values at once."""
+        _check_bound(max_staleness, batch_size)
+        with self._cond:
+            self.max_staleness, self.batch_size = max_staleness, batch_size
+            self._cond.notify_all()
 
     def capacity(self, version: int) -> int:
         """``(eta + version + 1) * batch_size - (accepted + running)``; <= 0 means admit nothing."""
@@ -93,3 +102,10 @@ class StalenessGate:
 
     def _capacity(self, version: int) -> int:
         return (self.max_staleness + version + 1) * self.batch_size - (self._accepted + self._running)
+
+
+def _check_bound(max_staleness: int, batch_size: int) -> None:
+    if max_staleness < 0:
+        raise ValueError(f"max_staleness must be >= 0 (0 = synchronous), got {max_staleness}")
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1 (the trainer's samples per version), got {batch_size}")

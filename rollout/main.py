@@ -8,6 +8,12 @@ capacity ``(eta + version + 1) * batch_size - (accepted + running)``), and hands
 the spooling ``Submitter``, so a store outage pauses nothing until the spool fills. New weights are
 installed between decode steps (in-flight sequences continue under them, their later tokens carrying
 the new version). SIGTERM/SIGINT: finish the round, flush the spool, exit.
+
+The staleness bound is the trainer's: it announces its ``max_staleness`` and ``num_samples`` with
+every version it publishes to the store, and the worker runs its gate with them (``TrainerContract``),
+logging once when they differ from its own ``rollout.max_staleness`` / ``batch_size``. Those two
+settings only apply while the store has no announcement (a trainer from before the announcement, or
+none published yet).
 """
 
 from __future__ import annotations
@@ -17,11 +23,16 @@ import pathlib
 import signal
 import threading
 import time
+from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from rollbook.models import ModelConfig
 from rollbook.rollout.worker import RolloutConfig
+
+if TYPE_CHECKING:  # pragma: no cover
+    from rollbook.client import StoreClient
+    from rollbook.rollout.gate import StalenessGate
 
 log = logging.getLogger("rollbook.rollout")
 
@@ -36,7 +47,8 @@ class WorkerConfig(BaseModel):
     model_id: str = Field("tiny", description="Model id the trajectories are recorded under.")
     model: ModelConfig = Field(default_factory=ModelConfig, description="Architecture to build before the first weights arrive.")
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
-    batch_size: int = Field(64, ge=1, description="The trainer's samples per version (the staleness gate's batch).")
+    batch_size: int = Field(64, ge=1, description="The trainer's samples per version (the staleness gate's batch); "
+                            "replaced by the trainer's num_samples once it announces it through the store.")
     spool_dir: str = Field("runs/default/spool", description="Local spool for trajectories while the store is unreachable.")
     spool_max_bytes: int = Field(256 << 20, ge=1 << 16, description="Spool bound; admission stops when it is full.")
     first_weights_timeout_s: float = Field(300.0, gt=0, description="How long to wait for the first published weights.")
@@ -65,23 +77,37 @@ def open_channel(spec: str):
 def run_worker(config: WorkerConfig, stop: threading.Event | None = None) -> dict:
     import torch
 
-    from rollbook.client import StoreClient
     from rollbook.models import build_student
     from rollbook.rollout.engine import NativeEngine
-    from rollbook.rollout.gate import StalenessGate
-    from rollbook.rollout.spool import Spool
-    from rollbook.rollout.submitter import Submitter
-    from rollbook.rollout.worker import RolloutWorker
+    from rollbook.rollout.worker import RolloutWorker, registered_vocab_size, use_model_tokenizer
     from rollbook.weights.base import load_into
 
     torch.set_num_threads(1)
     stop = stop or _stop_on_signals()
     channel = _wait_for_channel(config, stop)
     snapshot = _first_snapshot(channel, config, stop)
-    model = build_student(config.model)
+    model_cfg = config.model
+    use_model_tokenizer(config.rollout, model_cfg)
+    if config.rollout.dataset is not None and model_cfg.path is None and model_cfg.vocab_size is None:
+        # a tiny model for your own tokenizer: its vocabulary, not the toy tasks'
+        model_cfg = model_cfg.model_copy(update={"vocab_size": registered_vocab_size(config.rollout, model_cfg)})
+    model = build_student(model_cfg)
     load_into(model, snapshot)
     engine = NativeEngine(model, version=snapshot.version, seed=config.rollout.seed)
     worker = RolloutWorker(engine, config.rollout, model_id=config.model_id)
+    try:
+        return _loop(config, stop, channel, engine, worker)
+    finally:
+        worker.close()
+
+
+def _loop(config: WorkerConfig, stop: threading.Event, channel, engine, worker) -> dict:
+    from rollbook.client import StoreClient
+    from rollbook.rollout.gate import StalenessGate
+    from rollbook.rollout.spool import Spool
+    from rollbook.rollout.submitter import Submitter
+    from rollbook.weights.base import load_into
+
     gate = StalenessGate(config.rollout.max_staleness, config.batch_size)
     group = config.rollout.group_size
     want = group * config.rollout.num_prompts
@@ -89,7 +115,12 @@ def run_worker(config: WorkerConfig, stop: threading.Event | None = None) -> dic
     idle_since = time.monotonic()
     # keys and TLS from the environment (ROLLBOOK_WORKER_KEY, ROLLBOOK_TLS_CA, ...), never from the config file
     with StoreClient.from_env(config.server) as client, Submitter(client, Spool(config.spool_dir, max_bytes=config.spool_max_bytes)) as sub:
+        contract = TrainerContract(client, config, gate)
+        contract.wait_for_announcement(stop, CONTRACT_WAIT_S)
         while not stop.is_set() and (config.max_rounds == 0 or rounds < config.max_rounds):
+            if worker.exhausted:
+                log.info("dataset epochs done after %d rounds: stopping", rounds)
+                break
             latest = _fetch_or_none(channel)
             if latest is not None:
                 try:
@@ -98,6 +129,7 @@ def run_worker(config: WorkerConfig, stop: threading.Event | None = None) -> dic
                     log.warning("weight update to version %d failed (%s); fetching again", latest.version, exc)
                     channel = _reopen(channel, config)
                     continue
+            contract.refresh(engine.version)
             admitted = gate.try_admit(want, engine.version)
             whole = admitted - admitted % group
             if admitted > whole:
@@ -110,7 +142,8 @@ def run_worker(config: WorkerConfig, stop: threading.Event | None = None) -> dic
                 stop.wait(0.05)
                 continue
             trajectories = worker.produce(whole // group)
-            sub.submit(trajectories)
+            if trajectories:  # none once a dataset's epochs are done
+                sub.submit(trajectories)
             gate.on_finished(whole, accepted=True)
             rounds += 1
             idle_since = time.monotonic()
@@ -118,10 +151,76 @@ def run_worker(config: WorkerConfig, stop: threading.Event | None = None) -> dic
                 log.info("round %d: %d trajectories so far, version %d, %s", rounds, worker.stats.num_trajectories,
                          engine.version, sub.stats().metrics())
         sub.flush(timeout=120)
-        stats = {**worker.stats.metrics(), **sub.stats().metrics(), "rounds": rounds, "version": engine.version}
+        stats = {**worker.stats.metrics(), **sub.stats().metrics(), "rounds": rounds, "version": engine.version,
+                 "gate/max_staleness": gate.max_staleness, "gate/batch_size": gate.batch_size,
+                 "gate/from_trainer": int(contract.announced is not None)}
     channel.close()
     log.info("rollout worker done: %s", stats)
     return stats
+
+
+CONTRACT_WAIT_S = 5.0  # at start, how long to wait for the trainer's announcement before the first round
+CONTRACT_RECHECK_S = 1.0  # while the store has no announcement, ask again at most this often
+
+
+class TrainerContract:
+    """Keeps the staleness gate on the trainer's bound: ``max_staleness`` and ``samples_per_version``
+    as the trainer last announced them to the store (``GetModel``). Asks again on every new policy
+    version (a restarted trainer may announce other values) and, while nothing is announced, at
+    most every ``CONTRACT_RECHECK_S``. A store that cannot answer (down, too old for ``GetModel``, the
+    model not registered yet) leaves the gate as it is; each kind of failure is logged once."""
+
+    def __init__(self, client: StoreClient, config: WorkerConfig, gate: StalenessGate) -> None:
+        self.client, self.config, self.gate = client, config, gate
+        self.announced: tuple[int, int] | None = None  # (max_staleness, batch_size) adopted from the trainer
+        self._asked_at_version: int | None = None
+        self._asked_at = float("-inf")
+        self._said: set[str] = set()
+
+    def refresh(self, version: int) -> bool:
+        """Ask the store when due; True once the trainer's values are in force."""
+        now = time.monotonic()
+        if version == self._asked_at_version and (self.announced is not None or now - self._asked_at < CONTRACT_RECHECK_S):
+            return self.announced is not None
+        self._asked_at_version, self._asked_at = version, now
+        import grpc
+
+        try:
+            info = self.client.get_model(self.config.model_id)
+        except grpc.RpcError as exc:
+            self._once(exc.code().name, "staleness gate: cannot read the trainer's bound from the store (%s: %s); "
+                       "gating with this worker's max_staleness=%d, batch_size=%d until it can", exc.code().name,
+                       exc.details(), self.gate.max_staleness, self.gate.batch_size)
+            return self.announced is not None
+        if info.max_staleness is None and info.samples_per_version is None:
+            self._once("none", "staleness gate: the trainer has announced no bound yet; gating with this worker's "
+                       "max_staleness=%d, batch_size=%d", self.gate.max_staleness, self.gate.batch_size)
+            return self.announced is not None
+        eta = self.config.rollout.max_staleness if info.max_staleness is None else info.max_staleness
+        batch = info.samples_per_version or self.config.batch_size
+        if (eta, batch) != self.announced:
+            own = (self.config.rollout.max_staleness, self.config.batch_size)
+            if (eta, batch) != own or self.announced is not None:
+                log.info("staleness gate: the trainer announces max_staleness=%d, samples_per_version=%d; using them "
+                         "(this worker's config: rollout.max_staleness=%d, batch_size=%d)", eta, batch, *own)
+            self.gate.set_bound(eta, batch)
+            self.announced = (eta, batch)
+        return True
+
+    def wait_for_announcement(self, stop: threading.Event, timeout_s: float) -> None:
+        """Before the first round: the trainer publishes weights a moment before it announces the
+        version to the store, so give the announcement ``timeout_s`` to arrive (only while the store
+        answers that there is none yet)."""
+        deadline = time.monotonic() + timeout_s
+        version = -1
+        while not self.refresh(version) and "none" in self._said and not stop.is_set() and time.monotonic() < deadline:
+            stop.wait(0.1)
+            self._asked_at = float("-inf")
+
+    def _once(self, kind: str, message: str, *args: object) -> None:
+        if kind not in self._said:
+            self._said.add(kind)
+            log.log(logging.INFO if kind == "none" else logging.WARNING, message, *args)
 
 
 def _wait_for_channel(config: WorkerConfig, stop: threading.Event):

@@ -11,6 +11,13 @@ that raises yields no reward (never 0.0): the sample is submitted without one an
 error, and the store keeps its group waiting under the incomplete-group policy.
 ``rollout/main.py`` ``run_worker`` is the loop behind ``rollbook rollout`` (weights from a channel, the
 staleness gate, the spooling submitter).
+
+Your own data (``dataset`` set): the tasks are the dataset's rows (``rollbook/datasets.py``), prompts
+are encoded with ``tokenizer`` (a local Hugging Face directory; chat rows through its chat template),
+completions stop on its eos and ``stop_strings``, and each domain's reward (``rewards``,
+``rollbook/rewards.py``) scores them in a process pool, so generation of the next chunk of prompts
+(``chunk_prompts``) goes on while the previous one is scored. Without ``dataset`` the built-in toy
+domains run exactly as before, with the character tokenizer.
 """
 
 from __future__ import annotations
@@ -21,10 +28,15 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from rollbook.datasets import BadRow, DatasetConfig, DatasetError, Row, RowSampler, load_dataset
+from rollbook.errors import ConfigError
+from rollbook.models import ModelConfig, student_vocab_size
+from rollbook.rewards import RewardConfig, RewardPool, Scored
 from rollbook.rollout.engine import GenerationEngine, GenerationRequest
-from rollbook.tasks import TOKENIZER, RewardTally, Task, build_domains, make_tasks, score
+from rollbook.tasks import TOKENIZER, RewardOutcome, RewardTally, Task, build_domains, make_tasks, score
+from rollbook.tokenizers import StopStrings, Tokenizer, load_tokenizer
 from rollbook.v1 import rollbook_pb2 as pb
 
 log = logging.getLogger("rollbook.rollout")
@@ -49,9 +61,51 @@ class RolloutConfig(BaseModel):
     temperature: float = Field(1.0, gt=0, description="Sampling temperature (the trainer recomputes log-probs at the same one).")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass (1 = off).")
     top_k: int = Field(0, ge=-1, description="Top-k (0 or -1 = off).")
-    max_staleness: int = Field(1, ge=0, description="Staleness gate eta: admit while (eta + version + 1) * batch > accepted + running.")
+    max_staleness: int = Field(1, ge=0, description="Staleness gate eta: admit while (eta + version + 1) * batch > accepted + running. `rollbook rollout` replaces it with the max_staleness its trainer announces through the store.")
     seed: int = Field(0, description="Task sampling seed.")
     worker_id: str = Field("worker-0", description="Recorded on every trajectory.")
+    dataset: DatasetConfig | None = Field(None, description="Your own data: train on these dataset rows instead of the "
+                                          "built-in toy domains (which `domains` then does not name). See rollbook/datasets.py.")
+    rewards: dict[str, RewardConfig] = Field(default_factory=dict, description="With a dataset: the reward of each "
+                                             "domain ([rollout.rewards.<domain>] kind = 'math' | 'code' | 'exact' | "
+                                             "'regex' | 'module:function'). A row of a domain without one is a bad row.")
+    tokenizer: str | None = Field(None, description="With a dataset: local directory of a Hugging Face tokenizer "
+                                  "(loaded with local_files_only). None: the model's directory when the model loads "
+                                  "from one (model.path), else the toy tasks' character tokenizer.")
+    stop_strings: list[str] = Field(default_factory=list, description="With a dataset: strings that end a completion "
+                                    "(besides the tokenizer's eos); the text is cut before them for scoring.")
+    reward_workers: int = Field(2, ge=0, le=64, description="With a dataset: processes that run the verifiers off the "
+                                "generation thread (0 = score in the worker's thread).")
+    reward_timeout_s: float = Field(300.0, gt=0, description="With a dataset: longest wait for one sample's verifier "
+                                    "result; past it the sample is an error outcome (no reward).")
+    chunk_prompts: int = Field(0, ge=0, description="With a dataset: generate a round's prompts in chunks of this many, "
+                               "scoring each chunk while the next one generates (0 = one chunk).")
+
+    @model_validator(mode="after")
+    def _dataset_fields(self) -> "RolloutConfig":
+        if self.dataset is None:
+            used = sorted(f for f in ("rewards", "tokenizer", "stop_strings") if f in self.model_fields_set and getattr(self, f))
+            if used:
+                raise ValueError(f"rollout.{used[0]} applies to dataset rows: set [rollout.dataset] (the toy domains use "
+                                 "the character tokenizer and their own verifiers)")
+        elif not self.rewards:
+            raise ValueError("rollout.dataset needs rewards: set [rollout.rewards.<domain>] kind = ... for each domain")
+        return self
+
+
+# The row fields each built-in reward kind needs (a row without them is a bad row, found at load time).
+_NEEDS = {"math": ("answer",), "exact": ("answer",), "code": ("tests",)}
+
+
+def tokenizer_for(config: RolloutConfig) -> Tokenizer:
+    """The tokenizer a worker of this config encodes with: the toy character tokenizer unless a
+    dataset names a Hugging Face directory."""
+    if config.dataset is None:
+        return TOKENIZER
+    try:
+        return load_tokenizer(config.tokenizer, default=TOKENIZER, stop_strings=config.stop_strings)
+    except (OSError, ValueError) as exc:  # a missing directory, files transformers cannot read, no eos
+        raise ConfigError(f"rollout.tokenizer: {exc}") from None
 
 
 @dataclass
@@ -59,25 +113,138 @@ class RolloutStats:
     tally: RewardTally = field(default_factory=RewardTally)
     num_trajectories: int = 0
     num_tokens: int = 0
+    reasons: dict[str, int] = field(default_factory=dict)  # dataset rewards: "<domain>/<reason>" -> count
+    fractions: dict[str, list[float]] = field(default_factory=dict)  # code rewards: tests passed, per domain
+
+    def add_scored(self, domain: str, scored: Scored) -> None:
+        key = f"{domain}/{scored.info.get('reason', 'ok' if scored.outcome.status == 'ok' else 'verifier_error')}"
+        self.reasons[key] = self.reasons.get(key, 0) + 1
+        if "fraction" in scored.info:
+            self.fractions.setdefault(domain, []).append(float(scored.info["fraction"]))
 
     def metrics(self) -> dict[str, float]:
-        return {**self.tally.metrics(), "rollout/trajectories": self.num_trajectories, "rollout/tokens": self.num_tokens}
+        out = {**self.tally.metrics(), "rollout/trajectories": self.num_trajectories, "rollout/tokens": self.num_tokens}
+        out.update({f"reward/reason/{k}": v for k, v in sorted(self.reasons.items())})
+        out.update({f"reward/tests_passed/{d}": sum(v) / len(v) for d, v in sorted(self.fractions.items()) if v})
+        return out
 
 
 class RolloutWorker:
-    def __init__(self, engine: GenerationEngine, config: RolloutConfig, *, model_id: str):
+    def __init__(self, engine: GenerationEngine, config: RolloutConfig, *, model_id: str,
+                 tokenizer: Tokenizer | None = None):
         self.engine = engine
         self.config = config
         self.model_id = model_id
+        self.rng = random.Random(config.seed)
+        self.stats = RolloutStats()
+        self.rewards: RewardPool | None = None
+        self.bad_rows: list[BadRow] = []
+        if config.dataset is not None:
+            self._init_dataset(config, tokenizer)
+            return
+        self.tokenizer: Tokenizer = TOKENIZER
         self.domains = build_domains(config)
         self.train_tasks = [t for d in self.domains.values() for t in make_tasks(d, "train", config.num_train_tasks, config.seed, allow_fewer=True)]
         self.eval_tasks = [t for d in self.domains.values() for t in make_tasks(d, "heldout", config.num_eval_tasks, config.seed, allow_fewer=True)]
-        self.rng = random.Random(config.seed)
-        self.stats = RolloutStats()
+
+    # -- your own data ---------------------------------------------------------------------------
+
+    def _init_dataset(self, config: RolloutConfig, tokenizer: Tokenizer | None) -> None:
+        data_cfg = config.dataset
+        assert data_cfg is not None
+        self.tokenizer = tokenizer or tokenizer_for(config)
+        needs = {domain: _NEEDS.get(r.kind, ()) for domain, r in config.rewards.items()}
+        data = load_dataset(data_cfg, requirements=needs, known_domains=set(config.rewards))
+        self.bad_rows = list(data.bad_rows)
+        self._prompt_ids: dict[tuple[str, str], list[int]] = {}
+        train, heldout = self._encodable(data.train), self._encodable(data.heldout)
+        if self.bad_rows and data_cfg.on_bad_row == "fail":
+            raise DatasetError(f"{len(self.bad_rows)} bad rows (on_bad_row = 'fail'): "
+                               + "; ".join(str(b) for b in self.bad_rows[:20]))
+        if not train:
+            raise DatasetError(f"no usable training rows in {data_cfg.train_files} ({len(self.bad_rows)} bad rows)")
+        self.train_rows, self.eval_rows = train, heldout
+        self.sampler = RowSampler(train, shuffle=data_cfg.shuffle, seed=data_cfg.seed, epochs=data_cfg.epochs)
+        self.rewards = RewardPool(config.rewards, max_workers=config.reward_workers)
+        self._stop = StopStrings(self.tokenizer, self.tokenizer.stop_strings) if self.tokenizer.stop_strings else None
+        log.info("dataset: %d training rows, %d held out, %d bad rows skipped; tokenizer vocabulary %d",
+                 len(train), len(heldout), len(self.bad_rows), self.tokenizer.vocab_size)
+
+    def _encodable(self, rows: list[Row]) -> list[Row]:
+        """The rows whose prompt the tokenizer encodes (ids cached); the others are bad rows, reported now."""
+        kept = []
+        for row in rows:
+            try:
+                ids = self.tokenizer.encode_prompt(prompt=row.prompt, messages=row.messages)
+                if not ids:
+                    raise ValueError("the prompt encodes to no tokens")
+            except Exception as exc:  # a row the tokenizer refuses: reported, never a crash mid-run
+                path, _, line = row.source.rpartition(":")
+                bad = BadRow(path, int(line) if line.isdigit() else 0, f"prompt does not encode: {type(exc).__name__}: {exc}")
+                self.bad_rows.append(bad)
+                log.warning("bad row %s (skipped)", bad)
+                continue
+            self._prompt_ids[(row.source, row.task_id)] = ids
+            kept.append(row)
+        return kept
+
+    @property
+    def exhausted(self) -> bool:
+        """A dataset whose epochs are all produced: there is nothing more to generate."""
+        return self.config.dataset is not None and self.sampler.exhausted
+
+    def _request(self, row: Row, *, temperature: float) -> GenerationRequest:
+        cfg = self.config
+        return GenerationRequest(prompt_token_ids=self._prompt_ids[(row.source, row.task_id)], max_new_tokens=cfg.max_new_tokens,
+                                 temperature=temperature, top_p=cfg.top_p if temperature > 0 else 1.0,
+                                 top_k=cfg.top_k if temperature > 0 else 0,
+                                 stop_token_ids=self.tokenizer.stop_token_ids, stop=self._stop)
+
+    def _generate_and_score(self, rows: list[Row], temperature: float, *, seed: int | None = None, per_prompt: int = 1):
+        """Generate ``rows`` (one request each; ``per_prompt`` consecutive requests per prompt) chunk by
+        chunk of ``chunk_prompts`` prompts, each chunk's completions sent to the reward pool at once,
+        so the next chunk generates while it is scored. Returns ``[(result, Scored)]`` in order."""
+        assert self.rewards is not None
+        chunk = self.config.chunk_prompts * per_prompt or len(rows)
+        pending = []
+        for start in range(0, len(rows), max(1, chunk)):
+            part = rows[start:start + chunk]
+            results = self.engine.generate([self._request(r, temperature=temperature) for r in part], seed=seed)
+            pending += [(result, self.rewards.submit(row.domain, self.tokenizer.completion_text(result.output_token_ids),
+                                                     row.as_dict())) for row, result in zip(part, results)]
+        return [(result, self.rewards.result(future, timeout=self.config.reward_timeout_s)) for result, future in pending]
+
+    def _produce_rows(self, num_prompts: int) -> list[pb.Trajectory]:
+        cfg = self.config
+        rows = self.sampler.take(num_prompts)
+        owners = [(row, uuid.uuid4().hex) for row in rows]
+        expanded = [(row, group_id) for row, group_id in owners for _ in range(cfg.group_size)]
+        scored = self._generate_and_score([row for row, _ in expanded], cfg.temperature, per_prompt=cfg.group_size)
+        out = []
+        for (row, group_id), (result, score_) in zip(expanded, scored):
+            self.stats.add_scored(row.domain, score_)
+            out.append(self._build(row.task_id, row.domain, group_id, result, score_.outcome))
+        return out
+
+    def close(self) -> None:
+        """Stop the reward processes (a dataset worker); idempotent."""
+        if self.rewards is not None:
+            self.rewards.close()
+
+    def __enter__(self) -> "RolloutWorker":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- both ------------------------------------------------------------------------------------
 
     def produce(self, num_prompts: int | None = None) -> list[pb.Trajectory]:
-        """Sample ``num_prompts`` training problems, ``group_size`` completions each."""
+        """Sample ``num_prompts`` training problems, ``group_size`` completions each (a dataset whose
+        epochs are done gives fewer, then none)."""
         cfg = self.config
+        if cfg.dataset is not None:
+            return self._produce_rows(num_prompts or cfg.num_prompts)
         tasks = [self.rng.choice(self.train_tasks) for _ in range(num_prompts or cfg.num_prompts)]
         requests, owners = [], []
         for task in tasks:
@@ -93,13 +260,16 @@ class RolloutWorker:
 
     def _trajectory(self, task: Task, group_id: str, result) -> pb.Trajectory:
         outcome = score(task, TOKENIZER.decode(result.output_token_ids), self.domains)
+        return self._build(task.task_id, task.domain, group_id, result, outcome)
+
+    def _build(self, task_id: str, domain: str, group_id: str, result, outcome: RewardOutcome) -> pb.Trajectory:
         self.stats.tally.add(outcome)
         self.stats.num_trajectories += 1
         self.stats.num_tokens += len(result.output_token_ids)
         traj = pb.Trajectory(
             trajectory_id=uuid.uuid4().hex, session_id=result.request_id, group_id=group_id,
-            group_size=self.config.group_size, request_id=result.request_id, consumed=True, task_id=task.task_id,
-            domain=task.domain, model_id=self.model_id, prompt_token_ids=result.prompt_token_ids,
+            group_size=self.config.group_size, request_id=result.request_id, consumed=True, task_id=task_id,
+            domain=domain, model_id=self.model_id, prompt_token_ids=result.prompt_token_ids,
             output_token_ids=result.output_token_ids, output_logprobs=result.output_logprobs,
             output_versions=result.output_versions, temperature=result.temperature, top_p=result.top_p,
             top_k=result.top_k, finish_reason=result.finish_reason, worker_id=self.config.worker_id,
@@ -107,7 +277,7 @@ class RolloutWorker:
         if outcome.status == "ok":
             traj.reward = outcome.reward
         else:
-            log.warning("verifier error on %s: %s (submitted without a reward)", task.task_id, outcome.error)
+            log.warning("verifier error on %s: %s (submitted without a reward)", task_id, outcome.error)
         return traj
 
     def evaluate(self, tasks: list[Task] | None = None) -> dict[str, float]:
@@ -121,8 +291,10 @@ class RolloutWorker:
 
         Greedy accuracy is a threshold of the policy: a tiny change in the weights can flip many
         answers at once, so the sampled figure is the smooth one to compare across steps."""
-        tasks = tasks or self.eval_tasks
         cfg = self.config
+        if cfg.dataset is not None:
+            return self._evaluate_rows()
+        tasks = tasks or self.eval_tasks
         greedy = [GenerationRequest(prompt_token_ids=TOKENIZER.encode(t.prompt, add_bos=True),
                                     max_new_tokens=cfg.max_new_tokens, temperature=0.0,
                                     stop_token_ids=[TOKENIZER.eos_token_id]) for t in tasks]
@@ -153,3 +325,51 @@ class RolloutWorker:
         scored = sum(len(v) for v in per_domain.values())
         out[overall] = sum(sum(v) for v in per_domain.values()) / scored if scored else float("nan")
         return out, errors
+
+    def _evaluate_rows(self) -> dict[str, float]:
+        """``evaluate`` on the dataset's held-out rows (none: an empty dict), scored by the rewards."""
+        cfg = self.config
+        rows = self.eval_rows[:cfg.num_eval_tasks]
+        if not rows:
+            return {}
+        out, errors = self._tally(rows, self._generate_and_score(rows, 0.0), "eval/", "eval/reward")
+        if cfg.num_eval_samples:
+            sampled = [r for r in rows for _ in range(cfg.num_eval_samples)]
+            more, more_errors = self._tally(sampled, self._generate_and_score(sampled, cfg.temperature, seed=cfg.eval_seed,
+                                                                              per_prompt=cfg.num_eval_samples),
+                                            "eval/sampled/", "eval/sampled_reward")
+            out.update(more)
+            errors += more_errors
+        out["eval/errors"] = errors
+        return out
+
+    @staticmethod
+    def _tally(rows: list[Row], scored, prefix: str, overall: str) -> tuple[dict[str, float], int]:
+        per_domain: dict[str, list[float]] = {}
+        errors = 0
+        for row, (_, s) in zip(rows, scored):
+            if s.outcome.status == "ok":
+                per_domain.setdefault(row.domain, []).append(s.outcome.reward)
+            else:
+                errors += 1
+        out = {f"{prefix}{d}": sum(v) / len(v) for d, v in per_domain.items()}
+        n = sum(len(v) for v in per_domain.values())
+        out[overall] = sum(sum(v) for v in per_domain.values()) / n if n else float("nan")
+        return out, errors
+
+
+def use_model_tokenizer(rollout: RolloutConfig, model: ModelConfig) -> None:
+    """With a dataset and no ``rollout.tokenizer``: take the tokenizer from the model's directory
+    (``model.path``) when the model loads from one. Called where both configs meet (``rollbook run``,
+    ``rollbook rollout``)."""
+    if rollout.dataset is not None and rollout.tokenizer is None and model.path:
+        rollout.tokenizer = model.path
+
+
+def registered_vocab_size(rollout: RolloutConfig, model: ModelConfig) -> int:
+    """The vocabulary size to register for the store's token check: the student's
+    (``rollbook.models.student_vocab_size``: a model directory's config.json, or the tiny model's
+    ``vocab_size``), except a tiny model of unset size trained on a dataset, which gets its tokenizer's."""
+    if model.path or model.vocab_size or rollout.dataset is None:
+        return student_vocab_size(model)
+    return tokenizer_for(rollout).vocab_size

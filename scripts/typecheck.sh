@@ -4,7 +4,7 @@
 # mypy cannot follow through setuptools' editable finder. So this lays the package out as installed,
 # in a throwaway directory of symlinks built from that same package-dir table (rollbook/store -> store/,
 # rollbook/v1 -> proto/rollbook/v1/, ...), and runs mypy on it. Error paths read rollbook/store/x.py
-# for store/x.py. Extra arguments go to mypy.
+# for store/x.py. Also checks the test files in SEAM_TESTS. Extra arguments go to mypy.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 ROOT=$PWD
@@ -24,5 +24,13 @@ for package, folder in dirs.items():                        # rollbook.store -> 
     if package != "rollbook":
         (out / package.replace(".", "/")).symlink_to(root / folder)
 PYEOF
+# Test files that exist to be type-checked: they hold the typed seams' proofs (docs/design.md, "Typed
+# seams"), checked as top-level modules beside the layout.
+SEAM_TESTS=(tests/unit/test_seams.py)
+MODULES=(-p rollbook)
+for test in "${SEAM_TESTS[@]}"; do
+    ln -s "$ROOT/$test" "$LAYOUT/$(basename "$test")"
+    MODULES+=(-m "$(basename "$test" .py)")
+done
 cd "$LAYOUT"
-exec "$PY" -m mypy --config-file "$ROOT/pyproject.toml" --cache-dir "$ROOT/.mypy_cache" -p rollbook "$@"
+exec "$PY" -m mypy --config-file "$ROOT/pyproject.toml" --cache-dir "$ROOT/.mypy_cache" "${MODULES[@]}" "$@"

@@ -13,8 +13,16 @@ from __future__ import annotations
 
 import hmac
 import math
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
 import grpc
+
+if TYPE_CHECKING:  # pragma: no cover
+    from rollbook.v1 import rollbook_pb2 as pb
+
+# gRPC invocation metadata: (key, value) pairs, values bytes for -bin keys
+Metadata = Iterable[tuple[str, str | bytes]]
 
 ROLES = ("worker", "trainer", "reader", "admin")
 
@@ -28,6 +36,7 @@ RPC_ROLE = {
     "Query": "reader",
     "GetStats": "reader",
     "RegisterModel": "admin",
+    "GetModel": "worker",
 }
 
 MIN_KEY_CHARS = 16
@@ -42,7 +51,7 @@ class Denied(Exception):
         self.code, self.message = code, message
 
 
-def bearer(metadata) -> bytes | None:
+def bearer(metadata: Metadata | None) -> bytes | None:
     """The key of an ``authorization: Bearer <key>`` header, or None."""
     for k, v in metadata or ():
         if k == "authorization":
@@ -59,7 +68,7 @@ class KeyRing:
         unknown = set(keys) - set(ROLES)
         if unknown:
             raise ValueError(f"unknown roles {sorted(unknown)}")
-        self._keys = {role: keys[role].encode() for role in ROLES if keys.get(role)}
+        self._keys = {role: key.encode() for role in ROLES if (key := keys.get(role))}
 
     def is_open(self, role: str) -> bool:
         return role not in self._keys
@@ -73,7 +82,7 @@ class KeyRing:
                 found = role
         return found
 
-    def authorize(self, rpc: str, metadata) -> str | None:
+    def authorize(self, rpc: str, metadata: Metadata | None) -> str | None:
         """The caller's role (None when the RPC's role is open); raises ``Denied``."""
         need = RPC_ROLE[rpc]
         if self.is_open(need):
@@ -119,7 +128,7 @@ def check_keys(keys: dict[str, str | None], *, loopback: bool) -> None:
         reason = weak_key_reason(key) if not loopback else ("contains whitespace" if any(c.isspace() for c in key) else None)
         if reason:
             raise ValueError(f"ROLLBOOK_{role.upper()}_KEY {reason}; use e.g. python -c 'import secrets; print(secrets.token_hex(16))'")
-    given = [(r, keys[r]) for r in ROLES if keys.get(r)]
+    given = [(r, key) for r in ROLES if (key := keys.get(r))]
     for i, (a, ka) in enumerate(given):
         for b, kb in given[i + 1:]:
             if hmac.compare_digest(ka.encode(), kb.encode()):
@@ -150,14 +159,14 @@ def _int_in(name: str, value: int, lo: int, hi: int) -> str | None:
     return None if lo <= value <= hi else f"{name} must be in [{lo}, {hi}], got {value}"
 
 
-def _pull(r) -> list[str | None]:
+def _pull(r: pb.PullBatchRequest) -> list[str | None]:
     return [_finite_in("lease_seconds", r.lease_seconds, 0.0, MAX_LEASE_SECONDS),
             _int_in("num_samples", r.num_samples, 0, MAX_BATCH), _int_in("num_groups", r.num_groups, 0, MAX_BATCH),
             _int_in("max_staleness", r.max_staleness, 0, MAX_VERSION),
             _int_in("trainer_version", r.trainer_version, 0, MAX_VERSION), _int_in("step", r.step, 0, MAX_STEP)]
 
 
-def _report(r) -> list[str | None]:
+def _report(r: pb.ReportTrainStepRequest) -> list[str | None]:
     return [_int_in("step", r.step, 0, MAX_STEP), _int_in("version", r.version, 0, MAX_VERSION),
             _finite_in("started_at", r.started_at, MIN_TIME, MAX_TIME),
             _finite_in("finished_at", r.finished_at, MIN_TIME, MAX_TIME)]
@@ -167,13 +176,15 @@ _FIELD_CHECKS = {
     "PullBatch": _pull,
     "SetReward": lambda r: [_finite_in("reward", r.reward, -MAX_REWARD, MAX_REWARD)],
     "Query": lambda r: [_finite_in("timeout_seconds", r.timeout_seconds, 0.0, MAX_QUERY_TIMEOUT_S)],
-    "PublishVersion": lambda r: [_int_in("version", r.version, 0, MAX_VERSION)],
+    "PublishVersion": lambda r: [_int_in("version", r.version, 0, MAX_VERSION),
+                                 _int_in("samples_per_version", r.samples_per_version, 1, MAX_BATCH)
+                                 if r.HasField("samples_per_version") else None],
     "RegisterModel": lambda r: [_int_in("vocab_size", r.vocab_size, 0, MAX_VOCAB)],
     "ReportTrainStep": _report,
 }
 
 
-def field_error(rpc: str, request) -> str | None:
+def field_error(rpc: str, request: Any) -> str | None:
     """The first numeric field of ``request`` out of range (NaN, inf, negative or absurd), or None."""
     check = _FIELD_CHECKS.get(rpc)
     if check is None:

@@ -22,7 +22,7 @@ import math
 import pathlib
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -37,7 +37,7 @@ from rollbook.store.sql import SANDBOX_CONFIG
 from rollbook.trajectories import decode_messages
 from rollbook.v1 import rollbook_pb2 as pb
 from rollbook.validator import groups, pull
-from rollbook.validator.groups import ValidatorConfig
+from rollbook.validator.groups import ValidatorConfig, one_row
 from rollbook.validator.ingest import IngestConfig, VersionSet
 from rollbook.validator.reasons import Reason
 
@@ -112,12 +112,28 @@ def _connect(db_path: pathlib.Path) -> duckdb.DuckDBPyConnection:
     return con
 
 
+@dataclass(frozen=True)
+class ModelEntry:
+    """A registered model as ``GetModel`` answers it. ``max_staleness`` and ``samples_per_version``
+    are its trainer's last announcement (``PublishVersion``), None until one arrives: kept in memory
+    only, since a trainer renews it with every version it publishes (a restarted store knows it again
+    at the trainer's next step or restart)."""
+
+    model_id: str
+    vocab_size: int
+    latest_version: int  # -1: none published
+    max_staleness: int | None = None
+    samples_per_version: int | None = None
+
+
 class _Registry:
-    """In-memory view of `models` and `policy_versions` (the tables are the source of truth)."""
+    """In-memory view of `models` and `policy_versions` (the tables are the source of truth), and
+    of each model's announced staleness contract (``ModelEntry``; not in a table)."""
 
     def __init__(self) -> None:
         self.vocab: dict[str, int] = {}
         self.versions: dict[str, VersionSet] = {}
+        self.contract: dict[str, tuple[int | None, int | None]] = {}  # (max_staleness, samples_per_version)
         self.generation = 0  # bumped on every change, so ingest workers know when to refresh
 
     def vocab_size(self, model_id: str) -> int | None:
@@ -225,8 +241,10 @@ class Ledger:
             self._generation += 1
         self.registry.set_vocab(model_id, vocab_size)
 
-    def publish_version(self, model_id: str, version: int, checksum: str) -> int:
-        """Record version ``version`` of ``model_id``; returns the latest published version."""
+    def publish_version(self, model_id: str, version: int, checksum: str, *, max_staleness: int | None = None,
+                        samples_per_version: int | None = None) -> int:
+        """Record version ``version`` of ``model_id``; returns the latest published version. An
+        announced staleness contract (either value not None) replaces the model's previous one."""
         if self.registry.vocab_size(model_id) is None:
             raise ModelNotRegistered(f"model {model_id!r} is not registered")
         with self._db_lock:
@@ -236,7 +254,20 @@ class Ledger:
             )
             self._generation += 1
         self.registry.add_version(model_id, version)
-        return int(self.registry.published_versions(model_id).latest)
+        if max_staleness is not None or samples_per_version is not None:
+            self.registry.contract[model_id] = (max_staleness, samples_per_version)
+        latest = self.registry.published_versions(model_id).latest
+        assert latest is not None  # version was just added
+        return int(latest)
+
+    def model_entry(self, model_id: str) -> ModelEntry:
+        """The registry's entry for ``model_id`` (``GetModel``); raises ``ModelNotRegistered``."""
+        vocab = self.registry.vocab_size(model_id)
+        if vocab is None:
+            raise ModelNotRegistered(f"model {model_id!r} is not registered")
+        latest = self.registry.published_versions(model_id).latest
+        max_staleness, samples = self.registry.contract.get(model_id, (None, None))
+        return ModelEntry(model_id, vocab, -1 if latest is None else int(latest), max_staleness, samples)
 
     # ---- validator: rewards, batches, leases --------------------------------------------------
 
@@ -311,7 +342,7 @@ class Ledger:
                         [step, trainer_id, version, lease_id, started_at, finished_at, stats_json])
 
     @contextlib.contextmanager
-    def _transaction(self):
+    def _transaction(self) -> Iterator[duckdb.DuckDBPyConnection]:
         with self._db_lock:
             self.con.execute("BEGIN TRANSACTION")
             try:
@@ -327,8 +358,8 @@ class Ledger:
         self.flush()
         cur = self.cursor()
         try:
-            accepted, tokens = cur.execute(
-                "SELECT count(*), coalesce(sum(num_output_tokens), 0) FROM trajectories").fetchone()
+            accepted, tokens = one_row(cur.execute(
+                "SELECT count(*), coalesce(sum(num_output_tokens), 0) FROM trajectories"))
             by_reason = cur.execute(
                 "SELECT reason, count(*), coalesce(sum(num_output_tokens), 0) FROM rejections GROUP BY reason").fetchall()
         finally:
@@ -382,7 +413,7 @@ class Ledger:
                 clone_file(own_wal, dest.with_name(dest.name + ".wal"))
         return generation
 
-    def on_close(self, hook) -> None:
+    def on_close(self, hook: Callable[[], None]) -> None:
         """Call ``hook()`` first thing in ``close()`` (the SQL sandbox stops its processes)."""
         self._close_hooks.append(hook)
 

@@ -15,11 +15,14 @@ reading cannot take exactly falls back to the ordinary parse, which also words t
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import numpy as np
 import pyarrow as pa
 from google.protobuf.message import DecodeError
+from google.protobuf.message import Message as ProtoMessage
 from google.protobuf.unknown_fields import UnknownFieldSet
 
 from rollbook.store.tables import rejections_table, trajectories_table
@@ -33,6 +36,8 @@ try:
     from rollbook.store import _varint  # type: ignore[attr-defined]  # C extension, no stub; built at install (store/_varint.c)
 except ImportError:  # not built (no C compiler): upb alone, same results
     _varint = None
+
+Message = TypeVar("Message", bound=ProtoMessage)  # a generated message class
 
 
 class MalformedRequest(ValueError):
@@ -91,13 +96,13 @@ class _NotExact(Exception):
     """The view cannot decode this batch exactly; parse it the ordinary way."""
 
 
-def _view_has_unknown_fields(view) -> bool:
+def _view_has_unknown_fields(view: view_pb.SubmitRequestView) -> bool:
     """``_has_unknown_fields`` for the view, exactly and faster: its only nested messages are the
     trajectories, which nest none."""
     return len(UnknownFieldSet(view)) > 0 or any(len(UnknownFieldSet(t)) for t in view.trajectories)
 
 
-def _decode_view(msgs) -> TrajectoryColumns:
+def _decode_view(msgs: Sequence[view_pb.TrajectoryView]) -> TrajectoryColumns:
     return TrajectoryColumns(
         msgs=msgs,
         prompt=_varints(msgs, "prompt_token_ids", np.int32),
@@ -107,7 +112,7 @@ def _decode_view(msgs) -> TrajectoryColumns:
     )
 
 
-def _payloads(msgs, name: str) -> tuple[bytes, np.ndarray, np.ndarray]:
+def _payloads(msgs: Sequence[view_pb.TrajectoryView], name: str) -> tuple[bytes, np.ndarray, np.ndarray]:
     """The field's packed payloads of every row joined, each row's byte offsets into them, and the
     end offset of every record (a field sent in several records is their concatenation, as the
     protobuf encoding says; but each record must decode on its own, so the caller checks that no
@@ -129,14 +134,14 @@ def _payloads(msgs, name: str) -> tuple[bytes, np.ndarray, np.ndarray]:
     return b"".join(blobs), offsets, np.asarray(ends, dtype=np.int64)
 
 
-def _float32s(msgs, name: str) -> Ragged:
+def _float32s(msgs: Sequence[view_pb.TrajectoryView], name: str) -> Ragged:
     raw, offsets, ends = _payloads(msgs, name)
     if (offsets % 4).any() or (ends % 4).any():  # a record of 4k+1..3 bytes: protobuf refuses it
         raise _NotExact(name)
     return Ragged(np.frombuffer(raw, dtype="<f4").astype(np.float32, copy=False), offsets // 4)
 
 
-def _varints(msgs, name: str, dtype: type) -> Ragged:
+def _varints(msgs: Sequence[view_pb.TrajectoryView], name: str, dtype: type) -> Ragged:
     raw, offsets, ends = _payloads(msgs, name)
     last = np.frombuffer(raw, dtype=np.uint8) < 0x80  # the final byte of each varint
     lengths = np.diff(offsets)
@@ -167,7 +172,7 @@ _FIELD_TAGS = {name: bytes([pb.Trajectory.DESCRIPTOR.fields_by_name[name].number
                for name in ("prompt_token_ids", "output_token_ids", "output_versions")}
 
 
-def parse_message(message_type, data: bytes):
+def parse_message(message_type: type[Message], data: bytes) -> Message:
     """Parse ``data``; a known field sent with the wrong wire type is refused too (upb would keep it
     as an unknown field and leave the real one unset: a reward would silently vanish). Unknown field
     numbers stay legal, so newer clients keep working."""
@@ -182,7 +187,7 @@ def parse_message(message_type, data: bytes):
     return message
 
 
-def _has_unknown_fields(message) -> bool:
+def _has_unknown_fields(message: Any) -> bool:  # any protobuf message
     """Whether any (nested) unknown field was kept: discarding them changes the serialized size
     (checked in C; harmless, the store keeps no unknown fields)."""
     before = message.ByteSize()
@@ -190,7 +195,7 @@ def _has_unknown_fields(message) -> bool:
     return message.ByteSize() != before
 
 
-def _wrong_wire_type(message) -> str | None:
+def _wrong_wire_type(message: Any) -> str | None:
     descriptor = message.DESCRIPTOR
     fields = descriptor.fields_by_number
     for unknown in UnknownFieldSet(message):
@@ -209,5 +214,5 @@ def _wrong_wire_type(message) -> str | None:
 
 
 @functools.cache
-def _message_fields(descriptor) -> tuple:
+def _message_fields(descriptor: Any) -> tuple:
     return tuple(fd for fd in descriptor.fields if fd.message_type is not None and not fd.message_type.GetOptions().map_entry)

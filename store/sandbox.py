@@ -108,13 +108,15 @@ class Snapshots:
                 path = self.directory / f"snapshot-{self._serial}.duckdb"
                 generation = self.source.snapshot(path)
                 self.taken += 1
-                self._current = Snapshot(path, generation)
+                new = Snapshot(path, generation)
+                self._current = new
                 if cur is not None:
                     cur.retired = True
                     if cur.refs == 0:
                         cur.remove()
-            self._current.refs += 1
-            return self._current
+                cur = new
+            cur.refs += 1
+            return cur
 
     def release(self, snap: Snapshot) -> None:
         with self._lock:
@@ -182,6 +184,9 @@ class _Worker:
             [sys.executable, "-m", "rollbook.store.sandbox_worker", json.dumps(settings)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=self.temp_dir,  # stderr: the server's log
             env=env, close_fds=True)
+        stdin, stdout = self.proc.stdin, self.proc.stdout
+        assert stdin is not None and stdout is not None  # both are PIPE above
+        self.stdin, self.stdout = stdin, stdout
         self.killed = False  # by the server (timeout); then an EOF means "timed out", not "crashed"
 
     @property
@@ -195,7 +200,7 @@ class _Worker:
 
     def reap(self) -> None:
         self.kill()
-        for f in (self.proc.stdin, self.proc.stdout):
+        for f in (self.stdin, self.stdout):
             with contextlib.suppress(OSError):
                 f.close()
         with contextlib.suppress(subprocess.TimeoutExpired):
@@ -203,11 +208,11 @@ class _Worker:
         shutil.rmtree(self.temp_dir, ignore_errors=True)
 
     def send(self, request: dict) -> None:
-        self.proc.stdin.write(json.dumps(request).encode() + b"\n")
-        self.proc.stdin.flush()
+        self.stdin.write(json.dumps(request).encode() + b"\n")
+        self.stdin.flush()
 
     def read_exact(self, n: int, deadline: float) -> bytes:
-        fd = self.proc.stdout.fileno()
+        fd = self.stdout.fileno()
         poller = select.poll()  # not select(): a busy server's descriptors pass FD_SETSIZE
         poller.register(fd, select.POLLIN | select.POLLHUP | select.POLLERR)
         parts, got = [], 0
@@ -287,13 +292,14 @@ class SandboxPool:
             worker = _Worker(self.limits, self.workdir, len(self._idle))
         return worker
 
-    def _checkin(self, worker: _Worker) -> None:
-        if not worker.alive or worker.killed:
-            worker.reap()
+    def _checkin(self, returned: _Worker) -> None:
+        worker: _Worker | None = returned
+        if not returned.alive or returned.killed:
+            returned.reap()
             self.respawns += 1
             worker = _Worker(self.limits, self.workdir, 0) if not self._closed else None  # start the replacement now
         with self._cond:
-            if self._closed:
+            if self._closed or worker is None:
                 if worker is not None:
                     worker.reap()
                 return

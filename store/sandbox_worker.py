@@ -18,8 +18,15 @@ import struct
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from types import ModuleType
+from typing import IO, TYPE_CHECKING
 
 from rollbook.store.sql import INTERNAL, INVALID, RESOURCES, QueryError
+
+if TYPE_CHECKING:  # pragma: no cover
+    import duckdb as duckdb_types
+    import pyarrow as pa_types
 
 HEADER = struct.Struct(">cQ")
 _HEADER = HEADER
@@ -86,7 +93,7 @@ class _Fatal(Exception):
     pass
 
 
-def _open(duckdb, state: dict, db: str, settings: dict):
+def _open(duckdb: ModuleType, state: dict, db: str, settings: dict) -> duckdb_types.DuckDBPyConnection:
     if state["db"] == db:
         return state["con"]
     if state["con"] is not None:
@@ -115,11 +122,11 @@ def _open(duckdb, state: dict, db: str, settings: dict):
     return con
 
 
-def _send(out, kind: bytes, payload: bytes) -> None:
+def _send(out: IO[bytes], kind: bytes, payload: bytes) -> None:
     out.write(_HEADER.pack(kind, len(payload)) + payload)
 
 
-def _serve_one(duckdb, con, request: dict, out) -> bool:
+def _serve_one(duckdb: ModuleType, con: duckdb_types.DuckDBPyConnection, request: dict, out: IO[bytes]) -> bool:
     import pyarrow as pa
 
     from rollbook.store.sql import check_statement
@@ -171,7 +178,7 @@ def _oom_message(text: str, request: dict) -> str:
     return f"query exceeded the sandbox's memory limit ({first}); narrow it (filters, LIMIT, fewer columns)"
 
 
-def _stream(pa, reader, request: dict, out) -> bool:
+def _stream(pa: ModuleType, reader: pa_types.RecordBatchReader, request: dict, out: IO[bytes]) -> bool:
     """Send the result in chunks of about ``chunk_bytes``, cut at ``max_rows`` rows and
     ``max_bytes`` bytes; returns whether it was cut."""
     max_rows, max_bytes = request["max_rows"], request["max_bytes"]
@@ -230,7 +237,7 @@ def _stream(pa, reader, request: dict, out) -> bool:
     return truncated
 
 
-def _pieces(batch, chunk_bytes: int):
+def _pieces(batch: pa_types.RecordBatch, chunk_bytes: int) -> Iterator[pa_types.RecordBatch]:
     if batch.nbytes <= chunk_bytes or batch.num_rows <= 1:
         yield batch
         return
@@ -239,7 +246,7 @@ def _pieces(batch, chunk_bytes: int):
         yield batch.slice(start, per)
 
 
-def _rows_fitting(batch, budget: int) -> int:
+def _rows_fitting(batch: pa_types.RecordBatch, budget: int) -> int:
     lo, hi = 0, batch.num_rows
     while lo < hi:
         mid = (lo + hi + 1) // 2

@@ -20,8 +20,9 @@ import pathlib
 import signal
 import sys
 import threading
+from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -35,11 +36,12 @@ from rollbook.validator.groups import ValidatorConfig
 from rollbook.validator.ingest import IngestConfig
 
 log = logging.getLogger("rollbook.store")
+T = TypeVar("T")
 
 MAX_MESSAGE_BYTES = 64 << 20
 
 
-def _key_field(role: str, rpcs: str):
+def _key_field(role: str, rpcs: str) -> Any:  # a pydantic FieldInfo, typed Any like Field()
     # repr=False and exclude=True: a key never shows in a log line or a dumped config
     return Field(None, repr=False, exclude=True, description=f"The {role} role's key, for {rpcs} "
                  f"(env ROLLBOOK_{role.upper()}_KEY). Unset on loopback leaves those RPCs open; required off loopback.")
@@ -58,7 +60,7 @@ class StoreConfig(BaseModel):
     db: pathlib.Path = Field(pathlib.Path("runs/default/rollbook.duckdb"), description="DuckDB ledger file (created if missing); the write-ahead log lives beside it.")
     host: str = Field("127.0.0.1", description="Address to bind. A non-loopback address requires all four role keys, and TLS unless `insecure`.")
     port: int = Field(50551, ge=0, le=65535, description="Port to bind; 0 picks a free one.")
-    worker_key: str | None = _key_field("worker", "Submit and SetReward")
+    worker_key: str | None = _key_field("worker", "Submit, SetReward and GetModel")
     trainer_key: str | None = _key_field("trainer", "PullBatch, AckBatch, PublishVersion and ReportTrainStep")
     reader_key: str | None = _key_field("reader", "Query and GetStats")
     admin_key: str | None = _key_field("admin", "RegisterModel and every other RPC")
@@ -114,7 +116,7 @@ class StoreConfig(BaseModel):
         return ServerTLS(str(self.tls_cert), str(self.tls_key), str(self.tls_client_ca) if self.tls_client_ca else None)
 
     @classmethod
-    def from_env(cls, **overrides) -> "StoreConfig":
+    def from_env(cls, **overrides: Any) -> "StoreConfig":
         return cls(**{**env_values(), **{k: v for k, v in overrides.items() if v is not None}})
 
     def query_limits(self) -> QueryLimits:
@@ -152,7 +154,7 @@ def is_loopback(host: str) -> bool:
 class StoreServer:
     """A ``grpc.aio`` server and its event loop, on a thread of their own, behind a blocking API."""
 
-    def __init__(self, build, pools: Pools):
+    def __init__(self, build: Callable[[], Coroutine[Any, Any, tuple[grpc.aio.Server, int]]], pools: Pools):
         self.pools = pools
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="rollbook-grpc-loop", daemon=True)
@@ -163,7 +165,7 @@ class StoreServer:
             self.loop.call_soon_threadsafe(self.loop.stop)
             raise
 
-    def _call(self, coro, timeout: float | None = None):
+    def _call(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
     def start(self) -> None:
@@ -174,7 +176,7 @@ class StoreServer:
         event is set once the server, its pools and its loop are down."""
         done = threading.Event()
 
-        def finish(_future) -> None:
+        def finish(_future: object) -> None:
             for pool in (self.pools.ingest, self.pools.query, self.pools.control):
                 pool.shutdown(wait=True)
             self.loop.call_soon_threadsafe(self.loop.stop)
@@ -213,7 +215,7 @@ def create_server(config: StoreConfig, ledger: Ledger | None = None) -> tuple[St
     host = f"[{config.host}]" if ":" in config.host else config.host
     tls = config.tls()
 
-    async def build():
+    async def build() -> tuple[grpc.aio.Server, int]:
         server = grpc.aio.server(options=options, maximum_concurrent_rpcs=config.max_concurrent_rpcs)
         server.add_generic_rpc_handlers((handlers(store),))
         return server, add_port(server, f"{host}:{config.port}", tls)

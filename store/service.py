@@ -21,9 +21,10 @@ import logging
 import shutil
 import threading
 import time
-from collections.abc import Callable, Generator
+from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NoReturn, TypeAlias, TypeVar
 
 import grpc
 import pyarrow as pa
@@ -34,6 +35,9 @@ from rollbook.store.prepare import MalformedRequest, Prepared, parse_message, pr
 from rollbook.store.sql import QueryError, QueryLimits
 from rollbook.v1 import rollbook_pb2 as pb
 from rollbook.validator.pull import InvalidPull, LeaseError, NotLeaseOwner, UnknownLease
+
+if TYPE_CHECKING:  # pragma: no cover
+    from rollbook.store.sandbox import SandboxPool
 
 log = logging.getLogger("rollbook.store.service")
 
@@ -47,8 +51,14 @@ class _Malformed:
         self.error = error
 
 
-def _tolerant(message_type) -> Callable[[bytes], object]:
-    def parse(data: bytes):
+Message = TypeVar("Message")
+# What a handler body gets: its request message, or the stand-in for bytes that did not parse
+# (``_tolerant``), which the body turns into INVALID_ARGUMENT first thing (``_parsed``).
+Request: TypeAlias = Message | _Malformed
+
+
+def _tolerant(message_type: type[Message]) -> Callable[[bytes], Message | _Malformed]:
+    def parse(data: bytes) -> Message | _Malformed:
         try:
             return parse_message(message_type, data)
         except MalformedRequest as exc:
@@ -57,9 +67,13 @@ def _tolerant(message_type) -> Callable[[bytes], object]:
     return parse
 
 
-def _check_parsed(request, context: "SyncContext") -> None:
+def _parsed(request: Message | _Malformed, context: SyncContext, message_type: type[Message]) -> Message:
+    """``request`` as its ``message_type``, or INVALID_ARGUMENT with the decoder's message if it did not parse."""
     if isinstance(request, _Malformed):
         context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.error)
+    if not isinstance(request, message_type):  # a handler registered with the wrong message type: a bug
+        raise TypeError(f"expected {message_type.__name__}, got {type(request).__name__}")
+    return request
 
 
 def _verdict(o: Outcome) -> pb.Verdict:
@@ -98,15 +112,15 @@ class Abort(Exception):
 class SyncContext:
     """What a blocking handler body gets instead of a ``grpc.ServicerContext``."""
 
-    def __init__(self, metadata=(), peer: str = "", role: str | None = None):
+    def __init__(self, metadata: Sequence[tuple[str, str | bytes]] | None = (), peer: str = "", role: str | None = None):
         self._metadata = tuple(metadata or ())
         self._peer = peer
         self.role = role  # the caller's authenticated role (None: the RPC's role is open)
 
-    def abort(self, code: grpc.StatusCode, details: str):
+    def abort(self, code: grpc.StatusCode, details: str) -> NoReturn:
         raise Abort(code, details)
 
-    def invocation_metadata(self):
+    def invocation_metadata(self) -> tuple[tuple[str, str | bytes], ...]:
         return self._metadata
 
     def peer(self) -> str:
@@ -121,13 +135,15 @@ class TrajectoryStoreService:
         self.query_limits = query_limits
         self.sandbox = _sandbox(ledger, query_limits)
 
-    def call(self, rpc: str, request, context: "SyncContext"):
+    def call(self, rpc: str, request: Any, context: SyncContext) -> Any:
         """Run the unary RPC ``rpc``'s body; a domain error becomes ``Abort`` with its status
         (``DOMAIN_STATUS``), anything else propagates (INTERNAL)."""
         try:
             return getattr(self, rpc)(request, context)
         except tuple(DOMAIN_STATUS) as exc:
-            raise Abort(status_of(exc), str(exc)) from None
+            code = status_of(exc)
+            assert code is not None  # exc is one of DOMAIN_STATUS's classes
+            raise Abort(code, str(exc)) from None
 
     # ---- Submit ---------------------------------------------------------------------------------
 
@@ -152,24 +168,36 @@ class TrajectoryStoreService:
 
     # ---- control --------------------------------------------------------------------------------
 
-    def RegisterModel(self, request, context):
-        _check_parsed(request, context)
+    def RegisterModel(self, message: Request[pb.RegisterModelRequest], context: SyncContext) -> pb.RegisterModelResponse:
+        request = _parsed(message, context, pb.RegisterModelRequest)
         if not request.model_id or request.vocab_size == 0:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "model_id and a positive vocab_size are required")
         self.ledger.register_model(request.model_id, request.vocab_size)
         return pb.RegisterModelResponse()
 
-    def PublishVersion(self, request, context):
-        _check_parsed(request, context)
+    def PublishVersion(self, message: Request[pb.PublishVersionRequest], context: SyncContext) -> pb.PublishVersionResponse:
+        request = _parsed(message, context, pb.PublishVersionRequest)
         if request.version < 0:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"version must be >= 0, got {request.version}")
-        latest = self.ledger.publish_version(request.model_id, request.version, request.checksum)
+        latest = self.ledger.publish_version(
+            request.model_id, request.version, request.checksum,
+            max_staleness=request.max_staleness if request.HasField("max_staleness") else None,
+            samples_per_version=request.samples_per_version if request.HasField("samples_per_version") else None)
         return pb.PublishVersionResponse(latest_version=latest)
+
+    def GetModel(self, message: Request[pb.GetModelRequest], context: SyncContext) -> pb.GetModelResponse:
+        request = _parsed(message, context, pb.GetModelRequest)
+        if not request.model_id:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "model_id is required")
+        entry = self.ledger.model_entry(request.model_id)
+        return pb.GetModelResponse(model_id=entry.model_id, vocab_size=entry.vocab_size,
+                                   latest_version=entry.latest_version, max_staleness=entry.max_staleness,
+                                   samples_per_version=entry.samples_per_version)
 
     # ---- reading --------------------------------------------------------------------------------
 
-    def Query(self, request, context):
-        _check_parsed(request, context)
+    def Query(self, message: Request[pb.QueryRequest], context: SyncContext) -> Generator[pb.QueryChunk, None, None]:
+        request = _parsed(message, context, pb.QueryRequest)
         # Runs in a sandbox process over a snapshot (store/sandbox.py, docs/sql.md); the timeout
         # and caps are the server's (a NaN, inf, negative or zero timeout means the default).
         try:
@@ -179,8 +207,8 @@ class TrajectoryStoreService:
         except QueryError as exc:
             context.abort(getattr(grpc.StatusCode, exc.code, grpc.StatusCode.INVALID_ARGUMENT), str(exc))
 
-    def GetStats(self, request, context):
-        _check_parsed(request, context)
+    def GetStats(self, message: Request[pb.GetStatsRequest], context: SyncContext) -> pb.GetStatsResponse:
+        _parsed(message, context, pb.GetStatsRequest)  # no fields; only its parse is checked
         stats = self.ledger.stats()
         return pb.GetStatsResponse(
             accepted=stats["accepted"],
@@ -194,26 +222,26 @@ class TrajectoryStoreService:
 
     # ---- rewards and batches --------------------------------------------------------------------
 
-    def SetReward(self, request, context):
-        _check_parsed(request, context)
+    def SetReward(self, message: Request[pb.SetRewardRequest], context: SyncContext) -> pb.SetRewardResponse:
+        request = _parsed(message, context, pb.SetRewardRequest)
         tid = self.ledger.set_reward(request.reward, trajectory_id=request.trajectory_id, session_id=request.session_id)
         return pb.SetRewardResponse(trajectory_id=tid)
 
-    def PullBatch(self, request, context):
-        _check_parsed(request, context)
+    def PullBatch(self, message: Request[pb.PullBatchRequest], context: SyncContext) -> pb.PullBatchResponse:
+        request = _parsed(message, context, pb.PullBatchRequest)
         batch = self.ledger.pull_batch(request)  # the message as it came (validator.pull.check_request)
         payload = _ipc(batch.table.to_batches() or [pa.RecordBatch.from_pylist([], schema=batch.table.schema)])
         return pb.PullBatchResponse(lease_id=batch.lease_id, arrow_ipc=payload, num_rows=batch.table.num_rows,
                                     stats_json=json.dumps(batch.stats, sort_keys=True))
 
-    def AckBatch(self, request, context):
-        _check_parsed(request, context)
+    def AckBatch(self, message: Request[pb.AckBatchRequest], context: SyncContext) -> pb.AckBatchResponse:
+        request = _parsed(message, context, pb.AckBatchRequest)
         n = self.ledger.ack_batch(request.lease_id, request.trainer_id)
         return pb.AckBatchResponse(num_rows=n)
 
 
-    def ReportTrainStep(self, request, context):
-        _check_parsed(request, context)
+    def ReportTrainStep(self, message: Request[pb.ReportTrainStepRequest], context: SyncContext) -> pb.ReportTrainStepResponse:
+        request = _parsed(message, context, pb.ReportTrainStepRequest)
         try:
             json.loads(request.stats_json or "{}")
         except json.JSONDecodeError as exc:
@@ -223,7 +251,7 @@ class TrajectoryStoreService:
         return pb.ReportTrainStepResponse()
 
 
-def _sandbox(ledger: Ledger, limits: QueryLimits):
+def _sandbox(ledger: Ledger, limits: QueryLimits) -> SandboxPool:
     """The query sandbox: worker processes over snapshots in ``<db>.sandbox/`` (same file system
     as the ledger, so a reflink clone can work), stopped when the ledger closes."""
     from rollbook.store.sandbox import SandboxPool, Snapshots
@@ -271,7 +299,7 @@ class _Stepper:
     def __init__(self, gen: Generator):
         self.gen, self.lock = gen, threading.Lock()
 
-    def step(self):
+    def step(self) -> Any:  # the next item, or _END
         with self.lock:
             return next(self.gen, _END)
 
@@ -290,7 +318,7 @@ class AsyncStore:
         self.open_streams = 0
         self.streams_by_host: dict[str, int] = {}
 
-    async def _admit(self, rpc: str, request, context) -> SyncContext:
+    async def _admit(self, rpc: str, request: Any, context: grpc.aio.ServicerContext) -> SyncContext:
         metadata = context.invocation_metadata()
         try:
             role = self.keys.authorize(rpc, metadata)
@@ -302,8 +330,10 @@ class AsyncStore:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, error)
         return SyncContext(metadata, context.peer(), role)
 
-    def unary(self, rpc: str, pool: Executor):
-        async def handle(request, context):
+    def unary(self, rpc: str, pool: Executor) -> Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]:
+        """The async handler of the unary RPC ``rpc``: admit, then its body on ``pool``."""
+
+        async def handle(request: Any, context: grpc.aio.ServicerContext) -> Any:
             ctx = await self._admit(rpc, request, context)
             try:
                 return await asyncio.get_running_loop().run_in_executor(pool, self.service.call, rpc, request, ctx)
@@ -313,7 +343,7 @@ class AsyncStore:
         handle.__name__ = rpc
         return handle
 
-    async def Query(self, request, context):
+    async def Query(self, request: Request[pb.QueryRequest], context: grpc.aio.ServicerContext) -> AsyncIterator[pb.QueryChunk]:
         ctx = await self._admit("Query", request, context)
         loop = asyncio.get_running_loop()
         stepper = _Stepper(self.service.Query(request, ctx))
@@ -329,7 +359,7 @@ class AsyncStore:
         finally:
             self.pools.query.submit(stepper.close)  # after a step still running (a cancelled call)
 
-    async def Submit(self, request_iterator, context):
+    async def Submit(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> None:
         """Batches are read and answered in order; each one's work runs on the ingest pool while this
         coroutine waits (no thread is held between batches). A stream over the per-host or total
         limit is refused with RESOURCE_EXHAUSTED; one that sends nothing (or reads no answer) for
@@ -376,7 +406,7 @@ class AsyncStore:
 
 
 def handlers(store: AsyncStore) -> grpc.GenericRpcHandler:
-    def unary(name, req, pool):
+    def unary(name: str, req: type, pool: Executor) -> grpc.RpcMethodHandler:
         return grpc.unary_unary_rpc_method_handler(
             store.unary(name, pool), request_deserializer=_tolerant(req), response_serializer=lambda m: m.SerializeToString()
         )
@@ -400,5 +430,6 @@ def handlers(store: AsyncStore) -> grpc.GenericRpcHandler:
             "RegisterModel": unary("RegisterModel", pb.RegisterModelRequest, control),
             "GetStats": unary("GetStats", pb.GetStatsRequest, control),
             "ReportTrainStep": unary("ReportTrainStep", pb.ReportTrainStepRequest, control),
+            "GetModel": unary("GetModel", pb.GetModelRequest, control),
         },
     )

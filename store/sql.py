@@ -22,6 +22,7 @@ import math
 import re
 import sys
 from dataclasses import dataclass
+from typing import Any
 
 import duckdb
 
@@ -103,7 +104,10 @@ def check_statement(con: duckdb.DuckDBPyConnection, sql: str) -> None:
             "(SELECT, WITH, DESCRIBE, SHOW, SUMMARIZE, EXPLAIN)"
         )
     query = _EXPLAIN.sub("", sql, count=1) if kind == duckdb.StatementType.EXPLAIN else sql
-    text = con.execute("SELECT json_serialize_sql(?)", [query]).fetchone()[0]
+    row = con.execute("SELECT json_serialize_sql(?)", [query]).fetchone()
+    if row is None:  # a scalar SELECT always has its row
+        raise QueryError("could not parse the statement")
+    text = row[0]
     tree = _parse_tree(text)
     if tree.get("error"):
         raise QueryError(f"cannot analyse the statement: {tree.get('error_message', 'unknown error')}")
@@ -135,7 +139,7 @@ _FILE_FUNCTION = re.compile(
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
-def _check_tree(tree) -> None:
+def _check_tree(tree: Any) -> None:
     """Refuse denied functions and file-path table references anywhere in the tree (iteratively:
     a deep tree must not overflow Python's stack)."""
     stack = [tree]

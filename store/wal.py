@@ -17,11 +17,15 @@ import pathlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import pyarrow as pa
 
 from rollbook.durable import fsync_dir
 from rollbook.store.schema import REJECTION_SCHEMA, TRAJECTORY_SCHEMA
+
+if TYPE_CHECKING:  # pragma: no cover
+    import duckdb
 
 KINDS = {"traj": TRAJECTORY_SCHEMA, "rej": REJECTION_SCHEMA}
 
@@ -118,7 +122,7 @@ def log_root(db_path: pathlib.Path) -> pathlib.Path:
     return db_path.with_name(db_path.name + ".log")
 
 
-def unfolded(con, root: pathlib.Path) -> list[LoggedCommit]:
+def unfolded(con: duckdb.DuckDBPyConnection, root: pathlib.Path) -> list[LoggedCommit]:
     """The logged commits a ledger database (``con``, its ``_log_state`` table) has not folded yet,
     in log order: what the store replays on start and ``rollbook query --db`` adds to its copy."""
     folded = dict(con.execute("SELECT segment, folded_batches FROM _log_state").fetchall())

@@ -26,6 +26,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
@@ -38,6 +39,10 @@ from rollbook.trainer.export import export_due, export_model
 from rollbook.trainer.model_builders import build_reference
 from rollbook.trainer.packing import pack_sequences, packed_logprobs
 from rollbook.trainer.proximal import loglinear_alpha, loglinear_proximal_logprobs
+
+if TYPE_CHECKING:  # pragma: no cover
+    from rollbook.client import TrainerClient
+    from rollbook.trainer.teachers import TeacherScorer
 
 log = logging.getLogger("rollbook.trainer")
 
@@ -85,9 +90,13 @@ class _Rows:
 
 
 class Trainer:
-    def __init__(self, config: TrainerConfig, client, *, model: torch.nn.Module, teacher=None,
-                 publishers: Sequence[Publisher] = (), on_step: Callable[[dict], None] | None = None,
-                 reference: torch.nn.Module | None = None):
+    def __init__(self, config: TrainerConfig, client: TrainerClient, *, model: torch.nn.Module,
+                 teacher: TeacherScorer | None = None, publishers: Sequence[Publisher] = (),
+                 on_step: Callable[[dict], None] | None = None, reference: torch.nn.Module | None = None):
+        if config.loss.distill_coef > 0 and teacher is None:
+            from rollbook.errors import ConfigError
+
+            raise ConfigError("loss.distill_coef > 0 needs a teacher (a [[teachers]] entry), or set loss.distill_coef = 0")
         self.config = config
         self.client = client
         self.model = model
@@ -250,9 +259,10 @@ class Trainer:
 
     @torch.no_grad()
     def _teacher_logprobs(self, rows: _Rows) -> torch.Tensor:
-        out = torch.empty_like(rows.behavior)
+        out, teacher = torch.empty_like(rows.behavior), self.teacher
+        assert teacher is not None  # __init__ refuses distillation without one
         for members, idx, packed in self._micro_batches(rows, list(range(len(rows.outputs)))):
-            out[idx] = self.teacher.score(packed, [rows.domains[s] for s in members])
+            out[idx] = teacher.score(packed, [rows.domains[s] for s in members])
         return out
 
     @torch.no_grad()
@@ -269,7 +279,9 @@ class Trainer:
         state = {k: v.detach() for k, v in self.model.state_dict().items()}
         for publish in self.publishers:
             publish(self.state.version, state)
-        self.client.publish_version(self.config.model_id, self.state.version, checksum=state_checksum(state))
+        # every version announces the staleness contract, so separately started workers gate by it
+        self.client.publish_version(self.config.model_id, self.state.version, checksum=state_checksum(state),
+                                    max_staleness=self.config.max_staleness, samples_per_version=self.config.num_samples)
 
 
 def state_checksum(state: dict) -> str:

@@ -7,13 +7,23 @@ from __future__ import annotations
 
 import copy
 import pathlib
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from rollbook.models import build_student, load_model, model_vocab_size
 from rollbook.tasks import build_domains, make_tasks
 from rollbook.trainer.warmstart import cached_warm_start
 
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+    from transformers import PreTrainedModel
 
-def build_models(config):
+    from rollbook.config import RunConfig
+    from rollbook.trainer.config import TeacherConfig, TrainerConfig
+    from rollbook.trainer.teachers import TeacherScorer
+
+
+def build_models(config: RunConfig) -> tuple[PreTrainedModel, TeacherScorer | None]:
     """``(student, teacher_scorer_or_None)`` for a ``RunConfig``."""
     from rollbook.trainer.teachers import LocalTeacher
 
@@ -23,7 +33,7 @@ def build_models(config):
     tasks = [t for d in build_domains(config.rollout).values()
              for t in make_tasks(d, "train", config.rollout.num_train_tasks, config.rollout.seed, allow_fewer=True)]
 
-    def fresh(seed: int):
+    def fresh(seed: int) -> Callable[[], PreTrainedModel]:
         return lambda: build_student(m, seed=seed)
 
     if m.path:
@@ -41,15 +51,16 @@ def build_models(config):
     return student, build_teachers(config.trainer, extra)
 
 
-def build_teachers(config, extra: list | None = None):
+def build_teachers(config: TrainerConfig, extra: Sequence[TeacherScorer] = ()) -> TeacherScorer | None:
     """The teacher scorer of a ``TrainerConfig`` (``[[teachers]]`` plus ``extra`` scorers that serve
     every domain), routed by ``teacher_routing``; None without teachers."""
     from rollbook.trainer.teachers import DomainRouter, LocalTeacher, MixtureRouter
 
     if config.loss.distill_coef == 0:
         return None
-    scorers = [(LocalTeacher(load_model(t.path, what="teacher")), t) for t in config.teachers]
-    scorers += [(s, None) for s in extra or []]
+    scorers: list[tuple[TeacherScorer, TeacherConfig | None]] = [
+        (LocalTeacher(load_model(t.path, what="teacher")), t) for t in config.teachers]
+    scorers += [(s, None) for s in extra]
     if not scorers:
         return None
     if len(scorers) == 1:
@@ -60,7 +71,7 @@ def build_teachers(config, extra: list | None = None):
                         default=next((s for s, t in scorers if t is None or t.domain is None), None))
 
 
-def build_reference(config, student):
+def build_reference(config: TrainerConfig, student: torch.nn.Module) -> torch.nn.Module | None:
     """The frozen reference policy of the KL penalty for a ``TrainerConfig``, or None when
     ``loss.kl_coef`` is 0: a deep copy of ``student`` (``reference = "initial"``; call this before a
     checkpoint is restored into the student) or the model in the ``reference`` directory, whose

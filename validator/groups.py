@@ -18,7 +18,7 @@ Every function runs inside the caller's DuckDB transaction and takes ``now`` exp
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import duckdb
 from pydantic import BaseModel, ConfigDict, Field
@@ -45,12 +45,22 @@ class ValidatorConfig(BaseModel):
     lease_seconds: float = Field(300.0, gt=0, description="Default lease time; unacked leases expire and their rows return.")
 
 
+
+def one_row(result: duckdb.DuckDBPyConnection) -> tuple[Any, ...]:
+    """The one row of an executed aggregate or DML statement (``count(*)``, an UPDATE's row count),
+    which DuckDB always returns; its ``fetchone()`` is typed Optional for the queries that may not."""
+    row = result.fetchone()
+    if row is None:
+        raise RuntimeError("a statement that always returns one row returned none")
+    return row
+
+
 def reject_rows(con: duckdb.DuckDBPyConnection, select_sql: str, reason: Reason, stage: str, now: float,
                 params: list | None = None) -> int:
     """Move rows out of ``trajectories`` into ``rejections``. ``select_sql`` yields
     ``(trajectory_id, detail)``."""
     con.execute(f"CREATE OR REPLACE TEMP TABLE _reject AS {select_sql}", params or [])
-    (n,) = con.execute("SELECT count(*) FROM _reject").fetchone()
+    (n,) = one_row(con.execute("SELECT count(*) FROM _reject"))
     if n:
         con.execute(
             """INSERT INTO rejections BY NAME
@@ -67,7 +77,7 @@ def reject_rows(con: duckdb.DuckDBPyConnection, select_sql: str, reason: Reason,
 
 def settle(con: duckdb.DuckDBPyConnection, config: ValidatorConfig, now: float) -> dict[str, int]:
     """Resolve retry orphans, then promote complete groups to ``ready``; returns counts."""
-    (pending,) = con.execute("SELECT count(*) FROM trajectories WHERE status = 'pending'").fetchone()
+    (pending,) = one_row(con.execute("SELECT count(*) FROM trajectories WHERE status = 'pending'"))
     # even with nothing pending: a consumed attempt rejected after its unconsumed retry became ready
     # orphans that retry (checked from the consumed rejections, usually none, not from every ready row)
     if pending == 0 and not _ready_attempt_of_a_rejected_consumed_call(con):
@@ -181,10 +191,10 @@ def _promote_ready(con: duckdb.DuckDBPyConnection, config: ValidatorConfig, now:
             WITH g AS ({_GROUP_STATE})
             SELECT gkey, expected, members FROM g WHERE has_pending AND rewarded = members AND {complete}"""
     )
-    (n,) = con.execute(
+    (n,) = one_row(con.execute(
         f"""UPDATE trajectories SET status = 'ready'
             WHERE status = 'pending' AND {GROUP_KEY} IN (SELECT gkey FROM _ready)"""
-    ).fetchone()
+    ))
     con.execute(
         """INSERT OR REPLACE INTO groups
            SELECT gkey, expected, members, members, 'ready', ?, NULL FROM _ready""",
@@ -196,16 +206,16 @@ def _promote_ready(con: duckdb.DuckDBPyConnection, config: ValidatorConfig, now:
 
 def expire_leases(con: duckdb.DuckDBPyConnection, now: float) -> int:
     """Unacked leases past ``expires_at`` are expired; their rows return to ``ready``."""
-    (expired,) = con.execute(
+    (expired,) = one_row(con.execute(
         "UPDATE leases SET expired_at = ? WHERE acked_at IS NULL AND expired_at IS NULL AND expires_at < ?", [now, now]
-    ).fetchone()
+    ))
     if expired == 0:
         return 0
-    (n,) = con.execute(
+    (n,) = one_row(con.execute(
         """UPDATE trajectories SET status = 'ready'
            WHERE status = 'leased' AND trajectory_id NOT IN (
              SELECT trajectory_id FROM leases WHERE acked_at IS NULL AND expired_at IS NULL)"""
-    ).fetchone()
+    ))
     return int(n)
 
 

@@ -230,7 +230,7 @@ def _evidence(row: _RowLike, config: IngestConfig) -> Verdict:
     return None
 
 
-def _bad_sampling_param(m) -> str | None:
+def _bad_sampling_param(m: Any) -> str | None:
     """Why a sampling parameter that is set cannot describe a distribution, or None."""
     if m.HasField("temperature") and not (math.isfinite(m.temperature) and m.temperature >= 0):
         return f"temperature = {m.temperature}; must be finite and >= 0"

@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from rollbook.v1 import rollbook_pb2 as pb
-from rollbook.validator.groups import GROUP_KEY, ValidatorConfig, expire_leases, reject_rows, reject_stale, settle
+from rollbook.validator.groups import GROUP_KEY, ValidatorConfig, expire_leases, one_row, reject_rows, reject_stale, settle
 from rollbook.validator.normalize import normalize_rewards
 from rollbook.validator.reasons import Reason
 
@@ -157,7 +157,7 @@ def _record_lease(con: duckdb.DuckDBPyConnection, table: pa.Table, lease_id: str
     con.unregister("_leased")
 
 
-def _batch_stats(con, table: pa.Table, raw: np.ndarray, normalized: np.ndarray, req: pb.PullBatchRequest, events: dict) -> dict:
+def _batch_stats(con: duckdb.DuckDBPyConnection, table: pa.Table, raw: np.ndarray, normalized: np.ndarray, req: pb.PullBatchRequest, events: dict) -> dict:
     tokens = int(pc.sum(pc.list_value_length(table.column("output_token_ids"))).as_py() or 0)
     staleness = req.trainer_version - table.column("min_version").to_numpy()
     hist = {str(int(k)): int(v) for k, v in zip(*np.unique(staleness, return_counts=True))}
@@ -175,7 +175,7 @@ def _batch_stats(con, table: pa.Table, raw: np.ndarray, normalized: np.ndarray, 
 
 def ledger_token_stats(con: duckdb.DuckDBPyConnection) -> dict:
     """Rejection-aware token counts over the whole ledger."""
-    (valid,) = con.execute("SELECT coalesce(sum(num_output_tokens), 0) FROM trajectories").fetchone()
+    (valid,) = one_row(con.execute("SELECT coalesce(sum(num_output_tokens), 0) FROM trajectories"))
     by_reason = dict(con.execute(
         "SELECT reason, coalesce(sum(num_output_tokens), 0) FROM rejections GROUP BY reason").fetchall())
     rejected = int(sum(by_reason.values()))
@@ -194,9 +194,9 @@ def ack_lease(con: duckdb.DuckDBPyConnection, lease_id: str, now: float, trainer
     nor rejected since (e.g. ``STALE``) is still accepted (the trainer checkpointed it), otherwise
     ``LeaseError``. With ``trainer_id`` (the store always passes it) the lease must have been issued
     to that trainer, else ``NotLeaseOwner``."""
-    total, acked, expired, owner = con.execute(
+    total, acked, expired, owner = one_row(con.execute(
         "SELECT count(*), count(acked_at), count(expired_at), any_value(trainer_id) FROM leases WHERE lease_id = ?",
-        [lease_id]).fetchone()
+        [lease_id]))
     if total == 0:
         raise UnknownLease(f"unknown lease {lease_id!r}")
     if trainer_id is not None and trainer_id != owner:
@@ -204,15 +204,15 @@ def ack_lease(con: duckdb.DuckDBPyConnection, lease_id: str, now: float, trainer
     if acked == total:
         return total
     if expired:
-        (taken,) = con.execute(
+        (taken,) = one_row(con.execute(
             """SELECT count(*) FROM leases a JOIN leases b USING (trajectory_id)
-               WHERE a.lease_id = ? AND b.lease_id <> ? AND b.issued_at > a.issued_at""", [lease_id, lease_id]).fetchone()
-        trained = con.execute(
+               WHERE a.lease_id = ? AND b.lease_id <> ? AND b.issued_at > a.issued_at""", [lease_id, lease_id]))
+        trained = one_row(con.execute(
             """SELECT count(*) FROM trajectories WHERE status IN ('trained') AND trajectory_id IN
-               (SELECT trajectory_id FROM leases WHERE lease_id = ?)""", [lease_id]).fetchone()[0]
-        (gone,) = con.execute(  # rejected since it expired (e.g. STALE): such a row never also trains
+               (SELECT trajectory_id FROM leases WHERE lease_id = ?)""", [lease_id]))[0]
+        (gone,) = one_row(con.execute(  # rejected since it expired (e.g. STALE): such a row never also trains
             """SELECT count(*) FROM leases WHERE lease_id = ? AND trajectory_id NOT IN
-               (SELECT trajectory_id FROM trajectories)""", [lease_id]).fetchone()
+               (SELECT trajectory_id FROM trajectories)""", [lease_id]))
         if taken or trained or gone:
             raise LeaseError(f"lease {lease_id} expired and its rows went to another lease or to rejections; "
                              "do not train on it")

@@ -26,7 +26,7 @@ ROLE_OF_RPC = {
     "Submit": "worker", "SetReward": "worker",
     "PullBatch": "trainer", "AckBatch": "trainer", "PublishVersion": "trainer", "ReportTrainStep": "trainer",
     "Query": "reader", "GetStats": "reader",
-    "RegisterModel": "admin",
+    "RegisterModel": "admin", "GetModel": "worker",
 }
 DENIED = {grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED}
 
@@ -72,6 +72,8 @@ def _call(stub: pb_grpc.TrajectoryStoreStub, rpc: str, metadata) -> None:
         stub.GetStats(pb.GetStatsRequest(), **kw)
     elif rpc == "RegisterModel":
         stub.RegisterModel(pb.RegisterModelRequest(model_id="acc-model", vocab_size=8), **kw)
+    elif rpc == "GetModel":
+        stub.GetModel(pb.GetModelRequest(model_id=MODEL), **kw)
     else:
         raise AssertionError(rpc)
 
@@ -108,9 +110,9 @@ def test_every_rpc_times_every_key_follows_the_role_table(store, capsys):
         if expected_ok and code in DENIED or not expected_ok and code != expected:
             wrong.append(f"{rpc} with {who}: {code.name}")
     assert not wrong, wrong
-    assert len(table) == 9 * 6
+    assert len(table) == len(ROLE_OF_RPC) * 6
     # the allowed calls that should simply succeed did
-    for rpc in ("Submit", "Query", "GetStats", "PublishVersion", "ReportTrainStep", "RegisterModel", "PullBatch"):
+    for rpc in ("Submit", "Query", "GetStats", "PublishVersion", "ReportTrainStep", "RegisterModel", "PullBatch", "GetModel"):
         assert table[rpc, f"{ROLE_OF_RPC[rpc]} key"] == grpc.StatusCode.OK, rpc
     assert table["AckBatch", "trainer key"] == grpc.StatusCode.NOT_FOUND
     assert table["SetReward", "worker key"] == grpc.StatusCode.NOT_FOUND

@@ -132,7 +132,7 @@ def test_unknown_field_numbers_stay_legal_for_newer_clients(store, channel):
 
 
 def test_unary_rpcs_answer_garbage_with_invalid_argument(store, channel):
-    for method in ("GetStats", "RegisterModel", "PublishVersion", "Query"):
+    for method in ("GetStats", "RegisterModel", "PublishVersion", "Query", "GetModel"):
         call = channel.unary_unary(f"/rollbook.v1.TrajectoryStore/{method}",
                                    request_serializer=lambda b: b, response_deserializer=lambda b: b)
         with pytest.raises(grpc.RpcError) as err:

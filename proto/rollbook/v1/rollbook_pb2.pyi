@@ -168,14 +168,18 @@ class QueryChunk(_message.Message):
     def __init__(self, arrow_ipc: _Optional[bytes] = ..., truncated: _Optional[bool] = ...) -> None: ...
 
 class PublishVersionRequest(_message.Message):
-    __slots__ = ("model_id", "version", "checksum")
+    __slots__ = ("model_id", "version", "checksum", "max_staleness", "samples_per_version")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    MAX_STALENESS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_PER_VERSION_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     version: int
     checksum: str
-    def __init__(self, model_id: _Optional[str] = ..., version: _Optional[int] = ..., checksum: _Optional[str] = ...) -> None: ...
+    max_staleness: int
+    samples_per_version: int
+    def __init__(self, model_id: _Optional[str] = ..., version: _Optional[int] = ..., checksum: _Optional[str] = ..., max_staleness: _Optional[int] = ..., samples_per_version: _Optional[int] = ...) -> None: ...
 
 class PublishVersionResponse(_message.Message):
     __slots__ = ("latest_version",)
@@ -194,6 +198,26 @@ class RegisterModelRequest(_message.Message):
 class RegisterModelResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class GetModelRequest(_message.Message):
+    __slots__ = ("model_id",)
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    def __init__(self, model_id: _Optional[str] = ...) -> None: ...
+
+class GetModelResponse(_message.Message):
+    __slots__ = ("model_id", "vocab_size", "latest_version", "max_staleness", "samples_per_version")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    LATEST_VERSION_FIELD_NUMBER: _ClassVar[int]
+    MAX_STALENESS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_PER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    vocab_size: int
+    latest_version: int
+    max_staleness: int
+    samples_per_version: int
+    def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., latest_version: _Optional[int] = ..., max_staleness: _Optional[int] = ..., samples_per_version: _Optional[int] = ...) -> None: ...
 
 class ReportTrainStepRequest(_message.Message):
     __slots__ = ("step", "trainer_id", "version", "lease_id", "started_at", "finished_at", "stats_json")

@@ -79,6 +79,11 @@ class TrajectoryStoreStub:
                 request_serializer=rollbook_dot_v1_dot_rollbook__pb2.ReportTrainStepRequest.SerializeToString,
                 response_deserializer=rollbook_dot_v1_dot_rollbook__pb2.ReportTrainStepResponse.FromString,
                 _registered_method=True)
+        self.GetModel = channel.unary_unary(
+                '/rollbook.v1.TrajectoryStore/GetModel',
+                request_serializer=rollbook_dot_v1_dot_rollbook__pb2.GetModelRequest.SerializeToString,
+                response_deserializer=rollbook_dot_v1_dot_rollbook__pb2.GetModelResponse.FromString,
+                _registered_method=True)
 
 
 class TrajectoryStoreServicer:
@@ -139,6 +144,13 @@ class TrajectoryStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetModel(self, request, context):
+        """worker key (rollout reads the trainer's contract)
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TrajectoryStoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -186,6 +198,11 @@ def add_TrajectoryStoreServicer_to_server(servicer, server):
                     servicer.ReportTrainStep,
                     request_deserializer=rollbook_dot_v1_dot_rollbook__pb2.ReportTrainStepRequest.FromString,
                     response_serializer=rollbook_dot_v1_dot_rollbook__pb2.ReportTrainStepResponse.SerializeToString,
+            ),
+            'GetModel': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetModel,
+                    request_deserializer=rollbook_dot_v1_dot_rollbook__pb2.GetModelRequest.FromString,
+                    response_serializer=rollbook_dot_v1_dot_rollbook__pb2.GetModelResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -431,6 +448,33 @@ class TrajectoryStore:
             '/rollbook.v1.TrajectoryStore/ReportTrainStep',
             rollbook_dot_v1_dot_rollbook__pb2.ReportTrainStepRequest.SerializeToString,
             rollbook_dot_v1_dot_rollbook__pb2.ReportTrainStepResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetModel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rollbook.v1.TrajectoryStore/GetModel',
+            rollbook_dot_v1_dot_rollbook__pb2.GetModelRequest.SerializeToString,
+            rollbook_dot_v1_dot_rollbook__pb2.GetModelResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -109,3 +109,26 @@ def test_wait_for_capacity_times_out_with_zero():
     t0 = time.monotonic()
     assert gate.wait_for_capacity(lambda: 0, timeout=0.2) == 0
     assert time.monotonic() - t0 < 1
+
+
+def test_set_bound_changes_capacity_at_once_and_wakes_a_waiter():
+    gate = StalenessGate(max_staleness=3, batch_size=4)  # a worker's own setting
+    assert gate.try_admit(8, version=0) == 8
+    gate.set_bound(0, 4)  # the trainer announces eta = 0
+    assert gate.capacity(0) == -4  # (0 + 0 + 1) * 4 - 8: over-admitted, nothing more until version 1
+    assert gate.try_admit(1, version=0) == 0
+    assert gate.capacity(1) == 0 and gate.capacity(2) == 4
+    gate.set_bound(1, 8)
+    assert gate.capacity(0) == 8  # (1 + 0 + 1) * 8 - 8
+    waiter: list[int] = []
+    gate.set_bound(0, 8)
+    t = threading.Thread(target=lambda: waiter.append(gate.wait_for_capacity(lambda: 0, timeout=30, poll_s=10)))
+    t.start()
+    time.sleep(0.1)
+    gate.set_bound(2, 8)  # notify: the waiter sees the new capacity without waiting for its poll
+    t.join(timeout=5)
+    assert waiter == [16]  # (2 + 0 + 1) * 8 - 8
+    with pytest.raises(ValueError, match="max_staleness"):
+        gate.set_bound(-1, 8)
+    with pytest.raises(ValueError, match="batch_size"):
+        gate.set_bound(0, 0)

@@ -72,3 +72,12 @@ def test_in_range_fields_pass():
     assert field_error("PullBatch", pb.PullBatchRequest(num_samples=64, lease_seconds=600, max_staleness=2)) is None
     assert field_error("SetReward", pb.SetRewardRequest(reward=-3.5)) is None
     assert field_error("GetStats", pb.GetStatsRequest()) is None
+
+
+def test_an_announced_batch_must_be_positive_and_sane_but_may_be_absent():
+    ok = pb.PublishVersionRequest(model_id="m", version=1)
+    assert field_error("PublishVersion", ok) is None  # nothing announced: an older trainer
+    assert field_error("PublishVersion", pb.PublishVersionRequest(version=1, max_staleness=0, samples_per_version=64)) is None
+    for bad in (0, 10**7):
+        error = field_error("PublishVersion", pb.PublishVersionRequest(version=1, samples_per_version=bad))
+        assert error is not None and "samples_per_version" in error

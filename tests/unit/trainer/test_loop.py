@@ -40,8 +40,9 @@ class FakeStore:
         self.calls.append(("ack", lease_id))
         return 4
 
-    def publish_version(self, model_id, version, checksum=""):
+    def publish_version(self, model_id, version, checksum="", *, max_staleness=None, samples_per_version=None):
         self.calls.append(("publish", version))
+        self.announced = (max_staleness, samples_per_version)
         return version
 
 

@@ -1,0 +1,186 @@
+"""What ``rollbook proxy`` costs per call: the engine called directly against the same engine behind the
+proxy, driven by the official ``openai`` client, in the same run with the same concurrent clients.
+
+- ``direct_rps`` / ``direct_latency_ms_*``: ``--clients`` threads in this process, each calling
+  ``NativeEngine.generate`` on one chat prompt (the proxy's own rendering) ``--calls`` times; the
+  engine is the proxy's default tiny model (same seed, same weights, same torch thread count).
+- ``proxy_rps`` / ``proxy_latency_ms_*``: the same number of threads, each with its own session
+  and ``openai.OpenAI`` client, calling ``/v1/chat/completions`` of a real ``rollbook proxy``
+  subprocess that records every completion in a real ``rollbook serve`` subprocess (fresh DuckDB
+  file). Afterwards the store must hold exactly one trajectory per call, or the run fails.
+- ``added_latency_ms_mean`` / ``added_latency_ms_p50``: proxy minus direct, per call;
+  ``proxy_over_direct_rps``: the throughput ratio. ``*_tokens_per_call``: generation stops at
+  ``<eos>`` in both, so the work per call is the same in distribution; compare it too.
+
+Timing runs from a barrier (every client built and its session started) to the last answer.
+Runs on a loaded machine are noisy: compare the two sides of the same run.
+
+    python bench/proxy.py --json                         # one JSON line on stdout, progress on stderr
+    python bench/proxy.py --clients 8 --calls 50 --max-tokens 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+MODEL = "tiny"
+PROMPT = [{"role": "user", "content": "12+34="}]
+
+
+def _progress(message: str) -> None:
+    print(f"[proxy bench] {message}", file=sys.stderr, flush=True)
+
+
+def _start(args: list[str], env: dict, log: pathlib.Path, prefix: str = "listening on ") -> tuple[subprocess.Popen, str]:
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "rollbook.cli", *args], stdout=subprocess.PIPE, stderr=out, text=True,
+                                env=env)
+    line = proc.stdout.readline() if proc.stdout else ""
+    if not line.startswith(prefix):
+        proc.kill()
+        raise SystemExit(f"{args[0]} did not start: {line!r}\n{log.read_text(errors='replace')[-2000:]}")
+    return proc, line.removeprefix(prefix).strip()
+
+
+def _run_clients(num_clients: int, calls: int, make: Callable[[int], Callable[[], int]]) -> dict:
+    """``num_clients`` threads, each running its callable ``calls`` times (returns tokens)."""
+    callers = [make(i) for i in range(num_clients)]
+    barrier = threading.Barrier(num_clients + 1)
+    latencies: list[float] = []
+    tokens: list[int] = []
+    errors: list[BaseException] = []
+    lock = threading.Lock()
+
+    def worker(fn: Callable[[], int]) -> None:
+        barrier.wait()
+        try:
+            for _ in range(calls):
+                t0 = time.perf_counter()
+                n = fn()
+                dt = time.perf_counter() - t0
+                with lock:
+                    latencies.append(dt)
+                    tokens.append(n)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(fn,)) for fn in callers]
+    for t in threads:
+        t.start()
+    barrier.wait()
+    t0 = time.perf_counter()
+    for t in threads:
+        t.join()
+    elapsed = time.perf_counter() - t0
+    if errors:
+        raise errors[0]
+    return {"rps": len(latencies) / elapsed, "latency_mean": statistics.fmean(latencies), "latency_p50": statistics.median(latencies),
+            "tokens_per_call": statistics.fmean(tokens)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--json", action="store_true", help="print exactly one JSON line on stdout")
+    p.add_argument("--clients", type=int, default=4, help="concurrent clients (default: %(default)s)")
+    p.add_argument("--calls", type=int, default=25, help="calls per client (default: %(default)s)")
+    p.add_argument("--max-tokens", type=int, default=8, help="max_tokens of every call (default: %(default)s)")
+    p.add_argument("--work-dir", default=None, help="where the temporary run dir goes")
+    args = p.parse_args(argv)
+    if min(args.clients, args.calls, args.max_tokens) < 1:
+        raise SystemExit("--clients, --calls and --max-tokens must be >= 1")
+
+    import openai
+    import torch
+
+    from rollbook.client import StoreClient
+    from rollbook.models import ModelConfig, build_student
+    from rollbook.rollout.engine import GenerationRequest, NativeEngine
+    from rollbook.rollout.proxy_render import renderer
+
+    torch.set_num_threads(max(1, min(4, torch.get_num_threads())))  # as `rollbook proxy` does
+    render = renderer()
+    prompt_ids = render.chat_prompt([(m["role"], m["content"]) for m in PROMPT])
+    engine = NativeEngine(build_student(ModelConfig()), version=0, seed=0)
+    request = GenerationRequest(prompt_token_ids=prompt_ids, max_new_tokens=args.max_tokens, stop_token_ids=[render.eos_token_id])
+    engine.generate([request])  # warm-up (lazy initialisation), not timed
+    _progress(f"direct: {args.clients} clients x {args.calls} calls, max_tokens {args.max_tokens}")
+    direct = _run_clients(args.clients, args.calls, lambda i: lambda: len(engine.generate([request])[0].output_token_ids))
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLBOOK_")}
+    with tempfile.TemporaryDirectory(dir=args.work_dir, prefix="proxy-bench-") as tmp:
+        work = pathlib.Path(tmp)
+        store, address = _start(["serve", "--db", str(work / "rollbook.duckdb"), "--port", "0", "--log-level", "WARNING"], env,
+                                work / "serve.log")
+        proxy = None
+        try:
+            with StoreClient(address) as client:
+                client.register_model(MODEL, vocab_size=render.vocab_size)
+                client.publish_version(MODEL, 0)
+            proxy, url = _start(["proxy", "--port", "0", "--server", address, "--model_id", MODEL, "--log-level", "WARNING",
+                                 "--max_tokens_limit", str(max(256, args.max_tokens))], env, work / "proxy.log")
+
+            from examples.arithmetic_agent import control
+
+            sessions: list[dict] = []
+
+            def proxy_client(i: int) -> Callable[[], int]:
+                started = control(url, "/rollbook/sessions", {"task_id": f"bench-{i}"}, None)
+                sessions.append(started)
+                oai = openai.OpenAI(base_url=url + "/v1", api_key=started["api_key"], max_retries=0, timeout=300)
+                oai.chat.completions.create(model=MODEL, messages=PROMPT, max_tokens=args.max_tokens)  # warm-up, recorded too
+
+                def call() -> int:
+                    done = oai.chat.completions.create(model=MODEL, messages=PROMPT, max_tokens=args.max_tokens)
+                    return done.usage.completion_tokens if done.usage else 0
+                return call
+
+            _progress(f"proxy at {url}: the same load through the openai client")
+            proxied = _run_clients(args.clients, args.calls, proxy_client)
+            for started in sessions:  # the end call submits each session's last (held) completion
+                control(url, f"/rollbook/sessions/{started['session_id']}/end", {}, started["api_key"])
+            expected = args.clients * (args.calls + 1)
+            deadline = time.monotonic() + 120
+            with StoreClient(address) as client:
+                while True:
+                    stored = client.query("SELECT count(*) AS n FROM trajectories").to_pylist()[0]["n"]
+                    if stored == expected or time.monotonic() > deadline:
+                        break
+                    time.sleep(0.2)
+            if stored != expected:
+                raise SystemExit(f"the store holds {stored} trajectories, expected {expected} (one per call)")
+            _progress(f"store: {stored} trajectories, one per call (checked)")
+        finally:
+            if proxy is not None:
+                proxy.terminate()
+                proxy.wait(30)
+            store.terminate()
+            store.wait(60)
+
+    report = {
+        "direct_rps": round(direct["rps"], 2), "proxy_rps": round(proxied["rps"], 2),
+        "proxy_over_direct_rps": round(proxied["rps"] / direct["rps"], 3),
+        "direct_latency_ms_mean": round(1000 * direct["latency_mean"], 2), "proxy_latency_ms_mean": round(1000 * proxied["latency_mean"], 2),
+        "added_latency_ms_mean": round(1000 * (proxied["latency_mean"] - direct["latency_mean"]), 2),
+        "added_latency_ms_p50": round(1000 * (proxied["latency_p50"] - direct["latency_p50"]), 2),
+        "direct_tokens_per_call": round(direct["tokens_per_call"], 2), "proxy_tokens_per_call": round(proxied["tokens_per_call"], 2),
+        "clients": args.clients, "calls_per_client": args.calls, "max_tokens": args.max_tokens, "stored_trajectories": stored,
+        "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+    }
+    print(json.dumps(report) if args.json else json.dumps(report, indent=2), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))  # examples/ (the agent's control helper)
+    sys.exit(main())

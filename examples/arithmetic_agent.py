@@ -1,0 +1,122 @@
+"""An ordinary agent that learns through ``rollbook proxy``: plain Python and the ``openai`` client.
+
+It plays a short guess-and-feedback game on the toy arithmetic tasks (rollbook/tasks.py): it asks
+the model ``"12+34="``, checks the answer with its own code, tells the model ``"right."`` or
+``"wrong."`` and asks again, for a fixed number of turns. Each turn's reward is that turn's answer
+checked by the agent (1.0 right, 0.0 wrong), reported through the proxy's reward call for that
+turn's completion; the session is then ended. Nothing in the agent knows about trajectories: the
+proxy records them (docs/online.md).
+
+    rollbook proxy --server 127.0.0.1:50551 --port 8000 &
+    python examples/arithmetic_agent.py --proxy http://127.0.0.1:8000 --episodes 8 --group-size 4
+
+The session calls (start, reward, end) are three small HTTP requests (``urllib``, no extra
+dependency); the completions go through the official client with the session key as its API key.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+
+import openai
+
+
+def control(base_url: str, path: str, body: dict, key: str | None) -> dict:
+    """POST a JSON body to the proxy's session endpoints; raises on an HTTP error."""
+    request = urllib.request.Request(base_url.rstrip("/") + path, data=json.dumps(body).encode(), method="POST",
+                                     headers={"content-type": "application/json",
+                                              **({"authorization": f"Bearer {key}"} if key else {})})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return json.loads(response.read())
+    except urllib.error.HTTPError as exc:  # the proxy's OpenAI-format error says why
+        raise RuntimeError(f"POST {path}: HTTP {exc.code}: {exc.read().decode(errors='replace')}") from None
+
+
+@dataclass
+class Episode:
+    session_id: str
+    prompt: str
+    answers: list[str] = field(default_factory=list)
+    rewards: list[float] = field(default_factory=list)
+    completion_ids: list[str] = field(default_factory=list)
+    versions: list[list[int]] = field(default_factory=list)
+
+
+def play(base_url: str, a: int, b: int, *, group_id: str = "", group_size: int = 1, turns: int = 2, stream: bool = False,
+         start_key: str | None = None, model: str = "tiny", temperature: float = 1.0, max_tokens: int = 6,
+         client_kwargs: dict | None = None, reward_after_end: bool = False) -> Episode:
+    """One episode: start a session, ``turns`` calls, a reward per call, end (or end first, then the
+    rewards: a reward may arrive after its session ended)."""
+    prompt = f"{a}+{b}="
+    started = control(base_url, "/rollbook/sessions", {"task_id": f"arithmetic/{prompt}", "domain": "arithmetic",
+                                                       "group_id": group_id, "group_size": group_size}, start_key)
+    client = openai.OpenAI(base_url=base_url.rstrip("/") + "/v1", api_key=started["api_key"], **(client_kwargs or {}))
+    episode = Episode(started["session_id"], prompt)
+    messages: list[dict] = [{"role": "user", "content": prompt}]
+    for _ in range(turns):
+        answer, completion_id, versions = _ask(client, model, messages, stream, temperature, max_tokens)
+        right = answer.strip() == str(a + b)  # the agent's own check is its reward
+        episode.answers.append(answer)
+        episode.rewards.append(1.0 if right else 0.0)
+        episode.completion_ids.append(completion_id)
+        episode.versions.append(versions)
+        messages += [{"role": "assistant", "content": answer},
+                     {"role": "user", "content": ("right." if right else "wrong.") + prompt}]
+    if reward_after_end:
+        control(base_url, f"/rollbook/sessions/{episode.session_id}/end", {}, started["api_key"])
+    for completion_id, value in zip(episode.completion_ids, episode.rewards):
+        control(base_url, f"/rollbook/sessions/{episode.session_id}/reward", {"reward": value, "call": completion_id},
+                started["api_key"])
+    if not reward_after_end:
+        control(base_url, f"/rollbook/sessions/{episode.session_id}/end", {}, started["api_key"])
+    client.close()
+    return episode
+
+
+def _ask(client: openai.OpenAI, model: str, messages: list[dict], stream: bool, temperature: float,
+         max_tokens: int) -> tuple[str, str, list[int]]:
+    if not stream:
+        completion = client.chat.completions.create(model=model, messages=messages, temperature=temperature,
+                                                    max_tokens=max_tokens)
+        extra = completion.model_extra.get("rollbook") or {}
+        return completion.choices[0].message.content or "", completion.id, (extra.get("output_versions") or [[]])[0]
+    text, completion_id = [], ""
+    for chunk in client.chat.completions.create(model=model, messages=messages, temperature=temperature,
+                                                max_tokens=max_tokens, stream=True):
+        completion_id = chunk.id
+        if chunk.choices and chunk.choices[0].delta.content:
+            text.append(chunk.choices[0].delta.content)
+    return "".join(text), completion_id, []
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--proxy", default="http://127.0.0.1:8000")
+    parser.add_argument("--episodes", type=int, default=8)
+    parser.add_argument("--group-size", type=int, default=4, help="episodes per prompt (a normalization group)")
+    parser.add_argument("--turns", type=int, default=2)
+    parser.add_argument("--stream", action="store_true")
+    parser.add_argument("--model", default="tiny")
+    parser.add_argument("--start-key", default=None, help="worker key of the proxy (if it has one)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    rng = random.Random(args.seed)
+    total = []
+    for g in range(0, args.episodes, args.group_size):
+        a, b = rng.randrange(100), rng.randrange(100)
+        for _ in range(min(args.group_size, args.episodes - g)):
+            ep = play(args.proxy, a, b, group_id=f"agent-{args.seed}-{g}", group_size=args.group_size, turns=args.turns,
+                      stream=args.stream, start_key=args.start_key, model=args.model)
+            total += ep.rewards
+            print(json.dumps({"session_id": ep.session_id, "prompt": ep.prompt, "answers": ep.answers, "rewards": ep.rewards}))
+    print(json.dumps({"episodes": args.episodes, "mean_reward": sum(total) / max(1, len(total))}))
+
+
+if __name__ == "__main__":
+    main()

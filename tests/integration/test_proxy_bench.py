@@ -1,0 +1,28 @@
+"""``bench/proxy.py`` still runs end to end (a real store, a real ``rollbook proxy``, the openai client)
+and prints one JSON line with the fields docs/RESULTS.md quotes. Tiny sizes: this checks the benchmark
+works, not how fast anything is.
+
+Run: ``python -m pytest tests/integration/test_proxy_bench.py -q``.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def test_the_proxy_bench_prints_one_json_line_with_both_sides(tmp_path):
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "proxy.py"), "--json", "--clients", "2", "--calls", "3",
+                           "--max-tokens", "4", "--work-dir", str(tmp_path)], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    [line] = done.stdout.strip().splitlines()
+    report = json.loads(line)
+    for key in ("direct_rps", "proxy_rps", "proxy_over_direct_rps", "direct_latency_ms_mean", "proxy_latency_ms_mean"):
+        assert report[key] > 0, key
+    assert "added_latency_ms_mean" in report and "added_latency_ms_p50" in report
+    assert report["stored_trajectories"] == 2 * (3 + 1)  # one per call, warm-ups included
+    assert "one per call (checked)" in done.stderr

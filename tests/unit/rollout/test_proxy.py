@@ -1,0 +1,172 @@
+"""The proxy's policies without processes: chat rendering, which attempts are one logical call,
+where a reward goes, the trajectories an attempt becomes, and admission (rollout/proxy*.py).
+
+Run: python -m pytest tests/unit/rollout/test_proxy.py -q
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from rollbook.rollout.engine import GenerationResult
+from rollbook.rollout.proxy import ApiError, Gate
+from rollbook.rollout.proxy_render import CharRenderer, RenderError
+from rollbook.rollout.proxy_sessions import SessionError, Sessions, reward_targets
+from rollbook.tasks import TOKENIZER
+
+BODY = {"model": "tiny", "messages": [{"role": "user", "content": "1+2="}]}
+
+
+def result(n: int = 3, version: int = 0) -> GenerationResult:
+    return GenerationResult(request_id="r", prompt_token_ids=[1, 4, 5], output_token_ids=[5] * n, output_logprobs=[-0.5] * n,
+                            output_versions=[version] * n, finish_reason="length", temperature=1.0, top_p=1.0, top_k=0)
+
+
+def test_a_one_message_chat_renders_as_the_task_prompt_and_assistant_turns_end_with_eos():
+    render = CharRenderer()
+    assert render.chat_prompt([("user", "12+34=")]) == TOKENIZER.encode("12+34=", add_bos=True)
+    assert render.chat_prompt([("user", "1="), ("assistant", "2"), ("user", "ok")]) == (
+        TOKENIZER.encode("1=", add_bos=True) + TOKENIZER.encode("2", add_eos=True) + TOKENIZER.encode("ok"))
+    with pytest.raises(RenderError, match=r"messages\[0\].content"):
+        render.chat_prompt([("user", "Hello")])
+    assert render.stop_token_ids(["."]) == TOKENIZER.encode(".")
+    with pytest.raises(RenderError, match="one token"):
+        render.stop_token_ids(["ab"])
+
+
+def test_retries_join_their_call_and_a_new_request_opens_a_new_turn():
+    sessions = Sessions(model_id="tiny", worker_id="w", max_sessions=10, ended_ttl_s=60)
+    session, key = sessions.start(task_id="t", domain="d", group_id="g", group_size=2)
+    assert sessions.authenticate(key) is session and sessions.authenticate(key + "x") is None
+    call0, a0 = session.begin_attempt(BODY, None, 0, now=1.0)
+    call0b, a1 = session.begin_attempt(dict(BODY), None, 1, now=2.0)  # the SDK's retry of the same body
+    assert call0b is call0 and (a0.number, a1.number) == (0, 1)
+    call1, _ = session.begin_attempt(BODY, None, 0, now=3.0)  # not a retry: the agent asked again
+    assert call1.turn == 1
+    other = {**BODY, "temperature": 0.5}
+    call2, _ = session.begin_attempt(other, None, 2, now=4.0)  # a retry of nothing seen: a new call
+    assert call2.turn == 2
+    k1, _ = session.begin_attempt(other, "idem-1", 0, now=5.0)
+    k2, b = session.begin_attempt({"anything": 1}, "idem-1", 0, now=6.0)  # Idempotency-Key decides alone
+    assert k1 is k2 and k1.turn == 3 and b.number == 1
+
+
+def test_trajectories_carry_the_turn_the_attempt_and_whether_it_was_delivered():
+    sessions = Sessions(model_id="tiny", worker_id="w", max_sessions=10, ended_ttl_s=60)
+    session, _ = sessions.start(task_id="t", domain="d", group_id="g", group_size=2)
+    call, a0 = session.begin_attempt(BODY, None, 0, now=1.0)
+    _, a1 = session.begin_attempt(BODY, None, 1, now=2.0)
+    [lost] = sessions.trajectories(session, call, a0, [result()], delivered=False)
+    [kept] = sessions.trajectories(session, call, a1, [result()], delivered=True)
+    assert (lost["request_id"], lost["attempt"], lost["consumed"]) == ("turn-0.0", 0, False)
+    assert (kept["request_id"], kept["attempt"], kept["consumed"]) == ("turn-0.0", 1, True)
+    assert kept["trajectory_id"] == f"{session.session_id}/turn-0.0/a1"
+    assert (kept["group_id"], kept["group_size"], kept["created_at"]) == ("g/turn-0", 2, 2.0)
+    assert call.delivered is a1
+
+
+def test_rewards_go_to_the_delivered_attempt_of_the_chosen_calls():
+    sessions = Sessions(model_id="tiny", worker_id="w", max_sessions=10, ended_ttl_s=60)
+    session, _ = sessions.start(task_id="t", domain="d", group_id="", group_size=1)
+    with pytest.raises(SessionError) as nothing:
+        reward_targets(session, "last")
+    assert nothing.value.status == 409
+    c0, a0 = session.begin_attempt(BODY, None, 0, now=1.0)
+    sessions.trajectories(session, c0, a0, [result()], delivered=True)
+    c1, b0 = session.begin_attempt({**BODY, "n": 1}, None, 0, now=2.0)
+    _, b1 = session.begin_attempt({**BODY, "n": 1}, None, 1, now=3.0)
+    sessions.trajectories(session, c1, b0, [result()], delivered=False)
+    sessions.trajectories(session, c1, b1, [result()], delivered=True)
+    assert [(c.turn, a.number) for c, a in reward_targets(session, "last")] == [(1, 1)]
+    assert [(c.turn, a.number) for c, a in reward_targets(session, "all")] == [(0, 0), (1, 1)]
+    assert [(c.turn, a.number) for c, a in reward_targets(session, 0)] == [(0, 0)]
+    assert [(c.turn, a.number) for c, a in reward_targets(session, b0.completion_id)] == [(1, 1)]  # by any attempt's id
+    with pytest.raises(SessionError) as unknown:
+        reward_targets(session, "chatcmpl-nope")
+    assert unknown.value.status == 404
+
+
+def test_the_gate_holds_completions_while_paused_and_refuses_beyond_its_bounds():
+    async def scenario():
+        gate = Gate(max_concurrent=1, max_waiting=1, wait_s=0.2)
+        await gate.pause("loading weights")
+        with pytest.raises(ApiError) as held:
+            await gate.admit()
+        assert held.value.status == 503 and "loading weights" in held.value.message
+        await gate.resume("loading weights")
+        await gate.admit()  # running 1
+        waiter = asyncio.create_task(gate.admit())  # waiting 1
+        await asyncio.sleep(0.01)
+        with pytest.raises(ApiError) as full:
+            await gate.admit()
+        assert full.value.status == 429
+        await gate.release()
+        await waiter
+        assert (gate.running, gate.waiting) == (1, 0)
+
+    asyncio.run(scenario())
+
+
+def test_the_proxy_command_refuses_an_open_non_loopback_bind_and_a_bad_channel_in_one_line(monkeypatch, capsys):
+    from rollbook.cli import main
+
+    for role in ("ADMIN", "WORKER"):
+        monkeypatch.delenv(f"ROLLBOOK_{role}_KEY", raising=False)
+    assert main(["proxy", "--host", "0.0.0.0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("rollbook proxy: error: host 0.0.0.0 is not loopback") and "\n" not in err
+    assert main(["proxy", "--weights", "ftp:somewhere"]) == 2
+    assert "shm:NAME" in capsys.readouterr().err
+
+
+class _FakeEngine:
+    version = 0
+
+    def generate(self, requests, *, seed=None):
+        return [result(2) for _ in requests]
+
+
+class _FakeStore:
+    def __init__(self):
+        self.submitted: list[dict] = []
+
+    def submit(self, trajectories):
+        from rollbook.client import SubmitResult
+        from rollbook.v1 import rollbook_pb2 as pb
+
+        out = SubmitResult()
+        for t in trajectories:
+            self.submitted.append(dict(t))
+            out.add(pb.Verdict(trajectory_id=t["trajectory_id"], status=pb.Verdict.ACCEPTED))
+        return out
+
+
+def test_a_delivered_attempt_whose_call_is_retried_is_submitted_unconsumed_and_the_rest_once_the_agent_moves_on():
+    """The race a timeout leaves: the response was written, but the client had already given up and
+    retries. The proxy holds a delivered attempt until the session shows it was read (next call,
+    reward, end, or consume_settle_s); a retry of its call first means it was not."""
+    from rollbook.rollout.proxy import Proxy, ProxyConfig
+
+    async def scenario(store: _FakeStore) -> Proxy:
+        proxy = Proxy(ProxyConfig(), _FakeEngine(), store, admin_key=None, worker_key=None)
+        session, key = proxy.sessions.start(task_id="t", domain="d", group_id="", group_size=1)
+        headers = {"authorization": f"Bearer {key}"}
+        _, deliver, _ = await proxy.complete("chat", headers, BODY)
+        deliver(True)  # written to an open connection, but the client's timer had fired
+        assert proxy.status()["held"] == 1 and not store.submitted
+        _, deliver, _ = await proxy.complete("chat", {**headers, "x-stainless-retry-count": "1"}, BODY)
+        deliver(True)  # the retry, read by the client
+        _, deliver, _ = await proxy.complete("chat", headers, {**BODY, "n": 1})  # the agent moved on
+        deliver(True)
+        await proxy.end(session)
+        proxy.submitter.close()
+        return proxy
+
+    store = _FakeStore()
+    proxy = asyncio.run(scenario(store))
+    got = {t["trajectory_id"].split("/", 1)[1]: t["consumed"] for t in store.submitted}
+    assert got == {"turn-0.0/a0": False, "turn-0.0/a1": True, "turn-1.0/a0": True}
+    assert proxy.counters["retracted"] == 1
+    proxy.close()
