@@ -17,8 +17,8 @@ placements, as Ray actors on any nodes of a cluster.
   submitter) with its own worker_id, seed and spool directory RUN_DIR/spool-I.
 
 Failures: a rollout actor that dies is restarted by Ray (``ray.max_restarts``) with the same
-arguments, so it reopens the same spool and resends what was spooled and not yet answered (the
-store's idempotency makes a resend a DUPLICATE, never a second row). A trainer rank that dies fails
+arguments, so it reopens the same spool and, first thing, resends what was spooled and not yet
+answered (the store's idempotency makes a resend a DUPLICATE, never a second row). A trainer rank that dies fails
 the step on every rank (the next collective errors); the driver starts the group again
 (``ray.trainer_restarts``) and rank 0 resumes from the last checkpoint: the unacked lease expires and
 its rows return, so no batch is lost or trained twice. Ray is imported only here, lazily.
@@ -133,6 +133,7 @@ class RolloutActor:
             from rollbook.errors import CommandError
 
             try:
+                _replay_spool(worker_config)
                 self._result = run_worker(worker_config, self._stop)
             except CommandError as exc:  # no first weights: an error unless the run ended first
                 if not self._stop.is_set():
@@ -157,6 +158,24 @@ class RolloutActor:
         if self._error is not None:
             raise self._error
         return self._result
+
+
+def _replay_spool(worker_config) -> None:
+    """Send what a previous life of this actor spooled and did not deliver, before waiting for
+    weights: ``run_worker`` opens its submitter only once the first weights arrive, and a restarted
+    actor may never get them before the run ends (found by test_ray_placement's kill test). A store
+    that is down leaves the batches spooled for ``run_worker``'s submitter."""
+    from rollbook.client import StoreClient
+    from rollbook.rollout.spool import Spool
+    from rollbook.rollout.submitter import Submitter
+
+    if not any(pathlib.Path(worker_config.spool_dir).glob("*.batch")):
+        return
+    with StoreClient.from_env(worker_config.server) as client, \
+            Submitter(client, Spool(worker_config.spool_dir, max_bytes=worker_config.spool_max_bytes)) as sub:
+        if not sub.flush(timeout=60):
+            log.warning("spool %s not replayed within 60 s (store unreachable?); the worker resends it",
+                        worker_config.spool_dir)
 
 
 def run_ray(config: RunConfig, address: str, keys: dict) -> dict:
