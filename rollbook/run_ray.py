@@ -123,6 +123,9 @@ class RolloutActor:
     def __init__(self, worker_config) -> None:
         import threading
 
+        import torch  # noqa: F401  (the heavy imports before the constructor returns: see run_ray)
+
+        import rollbook.rollout.engine  # noqa: F401
         from rollbook.rollout.main import run_worker
 
         self._stop = threading.Event()
@@ -212,12 +215,13 @@ def run_ray(config: RunConfig, address: str, keys: dict) -> dict:
         ray.init(address=rc.address, num_cpus=num_cpus, include_dashboard=False, log_to_driver=True)
     trainer_cls = ray.remote(TrainerRank)
     rollout_cls = ray.remote(RolloutActor)
-    weight_port = None
     workers: list = []
     ranks: list = []
     try:
-        ranks, weight_server = _start_ranks(trainer_cls, config, weight_port, attempt=0)
-        weight_port = int(weight_server.rpartition(":")[2])
+        # the rollout actors first, polling the weight address rank 0 will serve, so that every one of
+        # them takes version 0 as it appears (rather than one actor feeding the first steps alone)
+        weight_port = _free_port(rc.weight_host)
+        weight_server = f"{rc.weight_host}:{weight_port}"
         per_worker = math.ceil(config.trainer.num_samples / rc.num_workers)
         for i in range(rc.num_workers):
             rollout = config.rollout.model_copy(update={"worker_id": f"ray-worker-{i}", "seed": config.rollout.seed + i})
@@ -230,6 +234,8 @@ def run_ray(config: RunConfig, address: str, keys: dict) -> dict:
             if rc.worker_resources:
                 options["resources"] = rc.worker_resources[i % len(rc.worker_resources)]
             workers.append(rollout_cls.options(**options).remote(wcfg))
+        ray.get([w.where.remote() for w in workers])  # constructed: imports done, polling for weights
+        ranks, _ = _start_ranks(trainer_cls, config, weight_port, attempt=0)
         attempts = 0
         while True:
             try:
@@ -272,7 +278,7 @@ def _stop_worker(worker) -> dict:
         return {"error": str(exc).splitlines()[0]}
 
 
-def _start_ranks(trainer_cls, config: RunConfig, weight_port: int | None, attempt: int):
+def _start_ranks(trainer_cls, config: RunConfig, weight_port: int, attempt: int):
     """The trainer group's actors (named ``rollbook-trainer-RANK-RUNDIR-ATTEMPT``) and their ``run``
     refs; rank 0's weight server on ``weight_port`` (kept across restarts so the rollout actors keep
     fetching from the same address)."""
@@ -288,7 +294,7 @@ def _start_ranks(trainer_cls, config: RunConfig, weight_port: int | None, attemp
               for rank in range(world)]
     head = ray.get(actors[0].where.remote())
     init_method = f"tcp://{head['ip']}:{head['rendezvous_port']}"
-    weight_server = f"{rc.weight_host}:{weight_port or _free_port(rc.weight_host)}"
+    weight_server = f"{rc.weight_host}:{weight_port}"
     refs = [a.run.remote(init_method, weight_server) for a in actors]
     return list(zip(actors, refs, strict=True)), weight_server
 

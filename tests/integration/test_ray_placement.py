@@ -54,7 +54,7 @@ def test_ray_placement_spreads_rollout_over_two_nodes_and_trains_with_two_ranks(
     # eta = 0: each actor's staleness gate admits half a batch per version (the batch is split over the
     # actors), so every step needs rows of both, however late one of them starts on a loaded machine
     summary = run(small_config(tmp_path / "run", max_staleness=0))
-    assert {w["version"] for w in summary["workers"]} and all(w["rounds"] > 0 for w in summary["workers"])
+    assert all(w["rounds"] > 0 for w in summary["workers"]), summary["workers"]
     node_of = {n["NodeID"]: ("a" if "node_a" in n["Resources"] else "b") for n in ray.nodes()}
     assert sorted(node_of[w["node_id"]] for w in summary["workers"]) == ["a", "b"]  # a rollout actor on each node
     assert {node_of[n] for n in summary["trainer_node_ids"]} == {"a"}  # both ranks on the head node
