@@ -113,6 +113,10 @@ def run(config: RunConfig) -> dict:
         client.register_model(config.trainer.model_id, vocab_size=_vocab_size(config))
         if config.placement == "colocated":
             summary = _colocated(config, client)
+        elif config.placement == "ray":
+            from rollbook.run_ray import run_ray
+
+            summary = run_ray(config, store.address, keys)
         else:
             from rollbook.run_separated import run_separated
 

@@ -88,6 +88,13 @@ class TrainerConfig(BaseModel):
     export_final: bool = Field(True, description="Write a Hugging Face export after the last step (num_steps).")
     export_keep_last: int = Field(2, ge=1, description="Hugging Face exports kept in RUN_DIR/hf/ (the newest N).")
     seed: int = Field(0, description="Trainer RNG seed.")
+    num_ranks: int = Field(1, ge=1, description="Data-parallel ranks (trainer/distributed.py): one lease per step split "
+                           "across them by whole groups, gradients summed, one checkpoint and one ack (rank 0). "
+                           "`rollbook train` starts ranks 1..N-1 itself; under torchrun the launcher's world size wins.")
+    dist_backend: Literal["auto", "gloo", "nccl"] = Field("auto", description="torch.distributed backend of the ranks "
+                                                          "(auto: gloo, as the trainer keeps its model on the CPU; nccl only for a model on CUDA).")
+    dist_timeout_s: float = Field(120.0, gt=0, description="How long a rank waits in a collective for the others; a dead "
+                                  "rank fails the step after at most this long.")
 
     @model_validator(mode="after")
     def _check(self) -> "TrainerConfig":
