@@ -36,6 +36,9 @@ class WarmStartConfig(BaseModel):
 
     student_steps: int = Field(60, ge=0, description="Supervised steps for the student's starting point (0 = random init).")
     teacher_steps: int = Field(0, ge=0, description="Supervised steps for the MOPD teacher (0 = no teacher is built).")
+    specialist_teachers: bool = Field(False, description="MOPD teachers: one specialist per domain, each trained "
+                                      "teacher_steps on its own domain only and routed to by domain (needs "
+                                      "trainer.teacher_routing 'domain'); False: one teacher trained on every domain.")
     batch_size: int = Field(64, ge=1, description="Problems per supervised step.")
     lr: float = Field(3e-3, gt=0, description="Supervised learning rate.")
     seed: int = Field(1, description="Seed of the supervised data order (distinct from the RL task seed).")
