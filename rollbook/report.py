@@ -87,7 +87,9 @@ def _domains(metrics: list[dict], prefix: str) -> list[str]:
 
 def summarize(run_dir: pathlib.Path) -> dict[str, Any]:
     """One run's figures: held-out reward per domain at its first and last evaluation (greedy and
-    sampled), steps, wall time (first to last metrics line), and the ledger's counts."""
+    sampled), steps, wall time (from the run's start, config.json, to its last metrics line: warm
+    start and teachers included; a resumed run counts from its last start), training time (first to
+    last metrics line), and the ledger's counts."""
     run_dir = pathlib.Path(run_dir)
     metrics = read_metrics(run_dir)
     evals = _evals(metrics)
@@ -102,11 +104,14 @@ def summarize(run_dir: pathlib.Path) -> dict[str, Any]:
             heldout[kind] = per
     ledger = ledger_answers(run_dir / "rollbook.duckdb")
     times = [m["time"] for m in metrics if "time" in m]
+    config = run_dir / "config.json"  # written as the (last) run started, before the warm start
+    started = min(config.stat().st_mtime, times[0]) if config.exists() and times else (times[0] if times else 0.0)
     return {
         "run_dir": str(run_dir),
         "heldout": heldout,
         "steps": ledger["steps"],
-        "wall_time_s": round(times[-1] - times[0], 3) if len(times) > 1 else 0.0,
+        "wall_time_s": round(times[-1] - started, 3) if times else 0.0,
+        "train_time_s": round(times[-1] - times[0], 3) if len(times) > 1 else 0.0,
         "accepted": ledger["accepted"],
         "rejected": sum(ledger["rejected_by_reason"].values()),
         "rejected_by_reason": ledger["rejected_by_reason"],
@@ -161,6 +166,8 @@ def _plots(runs: list[tuple[str, list[dict], dict]], out: pathlib.Path) -> list[
                 for suffix, style, xs, ys in series.lines(metrics, domain):
                     if xs:
                         ax.plot(xs, ys, style, color=f"C{i}", label=f"{label}{suffix}", marker=".")
+            if name != "teacher_gap":  # rewards: the whole 0..1 range, comparable across panels
+                ax.set_ylim(-0.03, 1.03)
             ax.set_title(f"{title}: {domain}")
             ax.set_xlabel("step")
             ax.set_ylabel(ylabel)
