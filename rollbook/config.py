@@ -38,6 +38,9 @@ class WarmStartConfig(BaseModel):
                                "(0 = random init). With [rollout.dataset] it is 0 and setting it above 0 is an error.")
     teacher_steps: int = Field(0, ge=0, description="Supervised steps for the MOPD teacher on the toy tasks (0 = no "
                                "teacher is built). Not with [rollout.dataset]: list [[trainer.teachers]] instead.")
+    specialist_teachers: bool = Field(False, description="MOPD teachers: one specialist per domain, each trained "
+                                      "teacher_steps on its own domain only and routed to by domain (needs "
+                                      "trainer.teacher_routing 'domain'); False: one teacher trained on every domain.")
     batch_size: int = Field(64, ge=1, description="Problems per supervised step.")
     lr: float = Field(3e-3, gt=0, description="Supervised learning rate.")
     seed: int = Field(1, description="Seed of the supervised data order (distinct from the RL task seed).")

@@ -11,7 +11,8 @@ file in a run directory.
    ``separated``: a ``rollbook rollout`` worker process generates asynchronously under the staleness
    gate and receives weights over shared memory, while this process trains;
 4. evaluates greedy held-out reward every ``eval_every`` steps, writes ``metrics.jsonl`` and prints
-   SQL answers about the run.
+   SQL answers about the run;
+5. writes the run report (``rollbook report``, rollbook/report.py): report.md, PNG plots, summary.json.
 Kill it and run the same command again: the trainer resumes from its checkpoint. A run directory
 already past ``num_steps`` is refused in one line (and its config.json left as it is). The ``[store]``
 section reaches the store process as RUN_DIR/store.json (``rollbook serve --config``).
@@ -125,6 +126,7 @@ def run(config: RunConfig) -> dict:
         client.close()
     finally:
         store.stop()
+    _report(run_dir)
     return summary
 
 
@@ -140,6 +142,17 @@ def _vocab_size(config: RunConfig) -> int:
     if config.rollout.dataset is not None and model.path is None and model.vocab_size is None:
         model.vocab_size = vocab
     return vocab
+
+
+def _report(run_dir: pathlib.Path) -> None:
+    """report.md, the plots and summary.json (rollbook/report.py); a failed report costs no training."""
+    try:
+        from rollbook.report import write_report
+
+        write_report([run_dir])
+    except Exception as exc:  # the run's evidence and checkpoints are already safe
+        print(f"report: not written ({type(exc).__name__}: {exc}); retry with `rollbook report {run_dir}`",
+              file=sys.stderr, flush=True)
 
 
 def _colocated(config: RunConfig, client) -> dict:

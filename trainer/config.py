@@ -19,8 +19,10 @@ class LossConfig(BaseModel):
     behavior_weight_cap: float | None = Field(5.0, gt=0, description="Cap on pi_prox/pi_behav; None = uncapped.")
     behavior_weight_action: Literal["mask", "clamp"] = Field("mask", description="Above the cap: drop the token (mask) or clamp the weight.")
     dual_clip: float | None = Field(None, gt=1, description="Dual-clip constant c for negative advantages; None = off.")
-    proximal: Literal["recompute", "loglinear"] = Field(
-        "recompute", description="Proximal log-probs: recomputed with the trainer's weights before the update, or AReaL's log-linear approximation.")
+    proximal: Literal["recompute", "loglinear", "behavior"] = Field(
+        "recompute", description="Proximal log-probs: recomputed with the trainer's weights before the update, or AReaL's "
+        "log-linear approximation; 'behavior' turns the decoupling off: the standard PPO ratio against the behavior "
+        "policy (the sampler's log-probs), AReaL's baseline in its staleness ablation.")
     rl_coef: float = Field(1.0, ge=0, description="Weight of the decoupled-PPO loss.")
     distill_coef: float = Field(0.0, ge=0, description="Weight of the MOPD loss (needs teachers).")
     adv_clip: float = Field(5.0, gt=0, description="MOPD: clip of the teacher advantage log pi_T - log pi_theta.")

@@ -247,6 +247,8 @@ class Trainer:
     @torch.no_grad()
     def _proximal(self, rows: _Rows) -> torch.Tensor:
         all_seqs = list(range(len(rows.outputs)))
+        if self.config.loss.proximal == "behavior":  # not decoupled: clip pi_theta / pi_behavior, weight 1
+            return rows.behavior.clone()
         if self.config.loss.proximal == "loglinear":
             current = torch.empty_like(rows.behavior)
             for _, idx, packed in self._micro_batches(rows, all_seqs):
