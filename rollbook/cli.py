@@ -126,6 +126,18 @@ def _demo(args: argparse.Namespace) -> int:
     return run_demo(args)
 
 
+def _report(args: argparse.Namespace) -> int:
+    import pathlib
+
+    from rollbook.report import write_report
+
+    for run_dir in args.run_dirs:
+        if not (pathlib.Path(run_dir) / "metrics.jsonl").exists() or not (pathlib.Path(run_dir) / "rollbook.duckdb").exists():
+            raise CommandError(f"{run_dir} is not a finished run directory (needs metrics.jsonl and rollbook.duckdb)")
+    write_report([pathlib.Path(d) for d in args.run_dirs], pathlib.Path(args.out) if args.out else None)
+    return 0
+
+
 def _run(args: argparse.Namespace, overrides: list[str]) -> int:
     from rollbook.config import RunConfig, load_config
     from rollbook.logs import setup_logging
@@ -339,6 +351,14 @@ def build_parser() -> argparse.ArgumentParser:
     _config_flags(p, "proxy config")
     p.add_argument("--log-level", default="INFO")
     p.set_defaults(func=_proxy, takes_overrides=True)
+    p = sub.add_parser("report", help="report.md, PNG plots and summary.json of finished runs (several: one plot)",
+                       description="Write RUN_DIR/summary.json for each run (held-out reward per domain at start and "
+                       "end, steps, wall time, rows accepted, rejected by reason, trained) and report.md with PNG plots "
+                       "(held-out and training reward per domain, teacher gap, staleness, rejections, throughput) in "
+                       "--out, one line per run. Reads metrics.jsonl and a read-only copy of the ledger.")
+    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="finished run directories (metrics.jsonl, rollbook.duckdb)")
+    p.add_argument("--out", default=None, help="folder for report.md and the PNGs (default: the first RUN_DIR)")
+    p.set_defaults(func=_report)
 
     p = sub.add_parser("demo", help="start a store in a run directory, feed it a generated workload, print SQL answers")
     p.add_argument("--run-dir", default="runs/demo", help="run directory; the ledger is RUN_DIR/rollbook.duckdb (default: %(default)s)")

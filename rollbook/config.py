@@ -34,8 +34,13 @@ class WarmStartConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    student_steps: int = Field(60, ge=0, description="Supervised steps for the student's starting point (0 = random init).")
-    teacher_steps: int = Field(0, ge=0, description="Supervised steps for the MOPD teacher (0 = no teacher is built).")
+    student_steps: int = Field(60, ge=0, description="Supervised steps for the student's starting point on the toy tasks "
+                               "(0 = random init). With [rollout.dataset] it is 0 and setting it above 0 is an error.")
+    teacher_steps: int = Field(0, ge=0, description="Supervised steps for the MOPD teacher on the toy tasks (0 = no "
+                               "teacher is built). Not with [rollout.dataset]: list [[trainer.teachers]] instead.")
+    specialist_teachers: bool = Field(False, description="MOPD teachers: one specialist per domain, each trained "
+                                      "teacher_steps on its own domain only and routed to by domain (needs "
+                                      "trainer.teacher_routing 'domain'); False: one teacher trained on every domain.")
     batch_size: int = Field(64, ge=1, description="Problems per supervised step.")
     lr: float = Field(3e-3, gt=0, description="Supervised learning rate.")
     seed: int = Field(1, description="Seed of the supervised data order (distinct from the RL task seed).")
@@ -66,8 +71,40 @@ class OnlineConfig(BaseModel):
     agent_seed: int | None = Field(None, description="The agent's problem order seed; None = rollout.seed.")
 
 
-SEPARATED_MAX_STALENESS = 2  # eta of the separated placement when none is configured
+SEPARATED_MAX_STALENESS = 2  # eta of the separated and ray placements when none is configured
 ONLINE_MAX_STALENESS = 4  # eta of the online mode: the agent is not gated, it plays ahead of the trainer
+
+
+class RayConfig(BaseModel):
+    """The ``ray`` placement of ``rollbook run`` (rollbook/run_ray.py): rollout workers and the
+    trainer's data-parallel ranks as Ray actors, the store as its server process beside the driver.
+    On one host it starts a local Ray instance; ``address`` joins a cluster
+    started with ``ray start --head`` / ``ray start --address HEAD:6379``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    address: str | None = Field(None, description="Ray cluster to join (HOST:PORT of `ray start --head`, or 'auto'); "
+                                "None starts a local Ray instance for this run.")
+    num_cpus: int | None = Field(None, ge=1, description="CPUs of the local Ray instance (address None); None = this "
+                                 "machine's count, raised to what the actors declare. Fewer than the actors declare is refused.")
+    num_workers: int = Field(2, ge=1, description="Rollout worker actors; each runs `rollbook rollout`'s loop with its own "
+                             "spool (RUN_DIR/spool-I), worker_id 'ray-worker-I' and task seed rollout.seed + I.")
+    worker_cpus: float = Field(1.0, gt=0, description="CPUs each rollout actor declares.")
+    worker_resources: list[dict[str, float]] = Field(
+        default_factory=list, description="Custom Ray resources per rollout actor, cycled over the actors (e.g. "
+        "[{node_a = 1}, {node_b = 1}] puts them on nodes started with those resources); empty = any node.")
+    trainer_cpus: float = Field(1.0, gt=0, description="CPUs each trainer rank actor declares.")
+    trainer_resources: dict[str, float] = Field(default_factory=dict, description="Custom Ray resources of every trainer "
+                                                "rank (e.g. {gpu_node = 1}); empty = any node.")
+    trainer_gpus: float = Field(0.0, ge=0, description="GPUs each trainer rank declares (placement only: the trainer keeps "
+                                "its model on the CPU today).")
+    max_restarts: int = Field(3, ge=0, description="Restarts of a rollout actor that dies; the restarted actor reuses its "
+                              "spool, so its in-flight trajectories arrive exactly once.")
+    trainer_restarts: int = Field(2, ge=0, description="Times the trainer group is started again after a rank dies; it "
+                                  "resumes from the last checkpoint (unacked leases expire and their rows return).")
+    weight_host: str = Field("127.0.0.1", description="Interface trainer rank 0 serves weights on; the rollout actors "
+                             "fetch from it. On a multi-node cluster: the node's private address (the weight stream "
+                             "is unauthenticated without mutual TLS).")
 
 # [store] fields rollbook run sets itself: the ledger is RUN_DIR/rollbook.duckdb on a loopback port,
 # the keys are the run's own (RUN_DIR/keys.json)
@@ -82,19 +119,21 @@ class RunConfig(BaseModel):
 
     run_dir: str = Field("runs/quickstart", description="Run directory: rollbook.duckdb, checkpoints/, metrics.jsonl, "
                          "config.json, keys.json (see the README). trainer.run_dir follows it.")
-    placement: Literal["colocated", "separated"] = Field(
+    placement: Literal["colocated", "separated", "ray"] = Field(
         "colocated", description="colocated: rollout and training alternate in one process (eta = 0 is strictly on-policy). "
-        "separated: a rollout worker process runs asynchronously, weights over shared memory, bounded staleness.")
+        "separated: a rollout worker process runs asynchronously, weights over shared memory, bounded staleness. "
+        "ray: rollout workers and trainer ranks as Ray actors on any nodes, weights over the network channel ([ray]).")
     num_steps: int = Field(40, ge=1, description="Trainer steps in all (a resumed run trains up to this count). "
                            "trainer.num_steps follows it.")
     max_staleness: int | None = Field(
         None, ge=0, description="eta, the staleness bound of both the trainer's pulls and the worker's gate "
         f"(trainer.max_staleness and rollout.max_staleness follow it). None: 0 colocated (on-policy), "
-        f"{SEPARATED_MAX_STALENESS} separated (asynchronous), {ONLINE_MAX_STALENESS} online.")
+        f"{SEPARATED_MAX_STALENESS} separated and ray (asynchronous), {ONLINE_MAX_STALENESS} online.")
     eval_every: int = Field(5, ge=1, description="Evaluate held-out reward every N steps (and before the first and after the last).")
     warm_start: WarmStartConfig = Field(default_factory=WarmStartConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    ray: RayConfig = Field(default_factory=RayConfig, description="The ray placement: cluster, actors, resources.")
     store: StoreConfig = Field(default_factory=StoreConfig, description="Store policies (validator, ingest, SQL and "
                                "stream limits) of the store process the run starts; db, host, port, keys and TLS are the run's.")
     online: OnlineConfig | None = Field(None, description="Online mode: learn from an agent through rollbook proxy "
@@ -116,9 +155,20 @@ class RunConfig(BaseModel):
         self.max_staleness = eta if eta is not None else default_eta
         self.trainer.run_dir, self.trainer.num_steps = self.run_dir, self.num_steps
         self.trainer.max_staleness = self.rollout.max_staleness = self.max_staleness
+        if self.trainer.num_ranks > 1 and self.placement != "ray":
+            raise ValueError(f"trainer.num_ranks = {self.trainer.num_ranks} needs placement 'ray' (colocated and separated "
+                             "train in one process; `rollbook train --num_ranks N` runs ranks against any store)")
         if self.trainer.loss.distill_coef > 0 and self.warm_start.teacher_steps == 0 and not self.trainer.teachers:
             raise ValueError("MOPD (trainer.loss.distill_coef > 0) needs a teacher: set warm_start.teacher_steps > 0 "
                              "or list [[trainer.teachers]]")
+        if self.rollout.dataset is not None:  # the warm start knows only the toy tasks and their tokenizer
+            ws = self.warm_start
+            asked = [f for f in ("student_steps", "teacher_steps") if f in ws.model_fields_set and getattr(ws, f) > 0]
+            if asked:
+                raise ValueError(f"warm_start.{asked[0]} = {getattr(ws, asked[0])}: the warm start trains on the toy tasks, "
+                                 "not on [rollout.dataset] rows; set it to 0 (start from trainer.model.path, or list "
+                                 "[[trainer.teachers]] for MOPD)")
+            ws.student_steps = 0  # its default is the toy tasks'
         return self
 
 

@@ -11,7 +11,8 @@ file in a run directory.
    ``separated``: a ``rollbook rollout`` worker process generates asynchronously under the staleness
    gate and receives weights over shared memory, while this process trains;
 4. evaluates greedy held-out reward every ``eval_every`` steps, writes ``metrics.jsonl`` and prints
-   SQL answers about the run.
+   SQL answers about the run;
+5. writes the run report (``rollbook report``, rollbook/report.py): report.md, PNG plots, summary.json.
 Kill it and run the same command again: the trainer resumes from its checkpoint. A run directory
 already past ``num_steps`` is refused in one line (and its config.json left as it is). The ``[store]``
 section reaches the store process as RUN_DIR/store.json (``rollbook serve --config``).
@@ -30,7 +31,7 @@ import sys
 from rollbook import env as rollbook_env
 from rollbook.config import RunConfig, write_resolved
 from rollbook.errors import CommandError
-from rollbook.run_support import MetricsLog, heldout_text, install_weights, step_line, steps_done
+from rollbook.run_support import MetricsLog, check_inputs, heldout_text, install_weights, step_line, steps_done
 
 log = logging.getLogger("rollbook.run")
 
@@ -102,6 +103,7 @@ def run(config: RunConfig) -> dict:
     if done == config.num_steps:
         print(f"{run_dir} has already finished its {done} steps: nothing to train (raise --num_steps to go on)",
               flush=True)
+    check_inputs(config)  # before the store starts: a missing file is one line, and no ledger is made
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
     write_resolved(config, run_dir)
     keys = _run_keys(run_dir)
@@ -116,6 +118,10 @@ def run(config: RunConfig) -> dict:
             summary = run_online(config, client, store.address, keys)
         elif config.placement == "colocated":
             summary = _colocated(config, client)
+        elif config.placement == "ray":
+            from rollbook.run_ray import run_ray
+
+            summary = run_ray(config, store.address, keys)
         else:
             from rollbook.run_separated import run_separated
 
@@ -124,6 +130,7 @@ def run(config: RunConfig) -> dict:
         client.close()
     finally:
         store.stop()
+    _report(run_dir)
     return summary
 
 
@@ -139,6 +146,17 @@ def _vocab_size(config: RunConfig) -> int:
     if config.rollout.dataset is not None and model.path is None and model.vocab_size is None:
         model.vocab_size = vocab
     return vocab
+
+
+def _report(run_dir: pathlib.Path) -> None:
+    """report.md, the plots and summary.json (rollbook/report.py); a failed report costs no training."""
+    try:
+        from rollbook.report import write_report
+
+        write_report([run_dir])
+    except Exception as exc:  # the run's evidence and checkpoints are already safe
+        print(f"report: not written ({type(exc).__name__}: {exc}); retry with `rollbook report {run_dir}`",
+              file=sys.stderr, flush=True)
 
 
 def _colocated(config: RunConfig, client) -> dict:

@@ -59,3 +59,45 @@ def steps_done(run_dir: pathlib.Path) -> int:
         return int(json.loads((root / name / "trainer.json").read_text())["step"])
     except (OSError, ValueError, KeyError):
         return 0
+
+
+def check_inputs(config) -> int:
+    """The local files a ``RunConfig`` names, checked before the store process starts (so a typo is one
+    line and no ledger is created): the student, teacher and reference model directories, the dataset
+    files and the tokenizer directory (loaded: it is small). Returns the vocabulary size to register
+    (``rollout/worker.py`` ``registered_vocab_size``; a tiny model of unset size trained on a dataset
+    takes its tokenizer's, which is then written into ``trainer.model.vocab_size`` so that the student
+    built later has those rows). Raises ``ConfigError``."""
+    from rollbook.errors import ConfigError
+    from rollbook.models import check_model_dir
+    from rollbook.rollout.worker import registered_vocab_size, tokenizer_for, use_model_tokenizer
+
+    trainer, rollout = config.trainer, config.rollout
+    if trainer.model.path:
+        check_model_dir(trainer.model.path, "model.path")
+    for teacher in trainer.teachers:
+        check_model_dir(teacher.path, "teacher")
+    if trainer.loss.kl_coef > 0 and trainer.reference != "initial":
+        check_model_dir(trainer.reference, "reference")
+    if rollout.dataset is None:
+        if trainer.tokenizer is not None:
+            raise ConfigError("trainer.tokenizer applies with [rollout.dataset] (the toy tasks use their character "
+                              "tokenizer): set rollout.tokenizer with a dataset, or remove it")
+        return registered_vocab_size(rollout, trainer.model)
+    for name in [*rollout.dataset.train_files, *rollout.dataset.heldout_files]:
+        if not pathlib.Path(name).is_file():
+            raise ConfigError(f"rollout.dataset: dataset file {name} does not exist")
+    if trainer.tokenizer and rollout.tokenizer and trainer.tokenizer != rollout.tokenizer:
+        raise ConfigError(f"trainer.tokenizer {trainer.tokenizer!r} and rollout.tokenizer {rollout.tokenizer!r} differ: "
+                          "set rollout.tokenizer only (the trainer exports the tokenizer the rollout encodes with)")
+    rollout.tokenizer = rollout.tokenizer or trainer.tokenizer
+    use_model_tokenizer(rollout, trainer.model)  # no tokenizer given: the model directory's
+    tokenizer = tokenizer_for(rollout)
+    trainer.tokenizer = rollout.tokenizer  # exported with the model (trainer/export.py export_tokenizer)
+    vocab = registered_vocab_size(rollout, trainer.model)
+    if trainer.model.path is None and trainer.model.vocab_size is None:
+        trainer.model.vocab_size = vocab
+    if tokenizer.vocab_size > vocab:
+        raise ConfigError(f"the tokenizer {rollout.tokenizer or '(characters)'} has {tokenizer.vocab_size} ids, the model "
+                          f"{vocab}: the model cannot read or emit all of its ids (model.vocab_size, model.path)")
+    return vocab

@@ -9,6 +9,16 @@ Domains (the ``domain`` tag travels with every trajectory):
 - ``arithmetic``: ``"12+34="`` -> ``"46"`` (two operands of up to ``num_digits`` digits).
 - ``reverse``: ``"rev:abcd="`` -> ``"dcba"``.
 
+Two domains that generalize, mirroring math and code (``rollbook run --config configs/demo.toml``):
+- ``addition`` (math): ``"74+51="`` -> ``"260"`` (47 + 15 = 62): zero-padded ``num_digits``-digit
+  operands and their sum all written least-significant digit first, the format small transformers
+  learn as a procedure (digit by digit with a carry) rather than as a table of facts;
+  held-out problems are operand pairs never trained on.
+- ``program`` (code): ``"f1=15,f100=30705 f="`` -> ``"3*x*x+07*x+05"``, a program in a tiny
+  expression language (integers, ``x``, ``+ - *``) that reproduces the examples; it is run by an
+  in-process interpreter (``run_program``) on the examples and on hidden points, so every equivalent
+  program (``"3*x*x+7*x+5"``, ``"x*x*3+5+7*x"``) is right. Held-out problems are coefficient combinations never trained on.
+
 A model answers with the answer's characters followed by ``<eos>`` (pass ``TOKENIZER.eos_token_id``
 as a stop token). Splits are disjoint by construction: a problem belongs to ``heldout`` or ``train``
 by a stable hash of its prompt, whatever the seed, so no seed or size can leak an evaluation problem
@@ -110,7 +120,99 @@ class ReverseDomain:
         return sum(a == b for a, b in zip(got, task.answer)) / width if width else 1.0
 
 
-DOMAINS: dict[str, TaskDomain] = {d.name: d for d in (ArithmeticDomain(), ReverseDomain())}
+@dataclass(frozen=True)
+class AdditionDomain:
+    """Math: ``a+b`` of two ``num_digits``-digit operands, answered with the ``num_digits + 1`` digits
+    of the sum; every number zero-padded and written least-significant digit first (``"74+51="`` is
+    47 + 15, answer ``"260"`` is 62). In the order the carry flows, digit i of the answer needs
+    digits i (and the carry from i - 1) of the operands, at a fixed distance back in the sequence,
+    so a small model learns the procedure and solves operand pairs it never saw."""
+
+    num_digits: int = 2
+    name: str = "addition"
+
+    def sample(self, rng: random.Random) -> tuple[str, str]:
+        a, b = (rng.randrange(10**self.num_digits) for _ in range(2))
+        width = self.num_digits
+        return f"{a:0{width}d}"[::-1] + "+" + f"{b:0{width}d}"[::-1] + "=", f"{a + b:0{width + 1}d}"[::-1]
+
+    def verify(self, task: Task, completion: str) -> float:
+        return float(completion.strip() == task.answer)
+
+
+class ProgramError(ValueError):
+    """A program that does not parse in the tiny expression language (or is too long)."""
+
+
+MAX_PROGRAM_CHARS = 40
+MAX_PROGRAM_NUMBER = 10**6
+
+
+def run_program(program: str, x: int) -> int:
+    """Evaluate ``program`` at ``x``: the grammar is ``expr := term (('+'|'-') term)*``,
+    ``term := factor ('*' factor)*``, ``factor := INTEGER | 'x'`` (no spaces, no parentheses; integers
+    below ``MAX_PROGRAM_NUMBER``). Raises ``ProgramError`` when it does not parse."""
+    if not program or len(program) > MAX_PROGRAM_CHARS:
+        raise ProgramError(f"program length {len(program)} outside 1..{MAX_PROGRAM_CHARS}")
+    total, sign, pos = 0, 1, 0
+    while True:
+        product = 1
+        while True:  # a term: factors joined by '*'
+            if pos < len(program) and program[pos] == "x":
+                factor, pos = x, pos + 1
+            else:
+                end = pos
+                while end < len(program) and program[end].isdigit():
+                    end += 1
+                if end == pos:
+                    raise ProgramError(f"expected a number or x at {pos} in {program!r}")
+                factor = int(program[pos:end])
+                if factor >= MAX_PROGRAM_NUMBER:
+                    raise ProgramError(f"number {program[pos:end]} too large in {program!r}")
+                pos = end
+            product *= factor
+            if pos < len(program) and program[pos] == "*":
+                pos += 1
+                continue
+            break
+        total += sign * product
+        if pos == len(program):
+            return total
+        if program[pos] not in "+-":
+            raise ProgramError(f"unexpected {program[pos]!r} at {pos} in {program!r}")
+        sign = 1 if program[pos] == "+" else -1
+        pos += 1
+
+
+@dataclass(frozen=True)
+class ProgramDomain:
+    """Code: write ``f`` as a program, given its values at 1 and 100, where ``f(x) = a*x*x + b*x + c``
+    with ``a`` in 1-9 and ``b``, ``c`` in 0-99 (90,000 programs; at x = 100 the coefficients stand
+    side by side in the digits, so a model that learned to read them writes programs it never saw).
+    A completion is run by ``run_program`` on the example points and on ``hidden_points``: 1.0 when
+    it gives the right value at all of them, 0.0 when it does not (or does not parse). The reference
+    answer writes ``b`` and ``c`` with two digits (``"3*x*x+07*x+05"``); any equivalent program is
+    accepted."""
+
+    hidden_points: tuple[int, ...] = (0, 2, 3, 5, 7, 11, 13)
+    name: str = "program"
+
+    def sample(self, rng: random.Random) -> tuple[str, str]:
+        a, b, c = rng.randrange(1, 10), rng.randrange(100), rng.randrange(100)
+        f = lambda x: a * x * x + b * x + c  # noqa: E731
+        return f"f1={f(1)},f100={f(100)} f=", f"{a}*x*x+{b:02d}*x+{c:02d}"
+
+    def verify(self, task: Task, completion: str) -> float:
+        points = (1, 100, *self.hidden_points)
+        try:
+            got = [run_program(completion.strip(), x) for x in points]
+        except ProgramError:
+            return 0.0
+        return float(got == [run_program(task.answer, x) for x in points])
+
+
+DOMAINS: dict[str, TaskDomain] = {d.name: d for d in (ArithmeticDomain(), ReverseDomain(), AdditionDomain(),
+                                                      ProgramDomain())}
 
 
 def build_domains(config) -> dict[str, TaskDomain]:

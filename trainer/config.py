@@ -19,8 +19,10 @@ class LossConfig(BaseModel):
     behavior_weight_cap: float | None = Field(5.0, gt=0, description="Cap on pi_prox/pi_behav; None = uncapped.")
     behavior_weight_action: Literal["mask", "clamp"] = Field("mask", description="Above the cap: drop the token (mask) or clamp the weight.")
     dual_clip: float | None = Field(None, gt=1, description="Dual-clip constant c for negative advantages; None = off.")
-    proximal: Literal["recompute", "loglinear"] = Field(
-        "recompute", description="Proximal log-probs: recomputed with the trainer's weights before the update, or AReaL's log-linear approximation.")
+    proximal: Literal["recompute", "loglinear", "behavior"] = Field(
+        "recompute", description="Proximal log-probs: recomputed with the trainer's weights before the update, or AReaL's "
+        "log-linear approximation; 'behavior' turns the decoupling off: the standard PPO ratio against the behavior "
+        "policy (the sampler's log-probs), AReaL's baseline in its staleness ablation.")
     rl_coef: float = Field(1.0, ge=0, description="Weight of the decoupled-PPO loss.")
     distill_coef: float = Field(0.0, ge=0, description="Weight of the MOPD loss (needs teachers).")
     adv_clip: float = Field(5.0, gt=0, description="MOPD: clip of the teacher advantage log pi_T - log pi_theta.")
@@ -53,6 +55,10 @@ class TrainerConfig(BaseModel):
     model_id: str = Field("tiny", description="Model id in the store's registry.")
     run_dir: str = Field("runs/default", description="Run directory: checkpoints/ and the resolved config go here.")
     model: ModelConfig = Field(default_factory=ModelConfig)
+    tokenizer: str | None = Field(None, description="Local Hugging Face tokenizer directory the run's rollout encodes "
+                                  "with: exported beside the model (RUN_DIR/hf/, `rollbook export`), and for a tiny model "
+                                  "of unset model.vocab_size its vocabulary. None: model.path's tokenizer files, else the "
+                                  "toy tasks' character tokenizer. `rollbook run` sets it from rollout.tokenizer.")
     loss: LossConfig = Field(default_factory=LossConfig)
     teachers: list[TeacherConfig] = Field(default_factory=list, description="Teachers for MOPD.")
     teacher_routing: Literal["domain", "mixture"] = Field("domain", description="How tokens are routed to teachers.")
@@ -84,6 +90,13 @@ class TrainerConfig(BaseModel):
     export_final: bool = Field(True, description="Write a Hugging Face export after the last step (num_steps).")
     export_keep_last: int = Field(2, ge=1, description="Hugging Face exports kept in RUN_DIR/hf/ (the newest N).")
     seed: int = Field(0, description="Trainer RNG seed.")
+    num_ranks: int = Field(1, ge=1, description="Data-parallel ranks (trainer/distributed.py): one lease per step split "
+                           "across them by whole groups, gradients summed, one checkpoint and one ack (rank 0). "
+                           "`rollbook train` starts ranks 1..N-1 itself; under torchrun the launcher's world size wins.")
+    dist_backend: Literal["auto", "gloo", "nccl"] = Field("auto", description="torch.distributed backend of the ranks "
+                                                          "(auto: gloo, as the trainer keeps its model on the CPU; nccl only for a model on CUDA).")
+    dist_timeout_s: float = Field(120.0, gt=0, description="How long a rank waits in a collective for the others; a dead "
+                                  "rank fails the step after at most this long.")
 
     @model_validator(mode="after")
     def _check(self) -> "TrainerConfig":

@@ -44,11 +44,12 @@ def export_due(config, step: int) -> bool:
 
 
 def export_model(run_dir: pathlib.Path, step: int, model: torch.nn.Module, model_config: ModelConfig, *,
-                 keep_last: int = 2) -> pathlib.Path:
-    """Write ``RUN_DIR/hf/step-NNNNNN/`` (model + tokenizer) and keep the newest ``keep_last``."""
+                 keep_last: int = 2, tokenizer_dir: str | os.PathLike | None = None) -> pathlib.Path:
+    """Write ``RUN_DIR/hf/step-NNNNNN/`` (model + tokenizer) and keep the newest ``keep_last``.
+    ``tokenizer_dir``: the run's tokenizer directory (``TrainerConfig.tokenizer``), see ``export_tokenizer``."""
     root = pathlib.Path(run_dir) / HF_DIR
     root.mkdir(parents=True, exist_ok=True)
-    final = write_hf_dir(model, model_config, root / f"step-{step:06d}")
+    final = write_hf_dir(model, model_config, root / f"step-{step:06d}", tokenizer_dir=tokenizer_dir)
     _prune(root, newest=final.name, keep_last=keep_last)
     log.info("exported step %d to %s", step, final)
     return final
@@ -57,18 +58,14 @@ def export_model(run_dir: pathlib.Path, step: int, model: torch.nn.Module, model
 def write_hf_dir(model: torch.nn.Module, model_config: ModelConfig, out: pathlib.Path, *,
                  tokenizer_dir: str | os.PathLike | None = None) -> pathlib.Path:
     """``model`` and the run's tokenizer to ``out`` (replaced if it exists), through a temporary
-    sibling renamed into place. ``tokenizer_dir``: copy the tokenizer from there instead."""
+    sibling renamed into place. ``tokenizer_dir``: the tokenizer directory the run used (``export_tokenizer``)."""
     quiet_transformers()
     out = pathlib.Path(out)
     tmp = out.with_name(f".tmp-{out.name}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     model.save_pretrained(tmp)  # type: ignore[operator]  # a transformers PreTrainedModel, typed as its nn.Module base
-    if tokenizer_dir is not None:
-        if not _copy_tokenizer_files(pathlib.Path(tokenizer_dir), tmp):
-            raise FileNotFoundError(f"no tokenizer files ({', '.join(TOKENIZER_FILES[:2])}, ...) in {tokenizer_dir}")
-    else:
-        export_tokenizer(model_config, tmp)
+    export_tokenizer(model_config, tmp, tokenizer_dir=tokenizer_dir)
     _fill_special_token_ids(tmp)
     for p in tmp.iterdir():
         if p.is_file():
@@ -80,13 +77,17 @@ def write_hf_dir(model: torch.nn.Module, model_config: ModelConfig, out: pathlib
     return out
 
 
-def export_tokenizer(model_config: ModelConfig, out: pathlib.Path) -> None:
-    """The tokenizer of a run with this student into ``out``: the tokenizer files of ``model.path``
-    when it has them, else the task tokenizer (``rollbook.tasks.TOKENIZER``).
-
-    Merge point: when the run's tokenizer is configured apart from the model (an HF tokenizer
-    directory, the character tokenizer of the toy tasks), resolve it here and hand it to
-    ``_save_tokenizer``; nothing else in the export depends on which tokenizer it is."""
+def export_tokenizer(model_config: ModelConfig, out: pathlib.Path, *, tokenizer_dir: str | os.PathLike | None = None) -> None:
+    """The tokenizer the run encoded with, into ``out``, as the rollout resolves it
+    (``rollout/worker.py`` ``tokenizer_for`` after ``use_model_tokenizer``): the files of
+    ``tokenizer_dir`` (``rollout.tokenizer`` through ``TrainerConfig.tokenizer``; a directory without
+    tokenizer files is a ``FileNotFoundError``), else those of ``model.path`` when it has them, else the
+    toy tasks' character tokenizer (``rollbook.tasks.TOKENIZER``, through its ``save_pretrained``).
+    Files are copied byte for byte, so the export's ``AutoTokenizer`` is the run's (chat template too)."""
+    if tokenizer_dir is not None:
+        if not _copy_tokenizer_files(pathlib.Path(tokenizer_dir), out):
+            raise FileNotFoundError(f"no tokenizer files ({', '.join(TOKENIZER_FILES[:2])}, ...) in {tokenizer_dir}")
+        return
     if model_config.path and _copy_tokenizer_files(pathlib.Path(model_config.path), out):
         return
     from rollbook.tasks import TOKENIZER
@@ -146,6 +147,8 @@ def export_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike, *,
     except Exception as exc:  # noqa: BLE001 - a checkpoint that does not load is the user's to fix
         raise CommandError(f"{path}: corrupt checkpoint: state.pt does not load ({' '.join(str(exc).split())[:200]})") from None
     model, model_config = _checkpoint_model(path)
+    if tokenizer_dir is None:  # the tokenizer the run used, as its resolved config names it
+        tokenizer_dir = _run_tokenizer(path)
     try:
         model.load_state_dict(state, strict=True)
     except RuntimeError as exc:
@@ -204,6 +207,21 @@ def _run_model_config(path: pathlib.Path) -> ModelConfig | None:
     except Exception:  # noqa: BLE001 - not a rollbook run config: fall back to the defaults
         log.warning("%s: no trainer model section; exporting with the task tokenizer", run_config)
         return None
+
+
+def _run_tokenizer(path: pathlib.Path) -> str | None:
+    """``trainer.tokenizer`` of the run's resolved config (``RUN_DIR/config.json``), if it names one
+    that still exists; else None (the model's own or the character tokenizer)."""
+    try:
+        data = json.loads((path.parent.parent / "config.json").read_text())
+        tokenizer = data.get("trainer", data).get("tokenizer")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if isinstance(tokenizer, str) and pathlib.Path(tokenizer).is_dir():
+        return tokenizer
+    if tokenizer:
+        log.warning("%s: the run's tokenizer %s is gone; exporting the model's", path, tokenizer)
+    return None
 
 
 def _copy_tokenizer_files(src: pathlib.Path, out: pathlib.Path) -> bool:

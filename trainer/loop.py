@@ -171,7 +171,8 @@ class Trainer:
                 self.client.ack_batch(lease, cfg.trainer_id)
             self._unacked = []
         if export_due(cfg, self.state.step):
-            export_model(self.run_dir, self.state.step, self.model, cfg.model, keep_last=cfg.export_keep_last)
+            export_model(self.run_dir, self.state.step, self.model, cfg.model, keep_last=cfg.export_keep_last,
+                         tokenizer_dir=cfg.tokenizer)
         self._publish()
         stats["step"] = self.state.step - 1
         log.info("step %d  reward %.3f  loss %.4f  clip %.3f  tokens/s %.0f", stats["step"], stats["reward/mean"],
@@ -246,6 +247,8 @@ class Trainer:
     @torch.no_grad()
     def _proximal(self, rows: _Rows) -> torch.Tensor:
         all_seqs = list(range(len(rows.outputs)))
+        if self.config.loss.proximal == "behavior":  # not decoupled: clip pi_theta / pi_behavior, weight 1
+            return rows.behavior.clone()
         if self.config.loss.proximal == "loglinear":
             current = torch.empty_like(rows.behavior)
             for _, idx, packed in self._micro_batches(rows, all_seqs):

@@ -21,17 +21,42 @@ PROGRESS_EVERY_S = 10.0
 
 
 def train(config: TrainerConfig) -> list[dict]:
+    """Train to ``num_steps``; with ``num_ranks > 1`` (or under torchrun) as rank 0 of a data-parallel
+    group whose other ranks this process starts (torchrun: the launcher started them)."""
+    import torch.distributed as dist
+
+    size_for_tokenizer(config)  # before any rank builds its student: every rank sizes it alike
+    if dist.is_torchelastic_launched():  # torchrun: env:// rendezvous, every rank runs this same command
+        from rollbook.trainer.distributed import init_group
+
+        rank, _ = init_group(backend=config.dist_backend, timeout_s=config.dist_timeout_s)
+        try:
+            return train_rank(config) if rank == 0 else follow(config)
+        finally:
+            dist.destroy_process_group()
+    if config.num_ranks == 1:
+        return train_rank(config)
+    return _spawned(config)
+
+
+def train_rank(config: TrainerConfig, *, publishers: list | None = None, on_step=None, build=None,
+               on_weight_port=None) -> list[dict]:
+    """The trainer (rank 0 of a joined process group, or the only one): store client, weight
+    publishers, the loop. ``publishers``, ``on_step``, ``build`` (returns (student, teacher)) and
+    ``on_weight_port`` (told the weight server's bound port) let a launcher (rollbook/run_ray.py) add its own."""
     import torch
+    import torch.distributed as dist
 
     from rollbook.errors import ConfigError
     from rollbook.models import build_student
     from rollbook.trainer.loop import Trainer
     from rollbook.trainer.model_builders import build_teachers
 
-    if config.loss.distill_coef > 0 and not config.teachers:
+    if config.loss.distill_coef > 0 and not config.teachers and build is None:
         raise ConfigError("loss.distill_coef > 0 needs at least one [[teachers]] entry (or set loss.distill_coef = 0)")
-    torch.set_num_threads(2)
-    publishers, weight_server = [], None
+    size_for_tokenizer(config)  # a tiny student of the tokenizer's vocabulary: before any model is built
+    torch.set_num_threads(2 if not dist.is_initialized() else 1)
+    publishers, weight_server = list(publishers or []), None
     if config.weight_server:
         from rollbook.tls import ServerTLS
         from rollbook.weights.network import NetworkPublisher, create_weight_server
@@ -43,10 +68,17 @@ def train(config: TrainerConfig) -> list[dict]:
         weight_server.start()
         publishers.append(publisher.publish)
         log.info("serving weights on %s:%d", host or "127.0.0.1", bound)
+        if on_weight_port is not None:
+            on_weight_port(bound)
+    cls: type[Trainer] = Trainer
+    if dist.is_initialized():
+        from rollbook.trainer.distributed import DistributedTrainer
+
+        cls = DistributedTrainer
+    student, teacher = build() if build is not None else (build_student(config.model), build_teachers(config))
     try:
         with StoreClient.from_env(config.server, trainer_key=config.trainer_key) as client:
-            trainer = Trainer(config, client, model=build_student(config.model), teacher=build_teachers(config),
-                              publishers=publishers)
+            trainer = cls(config, client, model=student, teacher=teacher, publishers=publishers, on_step=on_step)
             _start(trainer, client, config)
             history = _run(trainer, config)
     finally:
@@ -56,17 +88,116 @@ def train(config: TrainerConfig) -> list[dict]:
     return history
 
 
+def size_for_tokenizer(config: TrainerConfig) -> int | None:
+    """The vocabulary size of ``config.tokenizer`` (None without one), loaded from its local
+    directory; a tiny student of unset ``model.vocab_size`` is given that size (``model.vocab_size`` is
+    set), as ``rollbook run`` and ``rollbook rollout`` size it for the same tokenizer. Call it before
+    the student is built. A directory that is not a tokenizer is a one-line ``ConfigError``."""
+    if config.tokenizer is None:
+        return None
+    from rollbook.errors import ConfigError
+    from rollbook.tasks import TOKENIZER
+    from rollbook.tokenizers import load_tokenizer
+
+    try:
+        vocab = load_tokenizer(config.tokenizer, default=TOKENIZER).vocab_size
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"tokenizer: {exc}") from None
+    if config.model.path is None and config.model.vocab_size is None:
+        config.model.vocab_size = vocab
+    return vocab
+
+
+def registered_vocab(student, config: TrainerConfig, tokenizer_vocab: int | None = None) -> int:
+    """The vocabulary ``rollbook train`` registers: the student's embedding rows
+    (``rollbook.models.model_vocab_size``), the ids the store's token check admits. A tokenizer with
+    more ids than that (``tokenizer_vocab``) is a ``ConfigError``: the model could not read them."""
+    from rollbook.errors import ConfigError
+    from rollbook.models import model_vocab_size
+
+    vocab = model_vocab_size(student)
+    if tokenizer_vocab is not None and tokenizer_vocab > vocab:
+        raise ConfigError(f"the tokenizer {config.tokenizer} has {tokenizer_vocab} ids, the model {vocab}: the model "
+                          "cannot read or emit all of its ids (model.vocab_size, model.path)")
+    return vocab
+
+
+def follow(config: TrainerConfig, *, build=None) -> list[dict]:
+    """Ranks 1..N-1: no store client, no publisher; every step follows rank 0's pull."""
+    import torch
+
+    from rollbook.models import build_student
+    from rollbook.trainer.distributed import DistributedTrainer
+    from rollbook.trainer.model_builders import build_teachers
+
+    torch.set_num_threads(1)
+    student, teacher = build() if build is not None else (build_student(config.model), build_teachers(config))
+    trainer = DistributedTrainer(config, None, model=student, teacher=teacher)
+    trainer.start()
+    history = []
+    while trainer.state.step < config.num_steps:
+        stats = trainer.step()
+        if stats is not None:
+            history.append(stats)
+    return history
+
+
+def _spawned(config: TrainerConfig) -> list[dict]:
+    """``num_ranks`` ranks on this host: this process is rank 0, ranks 1..N-1 are spawned children
+    (a tcp:// rendezvous on a free loopback port); a child that fails fails rank 0's next collective."""
+    import multiprocessing
+    import socket
+
+    import torch.distributed as dist
+
+    from rollbook.trainer.distributed import init_group
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        init_method = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    ctx = multiprocessing.get_context("spawn")
+    children = [ctx.Process(target=_child, args=(config, rank, init_method, logging.getLogger().level), daemon=True,
+                            name=f"rollbook-trainer-rank{rank}") for rank in range(1, config.num_ranks)]
+    for child in children:
+        child.start()
+    try:
+        init_group(0, config.num_ranks, init_method, backend=config.dist_backend, timeout_s=config.dist_timeout_s)
+        history = train_rank(config)
+        for child in children:
+            child.join(timeout=60)
+        return history
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        for child in children:
+            if child.is_alive():
+                child.terminate()
+                child.join(timeout=10)
+
+
+def _child(config: TrainerConfig, rank: int, init_method: str, level: int) -> None:
+    import torch.distributed as dist
+
+    from rollbook.trainer.distributed import init_group
+
+    logging.basicConfig(level=level, format=f"%(asctime)s rank{rank} %(name)s %(levelname)s %(message)s")
+    init_group(rank, config.num_ranks, init_method, backend=config.dist_backend, timeout_s=config.dist_timeout_s)
+    try:
+        follow(config)
+    finally:
+        dist.destroy_process_group()
+
+
 def _start(trainer, client, config: TrainerConfig) -> None:
-    """``trainer.start()``, registering the model first when the admin key is at hand; a store that is
-    down or a model nobody registered is a one-line ``CommandError``."""
+    """``trainer.start()``, registering the model first when the admin key is at hand (its vocabulary:
+    ``registered_vocab``); a store that is down or a model nobody registered is a one-line ``CommandError``."""
     import grpc
 
     from rollbook.errors import CommandError, unreachable
 
+    vocab = registered_vocab(trainer.model, config, size_for_tokenizer(config))
     if client.admin_key:
-        from rollbook.models import student_vocab_size
-
-        client.register_model(config.model_id, vocab_size=student_vocab_size(config.model))
+        client.register_model(config.model_id, vocab_size=vocab)
     try:
         trainer.start()
     except grpc.RpcError as exc:

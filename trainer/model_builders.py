@@ -44,11 +44,32 @@ def build_models(config: RunConfig) -> tuple[PreTrainedModel, TeacherScorer | No
     if config.trainer.loss.distill_coef == 0:
         return student, None
     extra = []
+    if ws.teacher_steps and ws.specialist_teachers:
+        return student, specialist_teachers(config, fresh(m.seed + 1))
     if ws.teacher_steps:
         teacher = cached_warm_start(run_dir / "teacher", fresh(m.seed + 1), tasks, steps=ws.teacher_steps,
                                     batch_size=ws.batch_size, lr=ws.lr, seed=ws.seed + 1)
         extra.append(LocalTeacher(teacher))
     return student, build_teachers(config.trainer, extra)
+
+
+def specialist_teachers(config, build):
+    """One teacher per domain of ``config.rollout``, each warm-started ``teacher_steps`` on its own
+    domain's training problems only (cached in RUN_DIR/teacher-DOMAIN), behind a ``DomainRouter``;
+    ``[[trainer.teachers]]`` with a domain take that domain instead."""
+    from rollbook.trainer.teachers import DomainRouter, LocalTeacher
+
+    ws, run_dir = config.warm_start, pathlib.Path(config.run_dir)
+    if config.trainer.teacher_routing != "domain":
+        raise ValueError("warm_start.specialist_teachers needs trainer.teacher_routing = 'domain'")
+    routes = {t.domain: LocalTeacher(load_model(t.path, what="teacher")) for t in config.trainer.teachers if t.domain}
+    for name, domain in build_domains(config.rollout).items():
+        if name in routes:
+            continue
+        own = make_tasks(domain, "train", config.rollout.num_train_tasks, config.rollout.seed, allow_fewer=True)
+        routes[name] = LocalTeacher(cached_warm_start(run_dir / f"teacher-{name}", build, own, steps=ws.teacher_steps,
+                                                      batch_size=ws.batch_size, lr=ws.lr, seed=ws.seed + 1))
+    return DomainRouter(routes)
 
 
 def build_teachers(config: TrainerConfig, extra: Sequence[TeacherScorer] = ()) -> TeacherScorer | None:

@@ -3,8 +3,10 @@
 RL on language models always starts from a pretrained model; on CPU the stand-in is a few dozen
 cross-entropy steps on training problems (``prompt -> answer <eos>``), so that the policy's first
 samples earn some reward and the RL signal is not all zeros. A longer warm start makes a better
-model: that is the MOPD teacher. Models are cached as transformers directories in the run dir.
-A warm start prints one progress line every ``PROGRESS_EVERY`` steps (``rollbook run``'s console);
+model: that is the MOPD teacher (with ``warm_start.specialist_teachers``, one per domain, trained on
+that domain only: ``trainer/model_builders.py`` ``specialist_teachers``). Models are cached as transformers directories in the run dir.
+A warm start prints a progress line every ``PROGRESS_EVERY`` steps, or every tenth of a long one
+(``rollbook run``'s console);
 transformers' own progress bars ("Writing model shards", "Loading weights") are switched off.
 """
 
@@ -13,6 +15,7 @@ from __future__ import annotations
 import logging
 import pathlib
 import random
+import time
 
 import torch
 import torch.nn.functional as F
@@ -22,13 +25,14 @@ from rollbook.tasks import TOKENIZER, Task
 
 log = logging.getLogger("rollbook.trainer")
 
-PROGRESS_EVERY = 20  # warm-start steps between progress lines
+PROGRESS_EVERY = 20  # warm-start steps between progress lines (at least)
+PROGRESS_LINES = 10  # a long warm start (a teacher) prints about this many lines
 
 
 def supervised_steps(model: torch.nn.Module, tasks: list[Task], *, steps: int, batch_size: int, lr: float, seed: int,
-                     on_progress=None) -> list[float]:
+                     on_progress=None, progress_every: int = PROGRESS_EVERY) -> list[float]:
     """Cross-entropy on the answer tokens (prompt tokens are context only); returns the losses.
-    ``on_progress(step_done, loss)`` is called every ``PROGRESS_EVERY`` steps."""
+    ``on_progress(step_done, loss)`` is called every ``progress_every`` steps and after the last."""
     rng = random.Random(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     history = []
@@ -42,7 +46,7 @@ def supervised_steps(model: torch.nn.Module, tasks: list[Task], *, steps: int, b
         loss.backward()
         opt.step()
         history.append(loss.item())
-        if on_progress is not None and (len(history) % PROGRESS_EVERY == 0 or len(history) == steps):
+        if on_progress is not None and (len(history) % progress_every == 0 or len(history) == steps):
             on_progress(len(history), history[-1])
     return history
 
@@ -73,9 +77,12 @@ def cached_warm_start(path: pathlib.Path, build, tasks: list[Task], *, steps: in
     model = build()
     if steps:
         print(f"warm start {path.name}: {steps} supervised steps (cached in {path})", flush=True)
+        started = time.perf_counter()
         losses = supervised_steps(model, tasks, steps=steps, batch_size=batch_size, lr=lr, seed=seed,
+                                  progress_every=max(PROGRESS_EVERY, steps // PROGRESS_LINES),
                                   on_progress=lambda done, loss: print(f"warm start {path.name}: step {done}/{steps}  "
-                                                                       f"loss {loss:.3f}", flush=True))
+                                                                       f"loss {loss:.3f}  {time.perf_counter() - started:.0f} s",
+                                                                       flush=True))
         log.info("warm start %s: %d steps, loss %.3f -> %.3f", path.name, steps, losses[0], losses[-1])
     model.save_pretrained(path)
     return model

@@ -168,3 +168,16 @@ def test_field_help_lists_every_leaf_with_type_default_and_description():
     assert "--trainer.lr  float  (default: 0.001)" in text
     assert "--store.admin_key  str | None  (default: from the environment)" in text
     assert "AdamW learning rate." in text
+
+
+def test_ray_placement_takes_its_section_ranks_and_the_asynchronous_staleness_default():
+    config = load_config(RunConfig, QUICKSTART, ["--placement", "ray", "--trainer.num_ranks", "2", "--ray.num_workers", "3",
+                                                 "--ray.worker_resources", "[{node_a = 1}, {node_b = 1}]"])
+    assert config.max_staleness == 2 and config.trainer.num_ranks == 2
+    assert config.ray.num_workers == 3 and config.ray.worker_resources == [{"node_a": 1}, {"node_b": 1}]
+
+
+@pytest.mark.parametrize("placement", ["colocated", "separated"])
+def test_several_trainer_ranks_outside_the_ray_placement_are_refused_in_one_line(placement):
+    with pytest.raises(_error_type(), match="num_ranks = 2 needs placement 'ray'"):
+        load_config(RunConfig, None, ["--placement", placement, "--trainer.num_ranks", "2"])

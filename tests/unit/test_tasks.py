@@ -124,3 +124,47 @@ def test_tally_counts_errors_apart_from_rewards():
     for outcome in [RewardOutcome("ok", 1.0), RewardOutcome("ok", 0.0), RewardOutcome("error", None, "boom")]:
         tally.add(outcome)
     assert tally.metrics() == {"reward/num_ok": 2, "reward/num_error": 1, "reward/mean": 0.5}
+
+
+def test_addition_writes_every_number_least_significant_digit_first():
+    import random
+
+    from rollbook.tasks import AdditionDomain
+
+    domain = AdditionDomain(num_digits=2)
+    for _ in range(50):
+        prompt, answer = domain.sample(random.Random(_))
+        a, b = (int(x[::-1]) for x in prompt.rstrip("=").split("+"))
+        assert len(prompt) == 6 and len(answer) == 3 and int(answer[::-1]) == a + b
+    task = make_tasks(domain, "train", 1, seed=0)[0]
+    assert score(task, task.answer, {"addition": domain}).reward == 1.0
+    assert score(task, task.answer[::-1] + "9", {"addition": domain}).reward == 0.0
+
+
+def test_run_program_follows_the_grammar_and_refuses_the_rest():
+    from rollbook.tasks import ProgramError, run_program
+
+    assert run_program("3*x*x+07*x+05", 100) == 30705
+    assert run_program("x*x*3+5+7*x", 2) == 31
+    assert run_program("2-x-3", 10) == -11
+    assert run_program("12", 5) == 12
+    for bad in ("", "3*", "x+", "3**x", "(x)", "x x", "y", "+3", "9" * 7, "x" + "+x" * 30):
+        with pytest.raises(ProgramError):
+            run_program(bad, 1)
+
+
+def test_a_program_is_right_when_it_computes_the_function_whatever_its_spelling():
+    from rollbook.tasks import ProgramDomain
+
+    task = next(t for t in make_tasks(DOMAINS["program"], "train", 200, seed=0) if "+00*x" not in t.answer)
+    a, b, c = (int(part.split("*")[0]) for part in task.answer.split("+"))
+    right = [task.answer, f"{a}*x*x+{b}*x+{c}", f"{c}+x*{b}+x*x*{a}", f"{c}+x*{b}" + "+x*x" * a]
+    wrong = [f"{a}*x*x+{b}*x+{c + 1}", f"{a}*x*x+{b + 1}*x+{c - 1 if c else 0}",
+             # agrees at the two example points (1 and 100) only: the hidden points catch it
+             f"{a}*x*x+{b}*x+{c}+x*x*x-101*x*x+100*x", "", "x*", "abc"]
+    for program in right:
+        assert score(task, program).reward == 1.0, program
+    for program in wrong:
+        assert score(task, program).reward == 0.0, program
+    assert task.prompt.startswith("f1=") and ",f100=" in task.prompt and task.prompt.endswith(" f=")
+    assert isinstance(DOMAINS["program"], ProgramDomain)

@@ -69,3 +69,16 @@ def test_a_restarted_trainer_reacks_its_checkpoint_and_republishes_its_version(t
     state = trainer.start()
     assert (state.step, state.version) == (4, 4)
     assert store.calls == [("ack", "lease-4"), ("publish", 4)]
+
+
+def test_proximal_behavior_turns_the_decoupling_off(tmp_path):
+    """``loss.proximal = "behavior"``: the proximal policy is the sampler's (standard PPO, ratio against
+    pi_behavior, weight 1); by default it is recomputed with the trainer's weights."""
+    stats = {}
+    for mode in ("recompute", "behavior"):
+        trainer = _trainer(tmp_path / mode, FakeStore(), loss={"proximal": mode})
+        trainer.start()
+        stats[mode] = trainer.step()
+    # the fake sampler logged -1.0 per token; a fresh 32-token model gives about -log(32) = -3.5
+    assert stats["recompute"]["proximal/behavior_gap"] > 1.0
+    assert stats["behavior"]["proximal/behavior_gap"] == 0.0

@@ -1,0 +1,307 @@
+"""The ``ray`` placement of ``rollbook run``: the same store, rollout loop and trainer as the local
+placements, as Ray actors on any nodes of a cluster.
+
+    rollbook run --config configs/quickstart.toml --placement ray --ray.num_workers 2 --trainer.num_ranks 2
+    ray start --head --port 6379 --resources '{"trainer_node": 1}'        # a real cluster: the head ...
+    ray start --address HEAD:6379 --resources '{"rollout_node": 1}'       # ... and each other machine
+    rollbook run ... --placement ray --ray.address HEAD:6379 --ray.weight_host HEAD_PRIVATE_IP
+
+- the store: the run's own ``rollbook serve`` process beside this driver (``rollbook/run.py``), on
+  the node the driver runs on (run it on the machine with the disk the ledger should live on);
+- the trainer: ``trainer.num_ranks`` actors (``TrainerRank``), one data-parallel group
+  (trainer/distributed.py, gloo); rank 0 pulls, reports, checkpoints, acks,
+  publishes every version on the network weight channel (full copies and deltas,
+  rollbook/weights/network.py) and evaluates held-out reward into RUN_DIR/metrics.jsonl;
+- rollout workers: ``ray.num_workers`` actors (``RolloutActor``), each the loop of ``rollbook rollout``
+  (rollout/main.py ``run_worker``: weights from the network channel, staleness gate, spooling
+  submitter) with its own worker_id, seed and spool directory RUN_DIR/spool-I.
+
+Failures: a rollout actor that dies is restarted by Ray (``ray.max_restarts``) with the same
+arguments, so it reopens the same spool and, first thing, resends what was spooled and not yet
+answered (the store's idempotency makes a resend a DUPLICATE, never a second row). A trainer rank that dies fails
+the step on every rank (the next collective errors); the driver starts the group again
+(``ray.trainer_restarts``) and rank 0 resumes from the last checkpoint: the unacked lease expires and
+its rows return, so no batch is lost or trained twice. Ray is imported only here, lazily.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import pathlib
+import socket
+import time
+
+from rollbook.config import RunConfig
+
+log = logging.getLogger("rollbook.run")
+
+
+def _free_port(host: str = "") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class TrainerRank:
+    """One data-parallel rank (a Ray actor). Rank 0 also serves weights and evaluates."""
+
+    def __init__(self, config: RunConfig, rank: int, world_size: int):
+        self.config, self.rank, self.world_size = config, rank, world_size
+
+    def where(self) -> dict:
+        """This actor's node address and two free ports (rendezvous, weights)."""
+        import os
+
+        import ray
+
+        return {"ip": ray.util.get_node_ip_address(), "node_id": ray.get_runtime_context().get_node_id(),
+                "rendezvous_port": _free_port(), "pid": os.getpid()}
+
+    def run(self, init_method: str, weight_server: str) -> dict:
+        import torch.distributed as dist
+
+        from rollbook.trainer.distributed import init_group
+        from rollbook.trainer.main import follow, train_rank
+        from rollbook.trainer.model_builders import build_models
+
+        cfg = self.config
+        trainer_cfg = cfg.trainer.model_copy(update={"weight_server": weight_server if self.rank == 0 else None})
+        init_group(self.rank, self.world_size, init_method, backend=trainer_cfg.dist_backend,
+                   timeout_s=trainer_cfg.dist_timeout_s)
+        try:
+            if self.rank != 0:
+                follow(trainer_cfg, build=lambda: build_models(cfg))
+                return {}
+            judge = _Judge(cfg)
+            train_rank(trainer_cfg, build=lambda: build_models(cfg), publishers=[judge.install], on_step=judge.on_step)
+            return {"first": judge.first, "last": judge.metrics.last_eval()}
+        finally:
+            dist.destroy_process_group()
+
+
+class _Judge:
+    """Rank 0's held-out evaluation: an engine that takes every published version, evaluated before
+    the first step and every ``eval_every`` steps, rows into RUN_DIR/metrics.jsonl."""
+
+    def __init__(self, config: RunConfig):
+        from rollbook.rollout.engine import NativeEngine
+        from rollbook.rollout.worker import RolloutWorker
+        from rollbook.run_support import MetricsLog
+        from rollbook.trainer.model_builders import build_models
+
+        self.config = config
+        student, _ = build_models(config)
+        self.engine = NativeEngine(student, version=0, seed=config.rollout.seed)
+        self.worker = RolloutWorker(self.engine, config.rollout, model_id=config.trainer.model_id)
+        self.metrics = MetricsLog(pathlib.Path(config.run_dir) / "metrics.jsonl")
+        self.first: dict | None = None
+
+    def install(self, version: int, state_dict) -> None:
+        from rollbook.run_support import heldout_text, install_weights
+
+        install_weights(self.engine, version, state_dict)
+        if self.first is None:  # the resumed or initial version, before any step of this start
+            self.first = {"step": version, **self.worker.evaluate()}
+            self.metrics.write(self.first)
+            print(f"held-out reward before step {version}: {heldout_text(self.first)}", flush=True)
+
+    def on_step(self, stats: dict) -> None:
+        from rollbook.run_support import step_line
+
+        done = int(stats["step"]) + 1
+        if done % self.config.eval_every == 0 or done == self.config.num_steps:
+            stats.update(self.worker.evaluate())
+            print(step_line(stats, self.config.num_steps, extra=f"ranks {stats.get('dist/world_size', 1)}  "), flush=True)
+        self.metrics.write(stats)
+
+
+class RolloutActor:
+    """``rollbook rollout``'s loop in a thread of a Ray actor, until ``stop``. Restarted by Ray with
+    the same arguments, it reopens the same spool directory."""
+
+    def __init__(self, worker_config) -> None:
+        import threading
+
+        import torch  # noqa: F401  (the heavy imports before the constructor returns: see run_ray)
+
+        import rollbook.rollout.engine  # noqa: F401
+        from rollbook.rollout.main import run_worker
+
+        self._stop = threading.Event()
+        self._result: dict = {}
+        self._error: BaseException | None = None
+
+        def loop():
+            from rollbook.errors import CommandError
+
+            try:
+                _replay_spool(worker_config)
+                self._result = run_worker(worker_config, self._stop)
+            except CommandError as exc:  # no first weights: an error unless the run ended first
+                if not self._stop.is_set():
+                    self._error = exc
+                self._result = {"rounds": 0, "version": -1}
+            except BaseException as exc:  # reported by stop()
+                self._error = exc
+
+        self._thread = threading.Thread(target=loop, name="rollout", daemon=True)
+        self._thread.start()
+
+    def where(self) -> dict:
+        import os
+
+        import ray
+
+        return {"node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
+
+    def stop(self, timeout_s: float = 120.0) -> dict:
+        self._stop.set()
+        self._thread.join(timeout_s)
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+
+def _replay_spool(worker_config) -> None:
+    """Send what a previous life of this actor spooled and did not deliver, before waiting for
+    weights: ``run_worker`` opens its submitter only once the first weights arrive, and a restarted
+    actor may never get them before the run ends (found by test_ray_placement's kill test). A store
+    that is down leaves the batches spooled for ``run_worker``'s submitter."""
+    from rollbook.client import StoreClient
+    from rollbook.rollout.spool import Spool
+    from rollbook.rollout.submitter import Submitter
+
+    if not any(pathlib.Path(worker_config.spool_dir).glob("*.batch")):
+        return
+    with StoreClient.from_env(worker_config.server) as client, \
+            Submitter(client, Spool(worker_config.spool_dir, max_bytes=worker_config.spool_max_bytes)) as sub:
+        if not sub.flush(timeout=60):
+            log.warning("spool %s not replayed within 60 s (store unreachable?); the worker resends it",
+                        worker_config.spool_dir)
+
+
+def run_ray(config: RunConfig, address: str, keys: dict) -> dict:
+    """Start the actors, train to ``num_steps`` (starting the trainer group again after a rank
+    dies, up to ``ray.trainer_restarts`` times), stop the workers; returns the first and last
+    held-out evaluations."""
+    from rollbook.errors import CommandError
+
+    try:
+        import ray
+    except ImportError:
+        raise CommandError("placement 'ray' needs the ray package: pip install -c constraints.txt -e '.[bench]'") from None
+    from rollbook.rollout.main import WorkerConfig
+    from rollbook.trainer.model_builders import build_models
+
+    rc = config.ray
+    num_cpus = None
+    if rc.address is None:  # a local instance: room for every actor asked for, or they would wait forever
+        import os
+
+        needed = math.ceil(rc.num_workers * rc.worker_cpus + config.trainer.num_ranks * rc.trainer_cpus)
+        num_cpus = rc.num_cpus or max(os.cpu_count() or 1, needed)
+        if num_cpus < needed:
+            raise CommandError(f"ray.num_cpus {num_cpus} is fewer than the actors declare ({needed}: "
+                               f"{rc.num_workers} x ray.worker_cpus {rc.worker_cpus:g} + {config.trainer.num_ranks} x "
+                               f"ray.trainer_cpus {rc.trainer_cpus:g}); the actors would never be scheduled")
+    run_dir = pathlib.Path(config.run_dir).resolve()
+    config = config.model_copy(update={"run_dir": str(run_dir)})
+    config.trainer = config.trainer.model_copy(update={"run_dir": str(run_dir), "server": address,
+                                                       "trainer_key": keys.get("trainer_key")})
+    build_models(config)  # the warm start, once, cached in the run directory before the ranks read it
+    started_here = not ray.is_initialized()
+    if started_here:
+        ray.init(address=rc.address, num_cpus=num_cpus, include_dashboard=False, log_to_driver=True)
+    trainer_cls = ray.remote(TrainerRank)
+    rollout_cls = ray.remote(RolloutActor)
+    workers: list = []
+    ranks: list = []
+    try:
+        # the rollout actors first, polling the weight address rank 0 will serve, so that every one of
+        # them takes version 0 as it appears (rather than one actor feeding the first steps alone)
+        weight_port = _free_port(rc.weight_host)
+        weight_server = f"{rc.weight_host}:{weight_port}"
+        per_worker = math.ceil(config.trainer.num_samples / rc.num_workers)
+        for i in range(rc.num_workers):
+            rollout = config.rollout.model_copy(update={"worker_id": f"ray-worker-{i}", "seed": config.rollout.seed + i})
+            wcfg = WorkerConfig(server=address, weights=f"grpc:{weight_server}", model_id=config.trainer.model_id,
+                                model=config.trainer.model, rollout=rollout, batch_size=max(per_worker, rollout.group_size),
+                                spool_dir=str(run_dir / f"spool-{i}"), max_idle_s=0)
+            options: dict = {"num_cpus": rc.worker_cpus, "max_restarts": rc.max_restarts, "max_task_retries": -1,
+                             "name": f"rollbook-rollout-{i}-{run_dir.name}",
+                             "runtime_env": {"env_vars": {"ROLLBOOK_WORKER_KEY": keys["worker_key"]}}}
+            if rc.worker_resources:
+                options["resources"] = rc.worker_resources[i % len(rc.worker_resources)]
+            workers.append(rollout_cls.options(**options).remote(wcfg))
+        ray.get([w.where.remote() for w in workers])  # constructed: imports done, polling for weights
+        ranks, _ = _start_ranks(trainer_cls, config, weight_port, attempt=0)
+        attempts = 0
+        while True:
+            try:
+                summary = ray.get(ranks[0][1])
+                ray.get([ref for _, ref in ranks[1:]])
+                break
+            except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as exc:
+                cause = getattr(exc, "cause", None)
+                if isinstance(cause, CommandError):  # e.g. no batch for max_wait_s: for the user, not a restart
+                    raise CommandError(str(cause)) from None
+                _kill(ranks)
+                attempts += 1
+                if attempts > rc.trainer_restarts:
+                    raise CommandError(f"the trainer group failed {attempts} times (ray.trainer_restarts "
+                                       f"{rc.trainer_restarts}); last: {str(exc).splitlines()[0]}") from None
+                log.warning("a trainer rank failed (%s); starting the group again from the last checkpoint",
+                            str(exc).splitlines()[0])
+                ranks, _ = _start_ranks(trainer_cls, config, weight_port, attempt=attempts)
+        summary["workers"] = [_stop_worker(w) for w in workers]
+        summary["trainer_node_ids"] = [info["node_id"] for info in ray.get([a.where.remote() for a, _ in ranks])]
+        return summary
+    finally:
+        for w in workers:
+            ray.kill(w, no_restart=True)
+        _kill(ranks, pause_s=0)
+        if started_here:
+            ray.shutdown()
+
+
+def _stop_worker(worker) -> dict:
+    """Where the actor ran and its final statistics; an actor that failed for good (past
+    ``ray.max_restarts``) is reported, not raised: the training it fed is done and acked."""
+    import ray
+
+    try:
+        where = ray.get(worker.where.remote())
+        return {**ray.get(worker.stop.remote()), **where}
+    except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as exc:
+        log.warning("rollout actor failed: %s", str(exc).splitlines()[0])
+        return {"error": str(exc).splitlines()[0]}
+
+
+def _start_ranks(trainer_cls, config: RunConfig, weight_port: int, attempt: int):
+    """The trainer group's actors (named ``rollbook-trainer-RANK-RUNDIR-ATTEMPT``) and their ``run``
+    refs; rank 0's weight server on ``weight_port`` (kept across restarts so the rollout actors keep
+    fetching from the same address)."""
+    import ray
+
+    rc = config.ray
+    world = config.trainer.num_ranks
+    options: dict = {"num_cpus": rc.trainer_cpus, "num_gpus": rc.trainer_gpus, "max_restarts": 0}
+    if rc.trainer_resources:
+        options["resources"] = rc.trainer_resources
+    name = pathlib.Path(config.run_dir).name
+    actors = [trainer_cls.options(**options, name=f"rollbook-trainer-{rank}-{name}-{attempt}").remote(config, rank, world)
+              for rank in range(world)]
+    head = ray.get(actors[0].where.remote())
+    init_method = f"tcp://{head['ip']}:{head['rendezvous_port']}"
+    weight_server = f"{rc.weight_host}:{weight_port}"
+    refs = [a.run.remote(init_method, weight_server) for a in actors]
+    return list(zip(actors, refs, strict=True)), weight_server
+
+
+def _kill(ranks, pause_s: float = 1.0) -> None:
+    import ray
+
+    for actor, _ in ranks:
+        ray.kill(actor, no_restart=True)
+    time.sleep(pause_s)  # let the killed ranks release their ports

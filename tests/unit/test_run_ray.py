@@ -1,0 +1,20 @@
+"""rollbook/run_ray.py refuses, in one line and before starting anything, a local Ray instance too
+small for the actors the config declares (they would wait for CPUs forever)."""
+
+from __future__ import annotations
+
+import pytest
+
+from rollbook.config import RunConfig
+from rollbook.errors import CommandError
+
+
+def test_a_local_ray_instance_smaller_than_the_declared_actors_is_refused_in_one_line(tmp_path):
+    pytest.importorskip("ray")
+    from rollbook.run_ray import run_ray
+
+    config = RunConfig.model_validate({"run_dir": str(tmp_path), "placement": "ray", "trainer": {"num_ranks": 2},
+                                       "ray": {"num_cpus": 2, "num_workers": 2, "worker_cpus": 1, "trainer_cpus": 1}})
+    with pytest.raises(CommandError, match=r"ray.num_cpus 2 is fewer than the actors declare \(4: 2 x ray.worker_cpus 1"):
+        run_ray(config, "127.0.0.1:1", {"worker_key": "w", "trainer_key": "t"})
+    assert not (tmp_path / "base-student").exists()  # refused before the warm start

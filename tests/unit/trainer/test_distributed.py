@@ -1,0 +1,131 @@
+"""The data-parallel trainer (trainer/distributed.py) on real gloo process groups: two ranks, each
+with its share of one fixed batch, take the same step as one rank with the whole batch; a rank left
+without a group still joins every collective; shares are whole groups covering the batch once."""
+
+from __future__ import annotations
+
+import pathlib
+import socket
+
+import numpy as np
+import pyarrow as pa
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from rollbook.models import TinyModelSpec, build_tiny_model
+from rollbook.trainer.config import TrainerConfig
+from rollbook.trainer.distributed import shard_groups
+from rollbook.trainer.loop import Trainer, _Rows
+
+VOCAB = 32
+
+
+def batch(num_groups: int, group_size: int = 4, seed: int = 0) -> pa.Table:
+    rng = np.random.default_rng(seed)
+    n = num_groups * group_size
+    outputs = [rng.integers(3, VOCAB, rng.integers(2, 9)).tolist() for _ in range(n)]
+    return pa.table({
+        "group_id": [f"g{i // group_size}" for i in range(n)],
+        "prompt_token_ids": [rng.integers(3, VOCAB, rng.integers(2, 6)).tolist() for _ in range(n)],
+        "output_token_ids": outputs,
+        "output_logprobs": [(-rng.uniform(0.5, 4.0, len(o))).tolist() for o in outputs],
+        "output_versions": [[0] * len(o) for o in outputs],
+        "advantage": pa.array(rng.normal(size=n), pa.float32()),
+        "temperature": [1.0] * n, "domain": ["d"] * n,
+    })
+
+
+def _config(tmp: pathlib.Path, **kw) -> TrainerConfig:
+    return TrainerConfig(run_dir=str(tmp), model={"vocab_size": VOCAB}, **kw)
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return build_tiny_model(TinyModelSpec(vocab_size=VOCAB))
+
+
+def _rank(rank: int, world: int, init_method: str, out: str, num_groups: int, kw: dict) -> None:
+    import torch.distributed as dist
+
+    from rollbook.trainer.distributed import DistributedTrainer, init_group
+
+    torch.set_num_threads(1)
+    init_group(rank, world, init_method, backend="gloo", timeout_s=60)
+    try:
+        np.random.seed(0)
+        table = batch(num_groups)
+        trainer = DistributedTrainer(_config(pathlib.Path(out), **kw), object() if rank == 0 else None, model=_model())
+        trainer._table = table
+        stats = trainer.update(_Rows.from_table(table))
+        torch.save({"params": trainer.model.state_dict(), "grads": _grads(trainer.model), "stats": stats},
+                   f"{out}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def _two_ranks(tmp_path: pathlib.Path, num_groups: int, **kw) -> list[dict]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        init = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    mp.spawn(_rank, args=(2, init, str(tmp_path), num_groups, kw), nprocs=2, join=True)
+    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+
+
+def _one_rank(tmp_path: pathlib.Path, num_groups: int, **kw) -> dict:
+    torch.set_num_threads(1)
+    np.random.seed(0)
+    trainer = Trainer(_config(tmp_path, **kw), None, model=_model())
+    stats = trainer.update(_Rows.from_table(batch(num_groups)))
+    return {"params": trainer.model.state_dict(), "grads": _grads(trainer.model), "stats": stats}
+
+
+def _grads(model: torch.nn.Module) -> dict:
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _assert_same(a: dict, b: dict) -> None:
+    """Gradients (after the all-reduce and the clip) within float32 summation-order noise; parameters
+    within 1 % of one AdamW step (lr 1e-2): Adam's first step is about lr * sign(g), so a
+    near-zero gradient element may flip on summation-order noise alone. AdamW is blind to the
+    gradient's scale, so the gradients are the check of the loss normalization."""
+    for name, tensor in a["grads"].items():
+        torch.testing.assert_close(b["grads"][name], tensor, rtol=1e-4, atol=1e-7, msg=lambda m, n=name: f"grad {n}: {m}")
+    for name, tensor in a["params"].items():
+        torch.testing.assert_close(b["params"][name], tensor, rtol=0, atol=1e-4 * 2, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("grad_clip,loss", [(1e6, {}), (0.05, {}), (1e6, {"kl_coef": 0.5, "kl_estimator": "k1"})],
+                         ids=["unclipped", "clipped", "kl-penalty"])
+def test_two_ranks_with_half_the_groups_each_take_the_step_of_one_rank_with_all(tmp_path, grad_clip, loss):
+    one = _one_rank(tmp_path / "one", 6, grad_clip=grad_clip, lr=1e-2, loss=loss)
+    ranks = _two_ranks(tmp_path, 6, grad_clip=grad_clip, lr=1e-2, loss=loss)
+    before = _model().state_dict()
+    assert any(not torch.equal(before[k], v) for k, v in one["params"].items())  # the step moved the weights
+    _assert_same(one, ranks[0])
+    _assert_same(ranks[0], ranks[1])  # the replicas stay identical
+    assert ranks[0]["stats"]["grad/norm"] == pytest.approx(one["stats"]["grad/norm"], rel=1e-4)
+    assert ranks[0]["stats"]["dist/world_size"] == 2
+
+
+def test_a_rank_without_a_group_still_joins_and_the_step_is_the_single_rank_step(tmp_path):
+    one = _one_rank(tmp_path / "one", 1, lr=1e-2)
+    ranks = _two_ranks(tmp_path, 1, lr=1e-2)
+    _assert_same(one, ranks[0])
+    _assert_same(one, ranks[1])
+
+
+def test_shares_are_whole_groups_covering_the_batch_once_and_balanced():
+    table = batch(7)
+    shares = [shard_groups(table, r, 3) for r in range(3)]
+    rows = sorted(i for s in shares for i in s)
+    assert rows == list(range(table.num_rows))
+    groups = table.column("group_id").to_pylist()
+    owner = {}
+    for r, share in enumerate(shares):
+        for i in share:
+            assert owner.setdefault(groups[i], r) == r  # a group never spans two ranks
+    lengths = [len(o) for o in table.column("output_token_ids").to_pylist()]
+    loads = [sum(lengths[i] for i in s) for s in shares]
+    assert max(loads) - min(loads) <= max(sum(lengths[i] for i in range(g * 4, g * 4 + 4)) for g in range(7))
+    assert shard_groups(table, 1, 3) == shares[1]  # the same answer every time (every rank computes it)
