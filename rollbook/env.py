@@ -76,6 +76,19 @@ def validate_evidence() -> bool:
     return get("ROLLBOOK_BENCH_NOVALIDATE") != "1"
 
 
+# Ray reads its own settings from the environment. Its GCS writes a port file that the starting driver
+# waits 30 s for; on a loaded 2-core machine the GCS can take longer, and ray.init fails with "Timed
+# out waiting for file .../gcs_server_port_...". A local instance we start waits this long instead.
+RAY_STARTUP = {"RAY_gcs_server_port_wait_time_s": "120"}
+
+
+def prepare_local_ray() -> None:
+    """Ray's startup settings (``RAY_STARTUP``) for an instance this process starts; a value the user
+    set already wins."""
+    for name, value in RAY_STARTUP.items():
+        os.environ.setdefault(name, value)
+
+
 def with_keys(base: dict[str, str], keys: dict[str, str | None]) -> dict[str, str]:
     """A child process's environment: ``base`` without any role key, plus the given ones (so a child
     gets exactly the roles it is handed)."""

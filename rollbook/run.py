@@ -25,8 +25,10 @@ import logging
 import os
 import pathlib
 import secrets
+import signal
 import subprocess
 import sys
+import threading
 
 from rollbook import env as rollbook_env
 from rollbook.config import RunConfig, write_resolved
@@ -107,6 +109,7 @@ def run(config: RunConfig) -> dict:
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
     write_resolved(config, run_dir)
     keys = _run_keys(run_dir)
+    _exit_on_sigterm()
     store = StoreProcess(run_dir / "rollbook.duckdb", **keys, config_file=write_store_config(config, run_dir))
     print(f"store: {store.address}, ledger {run_dir / 'rollbook.duckdb'}", flush=True)
     try:
@@ -132,6 +135,15 @@ def run(config: RunConfig) -> dict:
         store.stop()
     _report(run_dir)
     return summary
+
+
+def _exit_on_sigterm() -> None:
+    """SIGTERM (``kill PID``, a scheduler's cancel) becomes ``SystemExit(143)``, as Ctrl-C becomes
+    KeyboardInterrupt: the ``finally`` blocks run and stop the store, the rollout process and the
+    proxy this run started. Python's default would end the process at once and leave them orphaned,
+    holding the ledger and its port."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
 
 def _vocab_size(config: RunConfig) -> int:

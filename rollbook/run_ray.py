@@ -32,6 +32,7 @@ import pathlib
 import socket
 import time
 
+from rollbook import env as rollbook_env
 from rollbook.config import RunConfig
 
 log = logging.getLogger("rollbook.run")
@@ -212,6 +213,7 @@ def run_ray(config: RunConfig, address: str, keys: dict) -> dict:
     build_models(config)  # the warm start, once, cached in the run directory before the ranks read it
     started_here = not ray.is_initialized()
     if started_here:
+        rollbook_env.prepare_local_ray()
         ray.init(address=rc.address, num_cpus=num_cpus, include_dashboard=False, log_to_driver=True)
     trainer_cls = ray.remote(TrainerRank)
     rollout_cls = ray.remote(RolloutActor)

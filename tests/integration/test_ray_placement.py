@@ -23,6 +23,9 @@ def cluster():
     ray = pytest.importorskip("ray")
     from ray.cluster_utils import Cluster
 
+    from rollbook.env import prepare_local_ray
+
+    prepare_local_ray()  # a loaded CI machine may need longer than Ray's 30 s for its GCS to start
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 3, "resources": {"node_a": 10}})
     c.add_node(num_cpus=2, resources={"node_b": 10})
     c.wait_for_nodes()

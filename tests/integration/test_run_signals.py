@@ -1,0 +1,72 @@
+"""``rollbook run`` stopped with SIGTERM (``kill PID``, a scheduler's cancel) takes its children with it:
+the ``rollbook serve`` it started does not live on as an orphan holding the ledger and its port.
+
+Run: ``python -m pytest tests/integration/test_run_signals.py -q``.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+
+
+def _children(pid: int) -> set[int]:
+    out: set[int] = set()
+    for task in pathlib.Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            out |= {int(c) for c in (task / "children").read_text().split()}
+        except OSError:
+            pass
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"  # a zombie has exited; its parent has not reaped it yet
+
+
+@pytest.mark.parametrize("placement", ["colocated", "separated"])
+def test_sigterm_stops_the_run_and_the_processes_it_started(tmp_path, placement):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLBOOK_")}
+    proc = subprocess.Popen([sys.executable, "-m", "rollbook.cli", "run", "--config", str(REPO / "configs" / "quickstart.toml"),
+                             "--run_dir", str(tmp_path / "run"), "--num_steps", "200", "--warm_start.student_steps", "0", "--placement", placement],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    children: set[int] = set()
+    try:
+        assert proc.stdout is not None
+        seen = []
+        for line in proc.stdout:  # the store is up once run prints its address
+            seen.append(line)
+            if line.startswith("store: ") and placement == "colocated":
+                break
+            if "rollout" in line and placement == "separated":  # the rollout process is up too
+                break
+        else:
+            raise AssertionError("run ended before starting its store:\n" + "".join(seen))
+        children = _children(proc.pid)
+        assert children, "run started no child process"
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and any(_alive(c) for c in children):
+            time.sleep(0.2)
+        assert not [c for c in children if _alive(c)], f"children outlived the run: {children}"
+        assert proc.returncode != 0  # stopped, not finished
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for c in children:  # an orphan left by a failing run must not outlive the test
+            if _alive(c):
+                os.kill(c, signal.SIGKILL)
