@@ -41,9 +41,27 @@ def run_one(out: pathlib.Path, name: str, seed: int, overrides: list[str], args,
     run_dir.mkdir(parents=True)
     for cached in cache.get(seed, []):  # the seed's student and teachers, made by its first run
         shutil.copytree(cached, run_dir / cached.name)
-    cmd = [sys.executable, "-m", "rollbook.cli", "run", "--config", args.config, "--run_dir", str(run_dir),
-           "--num_steps", str(args.num_steps), "--eval_every", str(args.eval_every),
-           "--warm_start.seed", str(seed), "--trainer.model.seed", str(seed), "--rollout.seed", str(seed), *overrides]
+    cmd = [
+        sys.executable,
+        "-m",
+        "rollbook.cli",
+        "run",
+        "--config",
+        args.config,
+        "--run_dir",
+        str(run_dir),
+        "--num_steps",
+        str(args.num_steps),
+        "--eval_every",
+        str(args.eval_every),
+        "--warm_start.seed",
+        str(seed),
+        "--trainer.model.seed",
+        str(seed),
+        "--rollout.seed",
+        str(seed),
+        *overrides,
+    ]
     started = time.time()
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     if done.returncode != 0:
@@ -64,8 +82,13 @@ def aggregate(rows: list[dict], label: str) -> dict:
     for key in sorted({k for r in rows for k in r if "/" in k}):
         ends = [r[key][1] for r in rows]
         gains = [r[key][1] - r[key][0] for r in rows]
-        out[key] = {"end_mean": round(statistics.mean(ends), 3), "end_min": min(ends), "end_max": max(ends),
-                    "gain_mean": round(statistics.mean(gains), 3), "gain_min": round(min(gains), 3)}
+        out[key] = {
+            "end_mean": round(statistics.mean(ends), 3),
+            "end_min": min(ends),
+            "end_max": max(ends),
+            "gain_mean": round(statistics.mean(gains), 3),
+            "gain_min": round(min(gains), 3),
+        }
     return out
 
 
@@ -77,9 +100,14 @@ def main() -> int:
     p.add_argument("--variants", default="mopd_rl,rl", help=f"comma-separated, of {sorted(VARIANTS)}")
     p.add_argument("--num_steps", type=int, default=30)
     p.add_argument("--eval_every", type=int, default=5)
-    p.add_argument("--staleness", type=int, nargs="*", default=None,
-                   help="run the staleness table instead: separated placement at these eta, MOPD + RL, decoupled "
-                   "(loss.proximal recompute) and not (loss.proximal behavior)")
+    p.add_argument(
+        "--staleness",
+        type=int,
+        nargs="*",
+        default=None,
+        help="run the staleness table instead: separated placement at these eta, MOPD + RL, decoupled "
+        "(loss.proximal recompute) and not (loss.proximal behavior)",
+    )
     p.add_argument("--json", action="store_true", help="JSON lines only")
     args = p.parse_args()
     out = pathlib.Path(args.out)
@@ -90,9 +118,14 @@ def main() -> int:
         for eta in args.staleness:
             for objective, proximal in (("decoupled", "recompute"), ("standard", "behavior")):
                 for seed in args.seeds:
-                    plan.append((f"eta{eta}-{objective}", f"eta{eta}-{objective}-s{seed}", seed,
-                                 ["--placement", "separated", "--max_staleness", str(eta),
-                                  "--trainer.loss.proximal", proximal]))
+                    plan.append(
+                        (
+                            f"eta{eta}-{objective}",
+                            f"eta{eta}-{objective}-s{seed}",
+                            seed,
+                            ["--placement", "separated", "--max_staleness", str(eta), "--trainer.loss.proximal", proximal],
+                        )
+                    )
     else:
         for variant in args.variants.split(","):
             for seed in args.seeds:
@@ -105,8 +138,12 @@ def main() -> int:
     for label, rows in results.items():
         print(json.dumps(aggregate(rows, label)), flush=True)
     runs = [str(out / name) for _, name, _, _ in plan]
-    subprocess.run([sys.executable, "-m", "rollbook.cli", "report", *runs, "--out", str(out / "compare")], cwd=ROOT,
-                   check=True, capture_output=args.json)
+    subprocess.run(
+        [sys.executable, "-m", "rollbook.cli", "report", *runs, "--out", str(out / "compare")],
+        cwd=ROOT,
+        check=True,
+        capture_output=args.json,
+    )
     return 0
 
 

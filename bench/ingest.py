@@ -90,8 +90,10 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("--num-trajectories must be >= --num-processes")
     counts = split(args.num_trajectories, args.num_processes)
     run = secrets.token_hex(4)
-    _progress(f"ingest bench {run}: {args.num_trajectories} x {args.num_tokens} tokens, "
-              f"{args.num_processes} processes, batches of {args.batch_size}, {os.cpu_count()} cpus")
+    _progress(
+        f"ingest bench {run}: {args.num_trajectories} x {args.num_tokens} tokens, "
+        f"{args.num_processes} processes, batches of {args.batch_size}, {os.cpu_count()} cpus"
+    )
     # one measurement of each system in turn, `repeats` rounds, so that a slow spell of the machine
     # hits every system alike (Ray runs its repeats last, inside one ray.init)
     measure: dict[str, Callable[[], float | None]] = {
@@ -123,12 +125,16 @@ def main(argv: list[str] | None = None) -> int:
 
 def summarize(tok_s: dict[str, float | None], args: argparse.Namespace) -> dict[str, Any]:
     """The flat JSON report: tokens/s per system, then the ratios (null where a side is missing)."""
+
     def ratio(a: float | None, b: float | None) -> float | None:
         return round(a / b, 3) if a and b else None
 
     rb, nv = tok_s["rollbook"], tok_s["rollbook_novalidate"]
-    secure = {"security_cost": round(1 - tok_s["rollbook_secure"] / rb, 3) if rb and tok_s["rollbook_secure"] else None} \
-        if "rollbook_secure" in tok_s else {}
+    secure = (
+        {"security_cost": round(1 - tok_s["rollbook_secure"] / rb, 3) if rb and tok_s["rollbook_secure"] else None}
+        if "rollbook_secure" in tok_s
+        else {}
+    )
     return {
         **{f"{name}_tok_s": round(v) if v is not None else None for name, v in tok_s.items()},
         **secure,
@@ -161,14 +167,25 @@ def make_trajectories(num: int, num_tokens: int, *, worker: int, run: str) -> li
     rewards = (rng.random(num) < 0.5).astype(float)
     return [
         pb.Trajectory(
-            trajectory_id=f"{run}-w{worker}-{i}", session_id=f"{run}-w{worker}-s{i}",
+            trajectory_id=f"{run}-w{worker}-{i}",
+            session_id=f"{run}-w{worker}-s{i}",
             group_id=f"{run}-w{worker}-g{i // GROUP_SIZE}",
             group_size=min(GROUP_SIZE, num - i // GROUP_SIZE * GROUP_SIZE),  # the last group may be short
-            request_id=f"{run}-w{worker}-r{i}", consumed=True, task_id=f"task-{i // GROUP_SIZE}",
-            domain="math", model_id=MODEL_ID, prompt_token_ids=prompts[i].tolist(),
-            output_token_ids=tokens[i].tolist(), output_logprobs=logprobs[i].tolist(),
-            output_versions=versions[i].tolist(), temperature=1.0, top_p=1.0, finish_reason="length",
-            reward=rewards[i], worker_id=f"worker-{worker}", created_at=time.time(),
+            request_id=f"{run}-w{worker}-r{i}",
+            consumed=True,
+            task_id=f"task-{i // GROUP_SIZE}",
+            domain="math",
+            model_id=MODEL_ID,
+            prompt_token_ids=prompts[i].tolist(),
+            output_token_ids=tokens[i].tolist(),
+            output_logprobs=logprobs[i].tolist(),
+            output_versions=versions[i].tolist(),
+            temperature=1.0,
+            top_p=1.0,
+            finish_reason="length",
+            reward=rewards[i],
+            worker_id=f"worker-{worker}",
+            created_at=time.time(),
         )
         for i in range(num)
     ]
@@ -176,8 +193,8 @@ def make_trajectories(num: int, num_tokens: int, *, worker: int, run: str) -> li
 
 # ---- rollbook ------------------------------------------------------------------------------------
 
-def run_rollbook(args: argparse.Namespace, counts: list[int], run: str, *, validate: bool,
-                 secure: bool = False) -> float | None:
+
+def run_rollbook(args: argparse.Namespace, counts: list[int], run: str, *, validate: bool, secure: bool = False) -> float | None:
     """Tokens/s through ``rollbook serve``; None when asked not to validate and the store validates anyway.
     ``secure``: all four role keys and TLS (the clients send the worker key and check the certificate)."""
     label = "rollbook_secure" if secure else "rollbook" if validate else "rollbook_novalidate"
@@ -186,31 +203,35 @@ def run_rollbook(args: argparse.Namespace, counts: list[int], run: str, *, valid
         server_cpu = _cpu_seconds(server.pid)
         try:
             access = (client.worker_key, client.tls.ca) if secure else None
-            seconds, client_cpu = run_clients(_rollbook_client, counts, (address, args.num_tokens, run, args.batch_size,
-                                                                         access))
+            seconds, client_cpu = run_clients(_rollbook_client, counts, (address, args.num_tokens, run, args.batch_size, access))
         finally:
             _stop_py_spy(profiler)
         server_cpu = _cpu_seconds(server.pid) - server_cpu
         tokens = sum(counts) * args.num_tokens
         stats = client.stats()
         if stats.accepted != sum(counts) or stats.accepted_tokens != tokens:
-            raise RuntimeError(f"{label}: store holds {stats.accepted} trajectories / {stats.accepted_tokens} tokens, "
-                               f"expected {sum(counts)} / {tokens}")
+            raise RuntimeError(
+                f"{label}: store holds {stats.accepted} trajectories / {stats.accepted_tokens} tokens, "
+                f"expected {sum(counts)} / {tokens}"
+            )
         _progress(f"{label}: counters checked")
         if validate and not secure:
             PULL_RESULTS["pull_tok_s"] = round(measure_pull(client, tokens))
         if _probe_validates(client, run) != validate:
             if validate:
                 raise RuntimeError("the store accepted a NaN log-prob in the validated run")
-            _progress(f"{label}: not measured, the store ignores ROLLBOOK_BENCH_NOVALIDATE (a NaN log-prob was "
-                      "still REJECTED); reporting null")
+            _progress(
+                f"{label}: not measured, the store ignores ROLLBOOK_BENCH_NOVALIDATE (a NaN log-prob was "
+                "still REJECTED); reporting null"
+            )
             return None
     return _report(label, tokens, seconds, f"CPU s: server {server_cpu:.2f}, clients {client_cpu:.2f}")
 
 
 @contextlib.contextmanager
-def running_store(work_dir: str | None, label: str, *, novalidate: bool,
-                  secure: bool = False) -> Iterator[tuple[subprocess.Popen, str, Any]]:
+def running_store(
+    work_dir: str | None, label: str, *, novalidate: bool, secure: bool = False
+) -> Iterator[tuple[subprocess.Popen, str, Any]]:
     """A ``rollbook serve`` on a fresh DuckDB file with the bench model registered and its versions
     published; yields the process, its address and a ``StoreClient`` holding every key. ``secure``:
     all four role keys and TLS with a throwaway CA (otherwise the admin and trainer keys only)."""
@@ -219,8 +240,13 @@ def running_store(work_dir: str | None, label: str, *, novalidate: bool,
 
     roles = ("worker", "trainer", "reader", "admin") if secure else ("trainer", "admin")
     keys = {f"{role}_key": secrets.token_hex(16) for role in roles}
-    env = {k: v for k, v in os.environ.items() if k != "ROLLBOOK_BENCH_NOVALIDATE" and not k.startswith("ROLLBOOK_TLS_")
-           and not (k.startswith("ROLLBOOK_") and k.endswith("_KEY"))}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k != "ROLLBOOK_BENCH_NOVALIDATE"
+        and not k.startswith("ROLLBOOK_TLS_")
+        and not (k.startswith("ROLLBOOK_") and k.endswith("_KEY"))
+    }
     env.update({f"ROLLBOOK_{name.upper()}": key for name, key in keys.items()})
     if novalidate:
         env["ROLLBOOK_BENCH_NOVALIDATE"] = "1"
@@ -250,7 +276,9 @@ def running_store(work_dir: str | None, label: str, *, novalidate: bool,
 def start_store(db: pathlib.Path, env: dict[str, str]) -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen(
         [sys.executable, "-m", "rollbook.cli", "serve", "--db", str(db), "--port", "0", "--log-level", "WARNING"],
-        stdout=subprocess.PIPE, text=True, env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
     )
     line = proc.stdout.readline().strip()
     if not line.startswith("listening on "):
@@ -259,8 +287,17 @@ def start_store(db: pathlib.Path, env: dict[str, str]) -> tuple[subprocess.Popen
     return proc, line.removeprefix("listening on ")
 
 
-def _rollbook_client(worker: int, num: int, address: str, num_tokens: int, run: str, batch_size: int,
-                     access: tuple[str, str] | None, barrier, results) -> None:
+def _rollbook_client(
+    worker: int,
+    num: int,
+    address: str,
+    num_tokens: int,
+    run: str,
+    batch_size: int,
+    access: tuple[str, str] | None,
+    barrier,
+    results,
+) -> None:
     import grpc
 
     from rollbook.client import StoreClient
@@ -275,8 +312,10 @@ def _rollbook_client(worker: int, num: int, address: str, num_tokens: int, run: 
         result = client.submit(msgs, batch_size=batch_size)
         t1, cpu = time.time(), time.process_time() - cpu
     if result.accepted != num or len(result.verdicts) != num:
-        raise RuntimeError(f"worker {worker}: {result.accepted}/{num} ACCEPTED, {result.duplicates} duplicates, "
-                           f"rejected by reason {result.rejected_by_reason()}")
+        raise RuntimeError(
+            f"worker {worker}: {result.accepted}/{num} ACCEPTED, {result.duplicates} duplicates, "
+            f"rejected by reason {result.rejected_by_reason()}"
+        )
     results.put((t0, t1, cpu))
 
 
@@ -285,8 +324,14 @@ def measure_pull(client, tokens: int) -> float:
     validated, normalized, leased tokens per second."""
     t0, pulled, step = time.perf_counter(), 0, 0
     while True:
-        batch = client.pull_batch(trainer_id="bench", trainer_version=VERSIONS[-1], max_staleness=len(VERSIONS),
-                                  num_samples=512, step=step, model_id=MODEL_ID)
+        batch = client.pull_batch(
+            trainer_id="bench",
+            trainer_version=VERSIONS[-1],
+            max_staleness=len(VERSIONS),
+            num_samples=512,
+            step=step,
+            model_id=MODEL_ID,
+        )
         if batch.num_rows == 0:
             break
         pulled += int(pa_list_lengths(batch.table.column("output_token_ids")))
@@ -310,8 +355,10 @@ def measure_duckdb_scan(db: pathlib.Path) -> float:
 
     con = duckdb.connect(str(db), read_only=True)
     t0 = time.perf_counter()
-    table = con.sql("SELECT trajectory_id, group_id, domain, prompt_token_ids, output_token_ids, output_logprobs, "
-                    "output_versions, original_reward, reward FROM trajectories").to_arrow_table()
+    table = con.sql(
+        "SELECT trajectory_id, group_id, domain, prompt_token_ids, output_token_ids, output_logprobs, "
+        "output_versions, original_reward, reward FROM trajectories"
+    ).to_arrow_table()
     seconds = time.perf_counter() - t0
     con.close()
     return _report("duckdb_scan", int(pa_list_lengths(table.column("output_token_ids"))), seconds)
@@ -327,14 +374,14 @@ def _probe_validates(client, run: str) -> bool:
 
 # ---- baselines -----------------------------------------------------------------------------------
 
+
 def run_arrow_ipc(args: argparse.Namespace, counts: list[int], run: str) -> float:
     with tempfile.TemporaryDirectory(prefix="arrow-ipc-", dir=args.work_dir) as tmp:
         seconds, cpu = run_clients(_arrow_client, counts, (tmp, args.num_tokens, run, args.batch_size))
     return _report("arrow_ipc_fsync", sum(counts) * args.num_tokens, seconds, f"CPU s: writers {cpu:.2f}")
 
 
-def _arrow_client(worker: int, num: int, directory: str, num_tokens: int, run: str, batch_size: int,
-                  barrier, results) -> None:
+def _arrow_client(worker: int, num: int, directory: str, num_tokens: int, run: str, batch_size: int, barrier, results) -> None:
     import pyarrow as pa
 
     from rollbook.store.schema import TRAJECTORY_SCHEMA
@@ -343,8 +390,10 @@ def _arrow_client(worker: int, num: int, directory: str, num_tokens: int, run: s
 
     msgs = make_trajectories(num, num_tokens, worker=worker, run=run)
     now = time.time()
-    batches = [trajectories_table(decode_messages(msgs[i:i + batch_size]), now).combine_chunks().to_batches()[0]
-               for i in range(0, num, batch_size)]
+    batches = [
+        trajectories_table(decode_messages(msgs[i : i + batch_size]), now).combine_chunks().to_batches()[0]
+        for i in range(0, num, batch_size)
+    ]
     with open(pathlib.Path(directory) / f"worker-{worker}.arrow", "wb") as f:
         writer = pa.ipc.new_stream(f, TRAJECTORY_SCHEMA)
         barrier.wait(BARRIER_TIMEOUT_S)
@@ -366,8 +415,9 @@ def run_ray_queue(args: argparse.Namespace, counts: list[int], run: str) -> list
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR)
     try:
         q = Queue(maxsize=4 * len(counts), actor_options={"num_cpus": 0})
-        producers = [ray.remote(num_cpus=0)(_RayProducer).remote(w, n, args.num_tokens, run, args.batch_size)
-                     for w, n in enumerate(counts)]
+        producers = [
+            ray.remote(num_cpus=0)(_RayProducer).remote(w, n, args.num_tokens, run, args.batch_size) for w, n in enumerate(counts)
+        ]
         consumer = ray.remote(num_cpus=0)(_RayConsumer).remote()
         ray.get([p.ready.remote() for p in producers] + [consumer.ready.remote()])
         q.size()  # the queue actor is up
@@ -391,7 +441,7 @@ class _RayProducer:
 
     def __init__(self, worker: int, num: int, num_tokens: int, run: str, batch_size: int):
         records = [_as_record(m) for m in make_trajectories(num, num_tokens, worker=worker, run=run)]
-        self.batches = [records[i:i + batch_size] for i in range(0, num, batch_size)]
+        self.batches = [records[i : i + batch_size] for i in range(0, num, batch_size)]
 
     def ready(self) -> bool:
         return True
@@ -413,21 +463,29 @@ class _RayConsumer:
 
 
 def _as_record(msg: pb.Trajectory) -> dict[str, Any]:
-    dtypes = {"prompt_token_ids": np.int32, "output_token_ids": np.int32, "output_logprobs": np.float32,
-              "output_versions": np.int64}
-    return {f.name: np.asarray(getattr(msg, f.name), dtype=dtypes[f.name]) if f.name in dtypes else getattr(msg, f.name)
-            for f in msg.DESCRIPTOR.fields}
+    dtypes = {
+        "prompt_token_ids": np.int32,
+        "output_token_ids": np.int32,
+        "output_logprobs": np.float32,
+        "output_versions": np.int64,
+    }
+    return {
+        f.name: np.asarray(getattr(msg, f.name), dtype=dtypes[f.name]) if f.name in dtypes else getattr(msg, f.name)
+        for f in msg.DESCRIPTOR.fields
+    }
 
 
 # ---- processes, profiling, output ----------------------------------------------------------------
+
 
 def run_clients(target: Callable, counts: list[int], extra: tuple) -> tuple[float, float]:
     """Start one spawned process per count, release them together once all are ready, and return the
     seconds from the first start to the last finish and the CPU seconds the clients used meanwhile."""
     ctx = mp.get_context("spawn")
     barrier, results = ctx.Barrier(len(counts) + 1), ctx.Queue()
-    procs = [ctx.Process(target=_client_main, args=(target, w, n, *extra, barrier, results), daemon=True)
-             for w, n in enumerate(counts)]
+    procs = [
+        ctx.Process(target=_client_main, args=(target, w, n, *extra, barrier, results), daemon=True) for w, n in enumerate(counts)
+    ]
     for p in procs:
         p.start()
     try:
@@ -466,9 +524,24 @@ def _py_spy(pid: int, directory: str, label: str) -> subprocess.Popen:
     out = pathlib.Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     py_spy = pathlib.Path(sys.executable).with_name("py-spy")
-    return subprocess.Popen([str(py_spy), "record", "--pid", str(pid), "--rate", "1000", "--threads", "--gil",
-                             "--format", "raw", "--output", str(out / f"server-{label}.txt")],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return subprocess.Popen(
+        [
+            str(py_spy),
+            "record",
+            "--pid",
+            str(pid),
+            "--rate",
+            "1000",
+            "--threads",
+            "--gil",
+            "--format",
+            "raw",
+            "--output",
+            str(out / f"server-{label}.txt"),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
 
 
 def _stop_py_spy(proc: subprocess.Popen | None) -> None:
@@ -502,17 +575,38 @@ def _progress(message: str) -> None:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--json", action="store_true", help="print exactly one JSON line on stdout")
-    p.add_argument("--secure", action="store_true", help="also measure rollbook with all four role keys and TLS "
-                   "(rollbook_secure_tok_s, security_cost), in the same rounds")
-    p.add_argument("--num-trajectories", type=int, default=6000, help="trajectories per system, split over the processes (default: %(default)s)")
+    p.add_argument(
+        "--secure",
+        action="store_true",
+        help="also measure rollbook with all four role keys and TLS (rollbook_secure_tok_s, security_cost), in the same rounds",
+    )
+    p.add_argument(
+        "--num-trajectories",
+        type=int,
+        default=6000,
+        help="trajectories per system, split over the processes (default: %(default)s)",
+    )
     p.add_argument("--num-processes", type=int, default=2, help="client / producer processes (default: %(default)s)")
-    p.add_argument("--batch-size", type=int, default=64, help="trajectories per submitted batch, fsync or put (default: %(default)s)")
+    p.add_argument(
+        "--batch-size", type=int, default=64, help="trajectories per submitted batch, fsync or put (default: %(default)s)"
+    )
     p.add_argument("--num-tokens", type=int, default=1000, help="output tokens per trajectory (default: %(default)s)")
-    p.add_argument("--repeats", type=int, default=5, help="measurements per system; the median is reported (default: %(default)s)")
+    p.add_argument(
+        "--repeats", type=int, default=5, help="measurements per system; the median is reported (default: %(default)s)"
+    )
     p.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated subset of %(default)s")
-    p.add_argument("--work-dir", default=None, help="where the temporary run dirs go (default: the system temp dir); fsync cost depends on its disk")
-    p.add_argument("--profile", default=None, metavar="DIR", help="py-spy the server during each rollbook run (the last repeat) into DIR/server-*.txt: "
-                   "collapsed stacks of the thread holding the GIL, i.e. where a GIL-bound server spends its time")
+    p.add_argument(
+        "--work-dir",
+        default=None,
+        help="where the temporary run dirs go (default: the system temp dir); fsync cost depends on its disk",
+    )
+    p.add_argument(
+        "--profile",
+        default=None,
+        metavar="DIR",
+        help="py-spy the server during each rollbook run (the last repeat) into DIR/server-*.txt: "
+        "collapsed stacks of the thread holding the GIL, i.e. where a GIL-bound server spends its time",
+    )
     return p
 
 

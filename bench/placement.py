@@ -29,23 +29,52 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 def run_one(placement: str, work: pathlib.Path, args: argparse.Namespace) -> dict:
     run_dir = work / placement
-    cmd = [sys.executable, "-m", "rollbook.cli", "run", "--config", str(ROOT / "configs" / "quickstart.toml"),
-           "--run_dir", str(run_dir), "--placement", placement, "--num_steps", str(args.steps),
-           "--eval_every", str(args.steps), "--trainer.num_samples", str(args.samples),
-           "--warm_start.student_steps", str(args.warm_steps), *args.extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "rollbook.cli",
+        "run",
+        "--config",
+        str(ROOT / "configs" / "quickstart.toml"),
+        "--run_dir",
+        str(run_dir),
+        "--placement",
+        placement,
+        "--num_steps",
+        str(args.steps),
+        "--eval_every",
+        str(args.steps),
+        "--trainer.num_samples",
+        str(args.samples),
+        "--warm_start.student_steps",
+        str(args.warm_steps),
+        *args.extra,
+    ]
     if placement != "colocated":
         cmd += ["--max_staleness", str(args.max_staleness)]
     if placement == "ray":
-        cmd += ["--ray.num_workers", str(args.ray_workers), "--trainer.num_ranks", str(args.ranks),
-                "--ray.num_cpus", str(args.cpus), "--ray.worker_cpus", "0.5", "--ray.trainer_cpus", "0.5"]
+        cmd += [
+            "--ray.num_workers",
+            str(args.ray_workers),
+            "--trainer.num_ranks",
+            str(args.ranks),
+            "--ray.num_cpus",
+            str(args.cpus),
+            "--ray.worker_cpus",
+            "0.5",
+            "--ray.trainer_cpus",
+            "0.5",
+        ]
     started = time.monotonic()
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout)
     wall = time.monotonic() - started
     if done.returncode != 0:
         raise SystemExit(f"{placement} failed ({done.returncode}): {done.stderr[-2000:]}")
     con = duckdb.connect(str(run_dir / "rollbook.duckdb"), read_only=True)
-    (tokens,) = con.execute("SELECT coalesce(sum(t.num_output_tokens), 0) FROM leases l JOIN trajectories t "
-                            "USING (trajectory_id) WHERE l.acked_at IS NOT NULL").fetchone()
+    (tokens,) = con.execute(
+        "SELECT coalesce(sum(t.num_output_tokens), 0) FROM leases l JOIN trajectories t "
+        "USING (trajectory_id) WHERE l.acked_at IS NOT NULL"
+    ).fetchone()
     (span,) = con.execute("SELECT max(finished_at) - min(started_at) FROM train_steps").fetchone()
     rejected = dict(con.execute("SELECT reason, count(*) FROM rejections GROUP BY reason").fetchall())
     workers = dict(con.execute("SELECT worker_id, count(*) FROM trajectories GROUP BY worker_id").fetchall())
@@ -53,20 +82,38 @@ def run_one(placement: str, work: pathlib.Path, args: argparse.Namespace) -> dic
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     evals = [m for m in metrics if "eval/reward" in m]
     return {
-        "placement": placement, "steps": args.steps, "wall_s": round(wall, 1),
-        "trained_tokens": int(tokens), "trained_tok_s": round(tokens / span, 1) if span else None,
+        "placement": placement,
+        "steps": args.steps,
+        "wall_s": round(wall, 1),
+        "trained_tokens": int(tokens),
+        "trained_tok_s": round(tokens / span, 1) if span else None,
         "peak_rss_mib_largest_process": round(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024, 1),
-        "stale": rejected.get("STALE", 0), "rejected": sum(rejected.values()), "rejected_by_reason": rejected,
-        "workers": len(workers), "heldout_first": evals[0]["eval/reward"] if evals else None,
+        "stale": rejected.get("STALE", 0),
+        "rejected": sum(rejected.values()),
+        "rejected_by_reason": rejected,
+        "workers": len(workers),
+        "heldout_first": evals[0]["eval/reward"] if evals else None,
         "heldout_final": evals[-1]["eval/reward"] if evals else None,
         "heldout_sampled_final": evals[-1].get("eval/sampled_reward") if evals else None,
-        "weight_sync_s_per_step": None, "restart_recovery_s": None,
+        "weight_sync_s_per_step": None,
+        "restart_recovery_s": None,
     }
 
 
 def markdown(rows: list[dict]) -> str:
-    cols = ["placement", "steps", "wall_s", "trained_tok_s", "peak_rss_mib_largest_process", "stale", "rejected",
-            "workers", "heldout_first", "heldout_final", "heldout_sampled_final"]
+    cols = [
+        "placement",
+        "steps",
+        "wall_s",
+        "trained_tok_s",
+        "peak_rss_mib_largest_process",
+        "stale",
+        "rejected",
+        "workers",
+        "heldout_first",
+        "heldout_final",
+        "heldout_sampled_final",
+    ]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(str(r[c]) for c in cols) + " |" for r in rows]
     return "\n".join(lines)

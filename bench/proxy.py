@@ -44,8 +44,9 @@ def _progress(message: str) -> None:
 
 def _start(args: list[str], env: dict, log: pathlib.Path, prefix: str = "listening on ") -> tuple[subprocess.Popen, str]:
     with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "rollbook.cli", *args], stdout=subprocess.PIPE, stderr=out, text=True,
-                                env=env)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "rollbook.cli", *args], stdout=subprocess.PIPE, stderr=out, text=True, env=env
+        )
     line = proc.stdout.readline() if proc.stdout else ""
     if not line.startswith(prefix):
         proc.kill()
@@ -85,8 +86,12 @@ def _run_clients(num_clients: int, calls: int, make: Callable[[int], Callable[[]
     elapsed = time.perf_counter() - t0
     if errors:
         raise errors[0]
-    return {"rps": len(latencies) / elapsed, "latency_mean": statistics.fmean(latencies), "latency_p50": statistics.median(latencies),
-            "tokens_per_call": statistics.fmean(tokens)}
+    return {
+        "rps": len(latencies) / elapsed,
+        "latency_mean": statistics.fmean(latencies),
+        "latency_p50": statistics.median(latencies),
+        "tokens_per_call": statistics.fmean(tokens),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -120,15 +125,31 @@ def main(argv: list[str] | None = None) -> int:
     env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLBOOK_")}
     with tempfile.TemporaryDirectory(dir=args.work_dir, prefix="proxy-bench-") as tmp:
         work = pathlib.Path(tmp)
-        store, address = _start(["serve", "--db", str(work / "rollbook.duckdb"), "--port", "0", "--log-level", "WARNING"], env,
-                                work / "serve.log")
+        store, address = _start(
+            ["serve", "--db", str(work / "rollbook.duckdb"), "--port", "0", "--log-level", "WARNING"], env, work / "serve.log"
+        )
         proxy = None
         try:
             with StoreClient(address) as client:
                 client.register_model(MODEL, vocab_size=render.vocab_size)
                 client.publish_version(MODEL, 0)
-            proxy, url = _start(["proxy", "--port", "0", "--server", address, "--model_id", MODEL, "--log-level", "WARNING",
-                                 "--max_tokens_limit", str(max(256, args.max_tokens))], env, work / "proxy.log")
+            proxy, url = _start(
+                [
+                    "proxy",
+                    "--port",
+                    "0",
+                    "--server",
+                    address,
+                    "--model_id",
+                    MODEL,
+                    "--log-level",
+                    "WARNING",
+                    "--max_tokens_limit",
+                    str(max(256, args.max_tokens)),
+                ],
+                env,
+                work / "proxy.log",
+            )
 
             from examples.arithmetic_agent import control
 
@@ -143,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
                 def call() -> int:
                     done = oai.chat.completions.create(model=MODEL, messages=PROMPT, max_tokens=args.max_tokens)
                     return done.usage.completion_tokens if done.usage else 0
+
                 return call
 
             _progress(f"proxy at {url}: the same load through the openai client")
@@ -168,14 +190,21 @@ def main(argv: list[str] | None = None) -> int:
             store.wait(60)
 
     report = {
-        "direct_rps": round(direct["rps"], 2), "proxy_rps": round(proxied["rps"], 2),
+        "direct_rps": round(direct["rps"], 2),
+        "proxy_rps": round(proxied["rps"], 2),
         "proxy_over_direct_rps": round(proxied["rps"] / direct["rps"], 3),
-        "direct_latency_ms_mean": round(1000 * direct["latency_mean"], 2), "proxy_latency_ms_mean": round(1000 * proxied["latency_mean"], 2),
+        "direct_latency_ms_mean": round(1000 * direct["latency_mean"], 2),
+        "proxy_latency_ms_mean": round(1000 * proxied["latency_mean"], 2),
         "added_latency_ms_mean": round(1000 * (proxied["latency_mean"] - direct["latency_mean"]), 2),
         "added_latency_ms_p50": round(1000 * (proxied["latency_p50"] - direct["latency_p50"]), 2),
-        "direct_tokens_per_call": round(direct["tokens_per_call"], 2), "proxy_tokens_per_call": round(proxied["tokens_per_call"], 2),
-        "clients": args.clients, "calls_per_client": args.calls, "max_tokens": args.max_tokens, "stored_trajectories": stored,
-        "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+        "direct_tokens_per_call": round(direct["tokens_per_call"], 2),
+        "proxy_tokens_per_call": round(proxied["tokens_per_call"], 2),
+        "clients": args.clients,
+        "calls_per_client": args.calls,
+        "max_tokens": args.max_tokens,
+        "stored_trajectories": stored,
+        "cpus": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
     }
     print(json.dumps(report) if args.json else json.dumps(report, indent=2), flush=True)
     return 0

@@ -85,9 +85,12 @@ def main() -> None:
         teacher_logp[:] = [teacher.score(b, d) for b, d in zip(batches, domains)]
 
     # in a real step's order: the step consumes the proximal and teacher log-probs just computed
-    runs = {"proximal": recompute_proximal, "teacher": score_teachers,
-            "step": lambda: rl_step(model, optimizer, batches, proximal, teacher_logp),
-            "bare": lambda: bare_step(model, optimizer, batches)}
+    runs = {
+        "proximal": recompute_proximal,
+        "teacher": score_teachers,
+        "step": lambda: rl_step(model, optimizer, batches, proximal, teacher_logp),
+        "bare": lambda: bare_step(model, optimizer, batches),
+    }
     timings = {name: [] for name in runs}
     cpu_times = {name: [] for name in runs}
     for repeat in range(args.repeats + 1):  # repeat 0 is the warm-up
@@ -133,8 +136,9 @@ def make_batches(args: argparse.Namespace, torch):
     outputs = torch.randint(0, args.vocab_size, (n, args.output_len), generator=gen).tolist()
     behavior = (-torch.rand(n, args.output_len, generator=gen) * 4 - 2).tolist()  # ~ log(1/64) +- 2
     advantages = torch.randn(n, generator=gen).tolist()
-    batches = pack_sequences(prompts, outputs, max_tokens=args.max_tokens, behavior_logprobs=behavior,
-                             advantages=advantages, temperatures=[1.0] * n)
+    batches = pack_sequences(
+        prompts, outputs, max_tokens=args.max_tokens, behavior_logprobs=behavior, advantages=advantages, temperatures=[1.0] * n
+    )
     domains = [["a" if i % 2 == 0 else "b" for i in b.sequence_ids.tolist()] for b in batches]
     return batches, domains
 

@@ -42,11 +42,21 @@ def main(argv: list[str] | None = None) -> None:
 
     from rollbook.models import TinyModelSpec, build_tiny_model
 
-    spec = TinyModelSpec(vocab_size=args.vocab_size, hidden_size=args.hidden_size, num_layers=args.num_layers,
-                         num_heads=8, num_kv_heads=4, intermediate_size=args.intermediate_size)
+    spec = TinyModelSpec(
+        vocab_size=args.vocab_size,
+        hidden_size=args.hidden_size,
+        num_layers=args.num_layers,
+        num_heads=8,
+        num_kv_heads=4,
+        intermediate_size=args.intermediate_size,
+    )
     model = build_tiny_model(spec)
-    result = {"bench": "weights", "torch_threads": torch.get_num_threads(), "repeats": args.repeats,
-              "load_avg_1m": os.getloadavg()[0]}  # other work on the host skews every timing
+    result = {
+        "bench": "weights",
+        "torch_threads": torch.get_num_threads(),
+        "repeats": args.repeats,
+        "load_avg_1m": os.getloadavg()[0],
+    }  # other work on the host skews every timing
     state_dict = model.state_dict()
     result["memcpy"], result["shared_memory"], ratio = bench_local(state_dict, args.repeats * 3, checksum=False)
     _, result["shared_memory_checksummed"], _ = bench_local(state_dict, args.repeats, checksum=True)

@@ -36,9 +36,12 @@ import openai
 
 def control(base_url: str, path: str, body: dict, key: str | None) -> dict:
     """POST a JSON body to the proxy's session endpoints; raises on an HTTP error."""
-    request = urllib.request.Request(base_url.rstrip("/") + path, data=json.dumps(body).encode(), method="POST",
-                                     headers={"content-type": "application/json",
-                                              **({"authorization": f"Bearer {key}"} if key else {})})
+    request = urllib.request.Request(
+        base_url.rstrip("/") + path,
+        data=json.dumps(body).encode(),
+        method="POST",
+        headers={"content-type": "application/json", **({"authorization": f"Bearer {key}"} if key else {})},
+    )
     try:
         with urllib.request.urlopen(request, timeout=60) as response:
             return json.loads(response.read())
@@ -61,14 +64,31 @@ def play(base_url: str, a: int, b: int, **kwargs) -> Episode:
     return play_problem(base_url, f"{a}+{b}=", str(a + b), "arithmetic", **kwargs)
 
 
-def play_problem(base_url: str, prompt: str, expected: str, domain: str, *, group_id: str = "", group_size: int = 1,
-                 turns: int = 2, stream: bool = False, start_key: str | None = None, model: str = "tiny",
-                 temperature: float = 1.0, max_tokens: int = 6, client_kwargs: dict | None = None,
-                 reward_after_end: bool = False) -> Episode:
+def play_problem(
+    base_url: str,
+    prompt: str,
+    expected: str,
+    domain: str,
+    *,
+    group_id: str = "",
+    group_size: int = 1,
+    turns: int = 2,
+    stream: bool = False,
+    start_key: str | None = None,
+    model: str = "tiny",
+    temperature: float = 1.0,
+    max_tokens: int = 6,
+    client_kwargs: dict | None = None,
+    reward_after_end: bool = False,
+) -> Episode:
     """One episode: start a session, ``turns`` calls, a reward per call, end (or end first, then the
     rewards: a reward may arrive after its session ended)."""
-    started = control(base_url, "/rollbook/sessions", {"task_id": f"{domain}/{prompt}", "domain": domain,
-                                                       "group_id": group_id, "group_size": group_size}, start_key)
+    started = control(
+        base_url,
+        "/rollbook/sessions",
+        {"task_id": f"{domain}/{prompt}", "domain": domain, "group_id": group_id, "group_size": group_size},
+        start_key,
+    )
     client = openai.OpenAI(base_url=base_url.rstrip("/") + "/v1", api_key=started["api_key"], **(client_kwargs or {}))
     episode = Episode(started["session_id"], prompt)
     messages: list[dict] = [{"role": "user", "content": prompt}]
@@ -79,29 +99,38 @@ def play_problem(base_url: str, prompt: str, expected: str, domain: str, *, grou
         episode.rewards.append(1.0 if right else 0.0)
         episode.completion_ids.append(completion_id)
         episode.versions.append(versions)
-        messages += [{"role": "assistant", "content": answer},
-                     {"role": "user", "content": ("right." if right else "wrong.") + prompt}]
+        messages += [
+            {"role": "assistant", "content": answer},
+            {"role": "user", "content": ("right." if right else "wrong.") + prompt},
+        ]
     if reward_after_end:
         control(base_url, f"/rollbook/sessions/{episode.session_id}/end", {}, started["api_key"])
     for completion_id, value in zip(episode.completion_ids, episode.rewards):
-        control(base_url, f"/rollbook/sessions/{episode.session_id}/reward", {"reward": value, "call": completion_id},
-                started["api_key"])
+        control(
+            base_url,
+            f"/rollbook/sessions/{episode.session_id}/reward",
+            {"reward": value, "call": completion_id},
+            started["api_key"],
+        )
     if not reward_after_end:
         control(base_url, f"/rollbook/sessions/{episode.session_id}/end", {}, started["api_key"])
     client.close()
     return episode
 
 
-def _ask(client: openai.OpenAI, model: str, messages: list[dict], stream: bool, temperature: float,
-         max_tokens: int) -> tuple[str, str, list[int]]:
+def _ask(
+    client: openai.OpenAI, model: str, messages: list[dict], stream: bool, temperature: float, max_tokens: int
+) -> tuple[str, str, list[int]]:
     if not stream:
-        completion = client.chat.completions.create(model=model, messages=messages, temperature=temperature,
-                                                    max_tokens=max_tokens)
+        completion = client.chat.completions.create(
+            model=model, messages=messages, temperature=temperature, max_tokens=max_tokens
+        )
         extra = completion.model_extra.get("rollbook") or {}
         return completion.choices[0].message.content or "", completion.id, (extra.get("output_versions") or [[]])[0]
     text, completion_id = [], ""
-    for chunk in client.chat.completions.create(model=model, messages=messages, temperature=temperature,
-                                                max_tokens=max_tokens, stream=True):
+    for chunk in client.chat.completions.create(
+        model=model, messages=messages, temperature=temperature, max_tokens=max_tokens, stream=True
+    ):
         completion_id = chunk.id
         if chunk.choices and chunk.choices[0].delta.content:
             text.append(chunk.choices[0].delta.content)
@@ -118,8 +147,20 @@ def solve(prompt: str) -> tuple[str, str]:
     return str(int(left) + int(right)), "arithmetic"
 
 
-def play_rounds(base_url: str, problems: list[str], *, rounds: int, concurrency: int, group_size: int,
-                turns: int, seed: int, start_key: str | None, model: str, temperature: float, max_tokens: int) -> None:
+def play_rounds(
+    base_url: str,
+    problems: list[str],
+    *,
+    rounds: int,
+    concurrency: int,
+    group_size: int,
+    turns: int,
+    seed: int,
+    start_key: str | None,
+    model: str,
+    temperature: float,
+    max_tokens: int,
+) -> None:
     """Play ``problems`` in a shuffled order, ``rounds`` times (0: until stopped): each problem is a
     group of ``group_size`` sessions, ``concurrency`` groups at once. A failed episode is reported and
     skipped (its group then stays incomplete: the store's incomplete-group policy decides)."""
@@ -130,18 +171,35 @@ def play_rounds(base_url: str, problems: list[str], *, rounds: int, concurrency:
         while rounds == 0 or done < rounds:
             rng.shuffle(order)
             for start in range(0, len(order), concurrency):
-                futures = [pool.submit(play_problem, base_url, prompt, *solve(prompt), group_id=f"agent-{seed}-r{done}-{start + i}",
-                                       group_size=group_size, turns=turns, start_key=start_key, model=model,
-                                       temperature=temperature, max_tokens=max_tokens)
-                           for i, prompt in enumerate(order[start:start + concurrency]) for _ in range(group_size)]
+                futures = [
+                    pool.submit(
+                        play_problem,
+                        base_url,
+                        prompt,
+                        *solve(prompt),
+                        group_id=f"agent-{seed}-r{done}-{start + i}",
+                        group_size=group_size,
+                        turns=turns,
+                        start_key=start_key,
+                        model=model,
+                        temperature=temperature,
+                        max_tokens=max_tokens,
+                    )
+                    for i, prompt in enumerate(order[start : start + concurrency])
+                    for _ in range(group_size)
+                ]
                 for future in futures:
                     try:
                         ep = future.result()
                     except Exception as exc:  # the proxy refused or went away: this episode is lost, the rest go on
                         print(json.dumps({"error": f"{type(exc).__name__}: {exc}"}), flush=True)
                         continue
-                    print(json.dumps({"session_id": ep.session_id, "prompt": ep.prompt, "answers": ep.answers,
-                                      "rewards": ep.rewards}), flush=True)
+                    print(
+                        json.dumps(
+                            {"session_id": ep.session_id, "prompt": ep.prompt, "answers": ep.answers, "rewards": ep.rewards}
+                        ),
+                        flush=True,
+                    )
             done += 1
 
 
@@ -153,10 +211,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--turns", type=int, default=2)
     parser.add_argument("--stream", action="store_true")
     parser.add_argument("--model", default="tiny")
-    parser.add_argument("--start-key", default=os.environ.get("ROLLBOOK_WORKER_KEY"),
-                        help="worker key of the proxy (if it has one); default: $ROLLBOOK_WORKER_KEY")
+    parser.add_argument(
+        "--start-key",
+        default=os.environ.get("ROLLBOOK_WORKER_KEY"),
+        help="worker key of the proxy (if it has one); default: $ROLLBOOK_WORKER_KEY",
+    )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--problems", default=None, help="a file of problems, one 'a+b=' or 'rev:abc=' per line: play them --rounds times")
+    parser.add_argument(
+        "--problems", default=None, help="a file of problems, one 'a+b=' or 'rev:abc=' per line: play them --rounds times"
+    )
     parser.add_argument("--rounds", type=int, default=1, help="with --problems: rounds over the file (0 = until stopped)")
     parser.add_argument("--concurrency", type=int, default=1, help="with --problems: groups played at once")
     parser.add_argument("--temperature", type=float, default=1.0)
@@ -165,18 +228,38 @@ def main(argv: list[str] | None = None) -> None:
     if args.problems:
         with open(args.problems) as f:
             problems = [line.strip() for line in f if line.strip()]
-        play_rounds(args.proxy, problems, rounds=args.rounds, concurrency=args.concurrency, group_size=args.group_size,
-                    turns=args.turns, seed=args.seed, start_key=args.start_key, model=args.model,
-                    temperature=args.temperature, max_tokens=args.max_tokens)
+        play_rounds(
+            args.proxy,
+            problems,
+            rounds=args.rounds,
+            concurrency=args.concurrency,
+            group_size=args.group_size,
+            turns=args.turns,
+            seed=args.seed,
+            start_key=args.start_key,
+            model=args.model,
+            temperature=args.temperature,
+            max_tokens=args.max_tokens,
+        )
         return
     rng = random.Random(args.seed)
     total = []
     for g in range(0, args.episodes, args.group_size):
         a, b = rng.randrange(100), rng.randrange(100)
         for _ in range(min(args.group_size, args.episodes - g)):
-            ep = play(args.proxy, a, b, group_id=f"agent-{args.seed}-{g}", group_size=args.group_size, turns=args.turns,
-                      stream=args.stream, start_key=args.start_key, model=args.model, temperature=args.temperature,
-                      max_tokens=args.max_tokens)
+            ep = play(
+                args.proxy,
+                a,
+                b,
+                group_id=f"agent-{args.seed}-{g}",
+                group_size=args.group_size,
+                turns=args.turns,
+                stream=args.stream,
+                start_key=args.start_key,
+                model=args.model,
+                temperature=args.temperature,
+                max_tokens=args.max_tokens,
+            )
             total += ep.rewards
             print(json.dumps({"session_id": ep.session_id, "prompt": ep.prompt, "answers": ep.answers, "rewards": ep.rewards}))
     print(json.dumps({"episodes": args.episodes, "mean_reward": sum(total) / max(1, len(total))}))

@@ -41,8 +41,10 @@ def math_rows(n: int) -> list[dict]:
             question, answer = f"A box holds {a} pens. How many pens are in {b} boxes?", a * b
         row: dict = {"id": f"math-{i}", "domain": "math", "answer": str(answer)}
         if i % 3 == 0:
-            row["messages"] = [{"role": "system", "content": "Answer with a number in \\boxed{}."},
-                               {"role": "user", "content": question}]
+            row["messages"] = [
+                {"role": "system", "content": "Answer with a number in \\boxed{}."},
+                {"role": "user", "content": question},
+            ]
         else:
             row["question"] = question + " Answer in \\boxed{}."
         rows.append(row)
@@ -54,9 +56,14 @@ def code_rows(n: int) -> list[dict]:
     rows = []
     for i in range(n):
         k = 2 + i % 7
-        rows.append({"id": f"code-{i}", "domain": "code",
-                     "question": f"Write a Python function solve(x) that returns x times {k}.\n",
-                     "tests": [f"assert solve({x}) == {x * k}" for x in (1, 3, 10)]})
+        rows.append(
+            {
+                "id": f"code-{i}",
+                "domain": "code",
+                "question": f"Write a Python function solve(x) that returns x times {k}.\n",
+                "tests": [f"assert solve({x}) == {x * k}" for x in (1, 3, 10)],
+            }
+        )
     return rows
 
 
@@ -74,12 +81,23 @@ def save_tokenizer(directory: pathlib.Path, texts: list[str], vocab_size: int):
     backend = Tokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
-    backend.train_from_iterator(texts, trainer=trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=[PAD, BOS, EOS, USER, ASSISTANT, SYSTEM], show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=BOS, eos_token=EOS, pad_token=PAD,
-                                        additional_special_tokens=[USER, ASSISTANT, SYSTEM],
-                                        clean_up_tokenization_spaces=False)
+    backend.train_from_iterator(
+        texts,
+        trainer=trainers.BpeTrainer(
+            vocab_size=vocab_size,
+            special_tokens=[PAD, BOS, EOS, USER, ASSISTANT, SYSTEM],
+            show_progress=False,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        ),
+    )
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=PAD,
+        additional_special_tokens=[USER, ASSISTANT, SYSTEM],
+        clean_up_tokenization_spaces=False,
+    )
     tokenizer.chat_template = CHAT_TEMPLATE
     tokenizer.save_pretrained(str(directory))
     return tokenizer
@@ -89,10 +107,19 @@ def save_model(directory: pathlib.Path, tokenizer, seed: int) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                         tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
-                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     torch.manual_seed(seed)
     LlamaForCausalLM(config).save_pretrained(str(directory))
 
@@ -117,7 +144,9 @@ def main(argv: list[str] | None = None) -> int:
     write_jsonl(root / "data" / "math_train.jsonl", math)
     write_jsonl(root / "data" / "code_train.jsonl", code)
     print(f"model + tokenizer (vocabulary {len(tokenizer)}): {model_dir}")
-    print(f"datasets: {root / 'data' / 'math_train.jsonl'} ({len(math)} rows), {root / 'data' / 'code_train.jsonl'} ({len(code)} rows)")
+    print(
+        f"datasets: {root / 'data' / 'math_train.jsonl'} ({len(math)} rows), {root / 'data' / 'code_train.jsonl'} ({len(code)} rows)"
+    )
     return 0
 
 

@@ -30,10 +30,21 @@ from rollbook.env import DEFAULT_SERVER
 from rollbook.errors import CommandError, ConfigError, unreachable
 
 # serve's flags -> StoreConfig fields (flags given win over --config and dotted overrides)
-_SERVE_FLAGS = {"db": "db", "host": "host", "port": "port", "worker_key": "worker_key", "trainer_key": "trainer_key",
-                "reader_key": "reader_key", "admin_key": "admin_key", "tls_cert": "tls_cert", "tls_key": "tls_key",
-                "tls_client_ca": "tls_client_ca", "insecure": "insecure", "stream_idle_timeout": "stream_idle_timeout_s",
-                "max_submit_streams_per_host": "max_submit_streams_per_host"}
+_SERVE_FLAGS = {
+    "db": "db",
+    "host": "host",
+    "port": "port",
+    "worker_key": "worker_key",
+    "trainer_key": "trainer_key",
+    "reader_key": "reader_key",
+    "admin_key": "admin_key",
+    "tls_cert": "tls_cert",
+    "tls_key": "tls_key",
+    "tls_client_ca": "tls_client_ca",
+    "insecure": "insecure",
+    "stream_idle_timeout": "stream_idle_timeout_s",
+    "max_submit_streams_per_host": "max_submit_streams_per_host",
+}
 _KEY_FIELDS = ("worker_key", "trainer_key", "reader_key", "admin_key")
 
 
@@ -95,8 +106,9 @@ def _admin(args: argparse.Namespace) -> int:
     admin_key = args.admin_key or None
     with StoreClient.from_env(args.server, admin_key=admin_key) as client:
         if client.admin_key is None:
-            raise CommandError("admin commands need the admin key: set ROLLBOOK_ADMIN_KEY (rollbook run keeps it in "
-                               "RUN_DIR/keys.json)")
+            raise CommandError(
+                "admin commands need the admin key: set ROLLBOOK_ADMIN_KEY (rollbook run keeps it in RUN_DIR/keys.json)"
+            )
         try:
             if args.action == "register-model":
                 vocab = args.vocab_size
@@ -236,132 +248,204 @@ class _HelpConfig(argparse.Action):
 
         command = parser.prog.split()[-1]
         model = _config_model(command)
-        print(f"Config fields of `rollbook {command}` ({model.__name__}): set them in the --config TOML file "
-              f"(sections for the dotted parts) or as flags, e.g. --{_example(command)}.\n")
+        print(
+            f"Config fields of `rollbook {command}` ({model.__name__}): set them in the --config TOML file "
+            f"(sections for the dotted parts) or as flags, e.g. --{_example(command)}.\n"
+        )
         print("\n".join(field_help(model)))
         parser.exit(0)
 
 
 def _example(command: str) -> str:
-    return {"run": "trainer.lr 3e-4", "train": "loss.eps_clip 0.1", "rollout": "rollout.group_size 4",
-            "serve": "validator.norm.mode group_mean",
-            "proxy": "max_concurrent 16"}[command]
+    return {
+        "run": "trainer.lr 3e-4",
+        "train": "loss.eps_clip 0.1",
+        "rollout": "rollout.group_size 4",
+        "serve": "validator.norm.mode group_mean",
+        "proxy": "max_concurrent 16",
+    }[command]
 
 
 def _config_flags(p: argparse.ArgumentParser, what: str) -> None:
     p.add_argument("--config", default=None, help=f"TOML (or .json) {what}; defaults apply without one")
-    p.add_argument("--help-config", action=_HelpConfig,
-                   help="list every config field (dotted flag, type, default, description) and exit")
+    p.add_argument(
+        "--help-config", action=_HelpConfig, help="list every config field (dotted flag, type, default, description) and exit"
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="rollbook", description="A durable, queryable trajectory store for RL on language models.")
+    parser = argparse.ArgumentParser(
+        prog="rollbook", description="A durable, queryable trajectory store for RL on language models."
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    p = sub.add_parser("serve", help="run the trajectory store (gRPC) on a DuckDB file",
-                       description="Run the store. Every StoreConfig field (validator and ingest policies, SQL and "
-                       "stream limits) can be set in --config FILE or as a dotted flag, e.g. "
-                       "--validator.norm.mode group_mean --query_max_rows 1000; --help-config lists them. "
-                       "The flags below win over both.")
+    p = sub.add_parser(
+        "serve",
+        help="run the trajectory store (gRPC) on a DuckDB file",
+        description="Run the store. Every StoreConfig field (validator and ingest policies, SQL and "
+        "stream limits) can be set in --config FILE or as a dotted flag, e.g. "
+        "--validator.norm.mode group_mean --query_max_rows 1000; --help-config lists them. "
+        "The flags below win over both.",
+    )
     _config_flags(p, "store config (StoreConfig fields at the top level)")
     p.add_argument("--db", default=None, help="DuckDB ledger file (default: runs/default/rollbook.duckdb)")
     p.add_argument("--host", default=None, help="bind address (default: 127.0.0.1); non-loopback needs all four keys and TLS")
-    p.add_argument("--port", type=int, default=None, help="port, 0 = any free one, printed as 'listening on HOST:PORT' (default: 50551)")
-    p.add_argument("--worker-key", default=None, help="Submit/SetReward key (default: env ROLLBOOK_WORKER_KEY; prefer the env: flags show in ps)")
-    p.add_argument("--trainer-key", default=None, help="PullBatch/AckBatch/PublishVersion/ReportTrainStep key (default: env ROLLBOOK_TRAINER_KEY)")
+    p.add_argument(
+        "--port", type=int, default=None, help="port, 0 = any free one, printed as 'listening on HOST:PORT' (default: 50551)"
+    )
+    p.add_argument(
+        "--worker-key",
+        default=None,
+        help="Submit/SetReward key (default: env ROLLBOOK_WORKER_KEY; prefer the env: flags show in ps)",
+    )
+    p.add_argument(
+        "--trainer-key",
+        default=None,
+        help="PullBatch/AckBatch/PublishVersion/ReportTrainStep key (default: env ROLLBOOK_TRAINER_KEY)",
+    )
     p.add_argument("--reader-key", default=None, help="Query/GetStats key (default: env ROLLBOOK_READER_KEY)")
     p.add_argument("--admin-key", default=None, help="key for every RPC incl. RegisterModel (default: env ROLLBOOK_ADMIN_KEY)")
     p.add_argument("--tls-cert", default=None, help="PEM server certificate: serve TLS (default: env ROLLBOOK_TLS_CERT)")
     p.add_argument("--tls-key", default=None, help="PEM key of --tls-cert (default: env ROLLBOOK_TLS_KEY)")
-    p.add_argument("--tls-client-ca", default=None, help="PEM CA of client certificates: require one (mutual TLS; env ROLLBOOK_TLS_CLIENT_CA)")
-    p.add_argument("--insecure", action="store_true", help="allow a non-loopback --host without TLS (keys cross the network in clear text)")
-    p.add_argument("--stream-idle-timeout", type=float, default=None, help="close a Submit stream idle this many seconds (default: 120)")
-    p.add_argument("--max-submit-streams-per-host", type=int, default=None, help="open Submit streams one client host may hold (default: 256)")
+    p.add_argument(
+        "--tls-client-ca",
+        default=None,
+        help="PEM CA of client certificates: require one (mutual TLS; env ROLLBOOK_TLS_CLIENT_CA)",
+    )
+    p.add_argument(
+        "--insecure", action="store_true", help="allow a non-loopback --host without TLS (keys cross the network in clear text)"
+    )
+    p.add_argument(
+        "--stream-idle-timeout", type=float, default=None, help="close a Submit stream idle this many seconds (default: 120)"
+    )
+    p.add_argument(
+        "--max-submit-streams-per-host",
+        type=int,
+        default=None,
+        help="open Submit streams one client host may hold (default: 256)",
+    )
     p.add_argument("--log-level", default="INFO")
     p.set_defaults(func=_serve, takes_overrides=True)
 
     p = sub.add_parser("query", help="run read-only SQL through the server, or on the file when the server is down")
     p.add_argument("sql", help="one read-only statement (SELECT/WITH/DESCRIBE/SHOW/SUMMARIZE/EXPLAIN)")
-    p.add_argument("--server", default=None, help=f"store address HOST:PORT (default: env ROLLBOOK_SERVER, else {DEFAULT_SERVER} when --db is not given)")
+    p.add_argument(
+        "--server",
+        default=None,
+        help=f"store address HOST:PORT (default: env ROLLBOOK_SERVER, else {DEFAULT_SERVER} when --db is not given)",
+    )
     p.add_argument("--db", default=None, help="DuckDB file to open read-only when the server is not reachable")
-    p.add_argument("--format", choices=["table", "csv", "json", "parquet"], default="table", help="output format (default: %(default)s)")
-    p.add_argument("--output", "-o", default=None, help="write to this file instead of stdout (required for parquet on a terminal)")
+    p.add_argument(
+        "--format", choices=["table", "csv", "json", "parquet"], default="table", help="output format (default: %(default)s)"
+    )
+    p.add_argument(
+        "--output", "-o", default=None, help="write to this file instead of stdout (required for parquet on a terminal)"
+    )
     p.add_argument("--max-rows", type=int, default=0, help="row cap (0 = server default, 100000)")
     p.add_argument("--timeout", type=float, default=0.0, help="query timeout in seconds (0 = server default, 30)")
     client_flags(p)
     p.set_defaults(func=_query)
 
     p = sub.add_parser("stats", help="print the store's counters as JSON")
-    p.add_argument("--server", default=None, help=f"store address HOST:PORT (default: env ROLLBOOK_SERVER, else {DEFAULT_SERVER})")
+    p.add_argument(
+        "--server", default=None, help=f"store address HOST:PORT (default: env ROLLBOOK_SERVER, else {DEFAULT_SERVER})"
+    )
     client_flags(p)
     p.set_defaults(func=_stats)
 
-    p = sub.add_parser("admin", help="register a model or publish a policy version (admin key: env ROLLBOOK_ADMIN_KEY)",
-                       description="Prepare a fresh store for `rollbook train`: register the model (admin key), "
-                       "optionally publish a version (the trainer publishes its own on start).")
+    p = sub.add_parser(
+        "admin",
+        help="register a model or publish a policy version (admin key: env ROLLBOOK_ADMIN_KEY)",
+        description="Prepare a fresh store for `rollbook train`: register the model (admin key), "
+        "optionally publish a version (the trainer publishes its own on start).",
+    )
     asub = p.add_subparsers(dest="action", required=True, metavar="ACTION")
     a = asub.add_parser("register-model", help="register MODEL_ID with its vocabulary size")
     a.add_argument("model_id")
-    a.add_argument("--vocab-size", type=int, default=None, help="vocabulary size (default: the task tokenizer's, rollbook/tasks.py)")
+    a.add_argument(
+        "--vocab-size", type=int, default=None, help="vocabulary size (default: the task tokenizer's, rollbook/tasks.py)"
+    )
     a = asub.add_parser("publish-version", help="publish VERSION of MODEL_ID (normally the trainer does this)")
     a.add_argument("model_id")
     a.add_argument("version", type=int)
     a.add_argument("--checksum", default="", help="checksum of the weights (the trainer's state_checksum)")
     for a in asub.choices.values():
-        a.add_argument("--server", default=None, help=f"store address HOST:PORT (default: env ROLLBOOK_SERVER, else {DEFAULT_SERVER})")
+        a.add_argument(
+            "--server", default=None, help=f"store address HOST:PORT (default: env ROLLBOOK_SERVER, else {DEFAULT_SERVER})"
+        )
         a.add_argument("--admin-key", default=None, help="admin key (default: env ROLLBOOK_ADMIN_KEY; prefer the env)")
     p.set_defaults(func=_admin)
 
-    p = sub.add_parser("run", help="the whole loop on one machine: store + rollout + trainer on RUN_DIR/rollbook.duckdb",
-                       description="Run store, rollout and trainer on one machine. Any config field can be overridden "
-                       "with a dotted flag, e.g. --num_steps 10 --trainer.lr 1e-3 --rollout.group_size 4 "
-                       "--store.validator.norm.mode group_mean; --help-config lists them.")
+    p = sub.add_parser(
+        "run",
+        help="the whole loop on one machine: store + rollout + trainer on RUN_DIR/rollbook.duckdb",
+        description="Run store, rollout and trainer on one machine. Any config field can be overridden "
+        "with a dotted flag, e.g. --num_steps 10 --trainer.lr 1e-3 --rollout.group_size 4 "
+        "--store.validator.norm.mode group_mean; --help-config lists them.",
+    )
     _config_flags(p, "run config (see configs/)")
     p.add_argument("--log-level", default="WARNING")
     p.set_defaults(func=_run, takes_overrides=True)
 
-    p = sub.add_parser("train", help="run the trainer against a store: pull, update, checkpoint, ack, publish",
-                       description="Train on validated batches from a running store (register the model first: "
-                       "`rollbook admin register-model`). Dotted overrides set any TrainerConfig field, e.g. "
-                       "--server 127.0.0.1:50551 --num_steps 20 --loss.eps_clip 0.1; --help-config lists them.")
+    p = sub.add_parser(
+        "train",
+        help="run the trainer against a store: pull, update, checkpoint, ack, publish",
+        description="Train on validated batches from a running store (register the model first: "
+        "`rollbook admin register-model`). Dotted overrides set any TrainerConfig field, e.g. "
+        "--server 127.0.0.1:50551 --num_steps 20 --loss.eps_clip 0.1; --help-config lists them.",
+    )
     _config_flags(p, "trainer config")
     p.add_argument("--log-level", default="INFO")
     p.set_defaults(func=_train, takes_overrides=True)
 
-    p = sub.add_parser("rollout", help="run a rollout worker: weights from a channel, generation, spooled submission",
-                       description="Run a rollout worker against a store. Dotted overrides set any WorkerConfig field, "
-                       "e.g. --server 127.0.0.1:50551 --weights shm:NAME --rollout.group_size 4; --help-config lists them.")
+    p = sub.add_parser(
+        "rollout",
+        help="run a rollout worker: weights from a channel, generation, spooled submission",
+        description="Run a rollout worker against a store. Dotted overrides set any WorkerConfig field, "
+        "e.g. --server 127.0.0.1:50551 --weights shm:NAME --rollout.group_size 4; --help-config lists them.",
+    )
     _config_flags(p, "worker config (example: configs/worker.toml)")
     p.add_argument("--log-level", default="INFO")
     p.set_defaults(func=_rollout, takes_overrides=True)
 
-    p = sub.add_parser("export", help="write a kept checkpoint as a Hugging Face directory (model + tokenizer)",
-                       description="Convert a rollbook checkpoint (RUN_DIR/checkpoints/step-NNNNNN, or a run directory: "
-                       "its LATEST) into a directory that AutoModelForCausalLM and AutoTokenizer.from_pretrained load. "
-                       "The tokenizer is the run's (model.path's files, else the task tokenizer) unless --tokenizer.")
+    p = sub.add_parser(
+        "export",
+        help="write a kept checkpoint as a Hugging Face directory (model + tokenizer)",
+        description="Convert a rollbook checkpoint (RUN_DIR/checkpoints/step-NNNNNN, or a run directory: "
+        "its LATEST) into a directory that AutoModelForCausalLM and AutoTokenizer.from_pretrained load. "
+        "The tokenizer is the run's (model.path's files, else the task tokenizer) unless --tokenizer.",
+    )
     p.add_argument("checkpoint", help="checkpoint directory, RUN_DIR/checkpoints, or RUN_DIR (then the LATEST checkpoint)")
     p.add_argument("--to", required=True, metavar="DIR", help="output directory (must not exist or be empty)")
     p.add_argument("--tokenizer", default=None, metavar="DIR", help="copy the tokenizer files from this directory instead")
     p.set_defaults(func=_export)
-    p = sub.add_parser("proxy", help="serve an OpenAI-compatible endpoint that records an agent's calls as trajectories",
-                       description="Serve /v1/chat/completions and /v1/completions for agents (a session key as the API "
-                       "key) and record every completion in the store (docs/online.md). Dotted overrides set any ProxyConfig "
-                       "field, e.g. --server 127.0.0.1:50551 --port 8000 --model_id tiny; --help-config lists them. Keys: "
-                       "ROLLBOOK_ADMIN_KEY (control endpoints), ROLLBOOK_WORKER_KEY (starting sessions).")
+    p = sub.add_parser(
+        "proxy",
+        help="serve an OpenAI-compatible endpoint that records an agent's calls as trajectories",
+        description="Serve /v1/chat/completions and /v1/completions for agents (a session key as the API "
+        "key) and record every completion in the store (docs/online.md). Dotted overrides set any ProxyConfig "
+        "field, e.g. --server 127.0.0.1:50551 --port 8000 --model_id tiny; --help-config lists them. Keys: "
+        "ROLLBOOK_ADMIN_KEY (control endpoints), ROLLBOOK_WORKER_KEY (starting sessions).",
+    )
     _config_flags(p, "proxy config")
     p.add_argument("--log-level", default="INFO")
     p.set_defaults(func=_proxy, takes_overrides=True)
-    p = sub.add_parser("report", help="report.md, PNG plots and summary.json of finished runs (several: one plot)",
-                       description="Write RUN_DIR/summary.json for each run (held-out reward per domain at start and "
-                       "end, steps, wall time, rows accepted, rejected by reason, trained) and report.md with PNG plots "
-                       "(held-out and training reward per domain, teacher gap, staleness, rejections, throughput) in "
-                       "--out, one line per run. Reads metrics.jsonl and a read-only copy of the ledger.")
+    p = sub.add_parser(
+        "report",
+        help="report.md, PNG plots and summary.json of finished runs (several: one plot)",
+        description="Write RUN_DIR/summary.json for each run (held-out reward per domain at start and "
+        "end, steps, wall time, rows accepted, rejected by reason, trained) and report.md with PNG plots "
+        "(held-out and training reward per domain, teacher gap, staleness, rejections, throughput) in "
+        "--out, one line per run. Reads metrics.jsonl and a read-only copy of the ledger.",
+    )
     p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="finished run directories (metrics.jsonl, rollbook.duckdb)")
     p.add_argument("--out", default=None, help="folder for report.md and the PNGs (default: the first RUN_DIR)")
     p.set_defaults(func=_report)
 
     p = sub.add_parser("demo", help="start a store in a run directory, feed it a generated workload, print SQL answers")
-    p.add_argument("--run-dir", default="runs/demo", help="run directory; the ledger is RUN_DIR/rollbook.duckdb (default: %(default)s)")
+    p.add_argument(
+        "--run-dir", default="runs/demo", help="run directory; the ledger is RUN_DIR/rollbook.duckdb (default: %(default)s)"
+    )
     p.add_argument("--num-trajectories", type=int, default=2000, help="how many trajectories to generate (default: %(default)s)")
     p.set_defaults(func=_demo)
     return parser

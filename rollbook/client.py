@@ -46,8 +46,16 @@ MAX_MESSAGE_BYTES = 64 << 20
 # failed to commit (nothing of an unanswered batch was acknowledged, and trajectory_id makes a resend
 # a DUPLICATE, never a second row). The one list; the spooling submitter (rollout/submitter.py) adds
 # what only it may wait out.
-RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.ABORTED,
-                       grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL})
+RETRYABLE = frozenset(
+    {
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.ABORTED,
+        grpc.StatusCode.CANCELLED,
+        grpc.StatusCode.UNKNOWN,
+        grpc.StatusCode.INTERNAL,
+    }
+)
 STATUS_NAMES = {pb.Verdict.ACCEPTED: "ACCEPTED", pb.Verdict.DUPLICATE: "DUPLICATE", pb.Verdict.REJECTED: "REJECTED"}
 
 
@@ -112,13 +120,29 @@ class TrainerClient(Protocol):
         """Confirm a checkpointed lease; returns its rows."""
         ...
 
-    def report_train_step(self, *, step: int, trainer_id: str, version: int, lease_id: str, started_at: float,
-                          finished_at: float, stats: Mapping[str, Any]) -> None:
+    def report_train_step(
+        self,
+        *,
+        step: int,
+        trainer_id: str,
+        version: int,
+        lease_id: str,
+        started_at: float,
+        finished_at: float,
+        stats: Mapping[str, Any],
+    ) -> None:
         """Write one ``train_steps`` row."""
         ...
 
-    def publish_version(self, model_id: str, version: int, checksum: str = "", *, max_staleness: int | None = None,
-                        samples_per_version: int | None = None) -> int:
+    def publish_version(
+        self,
+        model_id: str,
+        version: int,
+        checksum: str = "",
+        *,
+        max_staleness: int | None = None,
+        samples_per_version: int | None = None,
+    ) -> int:
         """Add a version to the registry, announcing the trainer's staleness contract; returns the latest."""
         ...
 
@@ -131,26 +155,39 @@ KEY_ROLES = ("worker", "trainer", "reader", "admin")
 
 
 class StoreClient:
-    def __init__(self, address: str, *, worker_key: str | None = None, trainer_key: str | None = None,
-                 reader_key: str | None = None, admin_key: str | None = None, tls: ClientTLS | None = None,
-                 timeout_s: float = 60.0):
+    def __init__(
+        self,
+        address: str,
+        *,
+        worker_key: str | None = None,
+        trainer_key: str | None = None,
+        reader_key: str | None = None,
+        admin_key: str | None = None,
+        tls: ClientTLS | None = None,
+        timeout_s: float = 60.0,
+    ):
         self.address = address
         self.worker_key, self.trainer_key, self.reader_key, self.admin_key = worker_key, trainer_key, reader_key, admin_key
         self.tls = tls
         self.timeout_s = timeout_s
-        self.channel = channel(address, tls, options=[
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-            # reconnect within ~1 s of a restarted store instead of gRPC's default backoff (up to 120 s)
-            ("grpc.initial_reconnect_backoff_ms", 100),
-            ("grpc.min_reconnect_backoff_ms", 100),
-            ("grpc.max_reconnect_backoff_ms", 1000),
-        ])
+        self.channel = channel(
+            address,
+            tls,
+            options=[
+                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                # reconnect within ~1 s of a restarted store instead of gRPC's default backoff (up to 120 s)
+                ("grpc.initial_reconnect_backoff_ms", 100),
+                ("grpc.min_reconnect_backoff_ms", 100),
+                ("grpc.max_reconnect_backoff_ms", 1000),
+            ],
+        )
         self.stub = pb_grpc.TrajectoryStoreStub(self.channel)
         # Submit sends requests already serialized (encode_submit_request), skipping a copy of every
         # trajectory into a SubmitRequest message
-        self._submit = self.channel.stream_stream("/rollbook.v1.TrajectoryStore/Submit", request_serializer=None,
-                                                  response_deserializer=pb.SubmitResponse.FromString)
+        self._submit = self.channel.stream_stream(
+            "/rollbook.v1.TrajectoryStore/Submit", request_serializer=None, response_deserializer=pb.SubmitResponse.FromString
+        )
 
     @classmethod
     def from_env(cls, address: str, **kwargs: Any) -> "StoreClient":
@@ -178,8 +215,14 @@ class StoreClient:
 
     # ---- submit ---------------------------------------------------------------------------------
 
-    def submit(self, trajectories: Iterable[pb.Trajectory | Mapping[str, Any]], *, batch_size: int = 64,
-               max_in_flight: int = 4, retry_deadline_s: float = 300.0) -> SubmitResult:
+    def submit(
+        self,
+        trajectories: Iterable[pb.Trajectory | Mapping[str, Any]],
+        *,
+        batch_size: int = 64,
+        max_in_flight: int = 4,
+        retry_deadline_s: float = 300.0,
+    ) -> SubmitResult:
         """Stream ``trajectories`` to the store; returns every verdict. Retries (reconnect and
         resend the unacknowledged batches) until ``retry_deadline_s`` passes without progress."""
         if batch_size < 1 or max_in_flight < 1:
@@ -189,32 +232,55 @@ class StoreClient:
     # ---- control --------------------------------------------------------------------------------
 
     def register_model(self, model_id: str, vocab_size: int) -> None:
-        self.stub.RegisterModel(pb.RegisterModelRequest(model_id=model_id, vocab_size=vocab_size),
-                                metadata=self._auth("admin"), timeout=self.timeout_s)
+        self.stub.RegisterModel(
+            pb.RegisterModelRequest(model_id=model_id, vocab_size=vocab_size),
+            metadata=self._auth("admin"),
+            timeout=self.timeout_s,
+        )
 
-    def publish_version(self, model_id: str, version: int, checksum: str = "", *, max_staleness: int | None = None,
-                        samples_per_version: int | None = None) -> int:
+    def publish_version(
+        self,
+        model_id: str,
+        version: int,
+        checksum: str = "",
+        *,
+        max_staleness: int | None = None,
+        samples_per_version: int | None = None,
+    ) -> int:
         """Add ``version`` to the model's registry (trainer key); returns the latest published version.
         ``max_staleness`` and ``samples_per_version`` announce the trainer's staleness contract, which
         rollout workers read with ``get_model`` and run their gate with (None: not announced)."""
         response = self.stub.PublishVersion(
-            pb.PublishVersionRequest(model_id=model_id, version=version, checksum=checksum, max_staleness=max_staleness,
-                                     samples_per_version=samples_per_version),
-            metadata=self._auth("trainer"), timeout=self.timeout_s)
+            pb.PublishVersionRequest(
+                model_id=model_id,
+                version=version,
+                checksum=checksum,
+                max_staleness=max_staleness,
+                samples_per_version=samples_per_version,
+            ),
+            metadata=self._auth("trainer"),
+            timeout=self.timeout_s,
+        )
         return response.latest_version
 
     def get_model(self, model_id: str) -> ModelInfo:
         """The store's entry for ``model_id`` (worker key): vocabulary, latest version and the
         staleness contract its trainer announced. FAILED_PRECONDITION if it is not registered."""
         r = self.stub.GetModel(pb.GetModelRequest(model_id=model_id), metadata=self._auth("worker"), timeout=self.timeout_s)
-        return ModelInfo(r.model_id, r.vocab_size, r.latest_version,
-                         r.max_staleness if r.HasField("max_staleness") else None,
-                         r.samples_per_version if r.HasField("samples_per_version") else None)
+        return ModelInfo(
+            r.model_id,
+            r.vocab_size,
+            r.latest_version,
+            r.max_staleness if r.HasField("max_staleness") else None,
+            r.samples_per_version if r.HasField("samples_per_version") else None,
+        )
 
     def set_reward(self, reward: float, *, trajectory_id: str = "", session_id: str = "") -> str:
         response = self.stub.SetReward(
             pb.SetRewardRequest(trajectory_id=trajectory_id, session_id=session_id, reward=reward),
-            metadata=self._auth("worker"), timeout=self.timeout_s)
+            metadata=self._auth("worker"),
+            timeout=self.timeout_s,
+        )
         return response.trajectory_id
 
     def stats(self) -> pb.GetStatsResponse:
@@ -227,32 +293,53 @@ class StoreClient:
         versions. ``fields`` are those of ``PullBatchRequest``, described in rollbook.proto (the one
         place they are spelled; an unknown name raises ``ValueError``). ``model_id`` and
         ``trainer_id`` are required (the store answers INVALID_ARGUMENT)."""
-        response = self.stub.PullBatch(pb.PullBatchRequest(**fields), metadata=self._auth("trainer"),
-                                       timeout=self.timeout_s)
+        response = self.stub.PullBatch(pb.PullBatchRequest(**fields), metadata=self._auth("trainer"), timeout=self.timeout_s)
         table = pa.ipc.open_stream(io.BytesIO(response.arrow_ipc)).read_all()
         return PulledBatch(response.lease_id, table, json.loads(response.stats_json or "{}"))
 
     def ack_batch(self, lease_id: str, trainer_id: str) -> int:
         """Confirm a lease once the step that used it is checkpointed (idempotent). Only the trainer
         the lease was issued to may (another ``trainer_id`` gets PERMISSION_DENIED)."""
-        return self.stub.AckBatch(pb.AckBatchRequest(lease_id=lease_id, trainer_id=trainer_id),
-                                  metadata=self._auth("trainer"), timeout=self.timeout_s).num_rows
+        return self.stub.AckBatch(
+            pb.AckBatchRequest(lease_id=lease_id, trainer_id=trainer_id), metadata=self._auth("trainer"), timeout=self.timeout_s
+        ).num_rows
 
-    def report_train_step(self, *, step: int, trainer_id: str, version: int, lease_id: str, started_at: float,
-                          finished_at: float, stats: Mapping[str, Any]) -> None:
+    def report_train_step(
+        self,
+        *,
+        step: int,
+        trainer_id: str,
+        version: int,
+        lease_id: str,
+        started_at: float,
+        finished_at: float,
+        stats: Mapping[str, Any],
+    ) -> None:
         """Write one row of ``train_steps`` (trainer key); re-reporting a step replaces it."""
-        self.stub.ReportTrainStep(pb.ReportTrainStepRequest(
-            step=step, trainer_id=trainer_id, version=version, lease_id=lease_id, started_at=started_at,
-            finished_at=finished_at, stats_json=json.dumps(dict(stats), sort_keys=True)),
-            metadata=self._auth("trainer"), timeout=self.timeout_s)
+        self.stub.ReportTrainStep(
+            pb.ReportTrainStepRequest(
+                step=step,
+                trainer_id=trainer_id,
+                version=version,
+                lease_id=lease_id,
+                started_at=started_at,
+                finished_at=finished_at,
+                stats_json=json.dumps(dict(stats), sort_keys=True),
+            ),
+            metadata=self._auth("trainer"),
+            timeout=self.timeout_s,
+        )
 
     # ---- SQL ------------------------------------------------------------------------------------
 
     def query(self, sql: str, *, max_rows: int = 0, timeout_s: float = 0.0) -> pa.Table:
         """Run one read-only statement; the table's schema metadata has ``rollbook.truncated``
         set to ``true`` when the server's row cap cut the result."""
-        chunks = self.stub.Query(pb.QueryRequest(sql=sql, max_rows=max_rows, timeout_seconds=timeout_s),
-                                 metadata=self._auth("reader"), timeout=self.timeout_s + (timeout_s or 0))
+        chunks = self.stub.Query(
+            pb.QueryRequest(sql=sql, max_rows=max_rows, timeout_seconds=timeout_s),
+            metadata=self._auth("reader"),
+            timeout=self.timeout_s + (timeout_s or 0),
+        )
         return read_query_chunks(chunks)
 
 
@@ -273,8 +360,14 @@ def _auth(key: str | None) -> list[tuple[str, str]]:
 class _SubmitSession:
     """One ``submit`` call: a source of batches, the unacknowledged window, reconnects."""
 
-    def __init__(self, client: "StoreClient", trajectories: Iterable[pb.Trajectory | Mapping[str, Any]], batch_size: int,
-                 max_in_flight: int, retry_deadline_s: float):
+    def __init__(
+        self,
+        client: "StoreClient",
+        trajectories: Iterable[pb.Trajectory | Mapping[str, Any]],
+        batch_size: int,
+        max_in_flight: int,
+        retry_deadline_s: float,
+    ):
         self.client = client
         self.submit = client._submit
         self.source = _batches(trajectories, batch_size)
@@ -311,8 +404,7 @@ class _SubmitSession:
             resend = list(self.unacked)
         self.result.resent_batches += len(resend)
         # fail fast while the store is down (UNAVAILABLE), so the retry loop's deadline applies
-        responses = self.submit(self._requests(attempt, resend), wait_for_ready=False,
-                                metadata=self.client._auth("worker"))
+        responses = self.submit(self._requests(attempt, resend), wait_for_ready=False, metadata=self.client._auth("worker"))
         try:
             for response in responses:
                 with self.cond:
@@ -374,4 +466,3 @@ def encode_submit_request(trajectories: Iterable[pb.Trajectory]) -> bytes:
 
 
 _TRAJECTORIES_TAG = bytes([pb.SubmitRequest.DESCRIPTOR.fields_by_name["trajectories"].number << 3 | 2])
-

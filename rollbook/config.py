@@ -34,13 +34,24 @@ class WarmStartConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    student_steps: int = Field(60, ge=0, description="Supervised steps for the student's starting point on the toy tasks "
-                               "(0 = random init). With [rollout.dataset] it is 0 and setting it above 0 is an error.")
-    teacher_steps: int = Field(0, ge=0, description="Supervised steps for the MOPD teacher on the toy tasks (0 = no "
-                               "teacher is built). Not with [rollout.dataset]: list [[trainer.teachers]] instead.")
-    specialist_teachers: bool = Field(False, description="MOPD teachers: one specialist per domain, each trained "
-                                      "teacher_steps on its own domain only and routed to by domain (needs "
-                                      "trainer.teacher_routing 'domain'); False: one teacher trained on every domain.")
+    student_steps: int = Field(
+        60,
+        ge=0,
+        description="Supervised steps for the student's starting point on the toy tasks "
+        "(0 = random init). With [rollout.dataset] it is 0 and setting it above 0 is an error.",
+    )
+    teacher_steps: int = Field(
+        0,
+        ge=0,
+        description="Supervised steps for the MOPD teacher on the toy tasks (0 = no "
+        "teacher is built). Not with [rollout.dataset]: list [[trainer.teachers]] instead.",
+    )
+    specialist_teachers: bool = Field(
+        False,
+        description="MOPD teachers: one specialist per domain, each trained "
+        "teacher_steps on its own domain only and routed to by domain (needs "
+        "trainer.teacher_routing 'domain'); False: one teacher trained on every domain.",
+    )
     batch_size: int = Field(64, ge=1, description="Problems per supervised step.")
     lr: float = Field(3e-3, gt=0, description="Supervised learning rate.")
     seed: int = Field(1, description="Seed of the supervised data order (distinct from the RL task seed).")
@@ -54,17 +65,31 @@ class OnlineConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    agent: str = Field("examples/arithmetic_agent.py", description="The agent script (plain Python, openai client), "
-                       "run as `python AGENT --proxy URL --problems FILE ...` (examples/arithmetic_agent.py's flags).")
+    agent: str = Field(
+        "examples/arithmetic_agent.py",
+        description="The agent script (plain Python, openai client), "
+        "run as `python AGENT --proxy URL --problems FILE ...` (examples/arithmetic_agent.py's flags).",
+    )
     group_size: int = Field(4, ge=1, description="Agent sessions per problem: a normalization group (turn k of them).")
     concurrency: int = Field(4, ge=1, description="Groups the agent plays at once (concurrency * group_size sessions).")
-    turns: int = Field(2, ge=1, description="Calls per session: the answer, then a retry after the agent's right./wrong. feedback.")
-    num_problems: int = Field(256, ge=1, description="Training problems per domain of rollout.domains (arithmetic, "
-                              "reverse) the agent plays, round after round (train split; fewer when a domain has fewer).")
-    num_eval_problems: int = Field(40, ge=1, description="Held-out problems per domain of the evaluation (held-out split; "
-                                   "fewer when a domain has fewer).")
-    eval_samples: int = Field(4, ge=0, description="Sampled episodes per held-out problem at the agent's temperature "
-                              "(eval/sampled_reward), drawn with eval_seed every time; 0 = greedy only.")
+    turns: int = Field(
+        2, ge=1, description="Calls per session: the answer, then a retry after the agent's right./wrong. feedback."
+    )
+    num_problems: int = Field(
+        256,
+        ge=1,
+        description="Training problems per domain of rollout.domains (arithmetic, "
+        "reverse) the agent plays, round after round (train split; fewer when a domain has fewer).",
+    )
+    num_eval_problems: int = Field(
+        40, ge=1, description="Held-out problems per domain of the evaluation (held-out split; fewer when a domain has fewer)."
+    )
+    eval_samples: int = Field(
+        4,
+        ge=0,
+        description="Sampled episodes per held-out problem at the agent's temperature "
+        "(eval/sampled_reward), drawn with eval_seed every time; 0 = greedy only.",
+    )
     eval_seed: int = Field(1234, description="Seed of the sampled evaluation (the same at every evaluation).")
     temperature: float = Field(1.0, gt=0, le=2, description="The agent's sampling temperature.")
     max_tokens: int = Field(6, ge=1, description="The agent's max_tokens per call.")
@@ -83,33 +108,71 @@ class RayConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    address: str | None = Field(None, description="Ray cluster to join (HOST:PORT of `ray start --head`, or 'auto'); "
-                                "None starts a local Ray instance for this run.")
-    num_cpus: int | None = Field(None, ge=1, description="CPUs of the local Ray instance (address None); None = this "
-                                 "machine's count, raised to what the actors declare. Fewer than the actors declare is refused.")
-    num_workers: int = Field(2, ge=1, description="Rollout worker actors; each runs `rollbook rollout`'s loop with its own "
-                             "spool (RUN_DIR/spool-I), worker_id 'ray-worker-I' and task seed rollout.seed + I.")
+    address: str | None = Field(
+        None,
+        description="Ray cluster to join (HOST:PORT of `ray start --head`, or 'auto'); "
+        "None starts a local Ray instance for this run.",
+    )
+    num_cpus: int | None = Field(
+        None,
+        ge=1,
+        description="CPUs of the local Ray instance (address None); None = this "
+        "machine's count, raised to what the actors declare. Fewer than the actors declare is refused.",
+    )
+    num_workers: int = Field(
+        2,
+        ge=1,
+        description="Rollout worker actors; each runs `rollbook rollout`'s loop with its own "
+        "spool (RUN_DIR/spool-I), worker_id 'ray-worker-I' and task seed rollout.seed + I.",
+    )
     worker_cpus: float = Field(1.0, gt=0, description="CPUs each rollout actor declares.")
     worker_resources: list[dict[str, float]] = Field(
-        default_factory=list, description="Custom Ray resources per rollout actor, cycled over the actors (e.g. "
-        "[{node_a = 1}, {node_b = 1}] puts them on nodes started with those resources); empty = any node.")
+        default_factory=list,
+        description="Custom Ray resources per rollout actor, cycled over the actors (e.g. "
+        "[{node_a = 1}, {node_b = 1}] puts them on nodes started with those resources); empty = any node.",
+    )
     trainer_cpus: float = Field(1.0, gt=0, description="CPUs each trainer rank actor declares.")
-    trainer_resources: dict[str, float] = Field(default_factory=dict, description="Custom Ray resources of every trainer "
-                                                "rank (e.g. {gpu_node = 1}); empty = any node.")
-    trainer_gpus: float = Field(0.0, ge=0, description="GPUs each trainer rank declares (placement only: the trainer keeps "
-                                "its model on the CPU today).")
-    max_restarts: int = Field(3, ge=0, description="Restarts of a rollout actor that dies; the restarted actor reuses its "
-                              "spool, so its in-flight trajectories arrive exactly once.")
-    trainer_restarts: int = Field(2, ge=0, description="Times the trainer group is started again after a rank dies; it "
-                                  "resumes from the last checkpoint (unacked leases expire and their rows return).")
-    weight_host: str = Field("127.0.0.1", description="Interface trainer rank 0 serves weights on; the rollout actors "
-                             "fetch from it. On a multi-node cluster: the node's private address (the weight stream "
-                             "is unauthenticated without mutual TLS).")
+    trainer_resources: dict[str, float] = Field(
+        default_factory=dict, description="Custom Ray resources of every trainer rank (e.g. {gpu_node = 1}); empty = any node."
+    )
+    trainer_gpus: float = Field(
+        0.0, ge=0, description="GPUs each trainer rank declares (placement only: the trainer keeps its model on the CPU today)."
+    )
+    max_restarts: int = Field(
+        3,
+        ge=0,
+        description="Restarts of a rollout actor that dies; the restarted actor reuses its "
+        "spool, so its in-flight trajectories arrive exactly once.",
+    )
+    trainer_restarts: int = Field(
+        2,
+        ge=0,
+        description="Times the trainer group is started again after a rank dies; it "
+        "resumes from the last checkpoint (unacked leases expire and their rows return).",
+    )
+    weight_host: str = Field(
+        "127.0.0.1",
+        description="Interface trainer rank 0 serves weights on; the rollout actors "
+        "fetch from it. On a multi-node cluster: the node's private address (the weight stream "
+        "is unauthenticated without mutual TLS).",
+    )
+
 
 # [store] fields rollbook run sets itself: the ledger is RUN_DIR/rollbook.duckdb on a loopback port,
 # the keys are the run's own (RUN_DIR/keys.json)
-_RUN_OWNS = ("db", "host", "port", "worker_key", "trainer_key", "reader_key", "admin_key", "tls_cert", "tls_key",
-             "tls_client_ca", "insecure")
+_RUN_OWNS = (
+    "db",
+    "host",
+    "port",
+    "worker_key",
+    "trainer_key",
+    "reader_key",
+    "admin_key",
+    "tls_cert",
+    "tls_key",
+    "tls_client_ca",
+    "insecure",
+)
 
 
 class RunConfig(BaseModel):
@@ -117,57 +180,87 @@ class RunConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    run_dir: str = Field("runs/quickstart", description="Run directory: rollbook.duckdb, checkpoints/, metrics.jsonl, "
-                         "config.json, keys.json (see the README). trainer.run_dir follows it.")
+    run_dir: str = Field(
+        "runs/quickstart",
+        description="Run directory: rollbook.duckdb, checkpoints/, metrics.jsonl, "
+        "config.json, keys.json (see the README). trainer.run_dir follows it.",
+    )
     placement: Literal["colocated", "separated", "ray"] = Field(
-        "colocated", description="colocated: rollout and training alternate in one process (eta = 0 is strictly on-policy). "
+        "colocated",
+        description="colocated: rollout and training alternate in one process (eta = 0 is strictly on-policy). "
         "separated: a rollout worker process runs asynchronously, weights over shared memory, bounded staleness. "
-        "ray: rollout workers and trainer ranks as Ray actors on any nodes, weights over the network channel ([ray]).")
-    num_steps: int = Field(40, ge=1, description="Trainer steps in all (a resumed run trains up to this count). "
-                           "trainer.num_steps follows it.")
+        "ray: rollout workers and trainer ranks as Ray actors on any nodes, weights over the network channel ([ray]).",
+    )
+    num_steps: int = Field(
+        40, ge=1, description="Trainer steps in all (a resumed run trains up to this count). trainer.num_steps follows it."
+    )
     max_staleness: int | None = Field(
-        None, ge=0, description="eta, the staleness bound of both the trainer's pulls and the worker's gate "
+        None,
+        ge=0,
+        description="eta, the staleness bound of both the trainer's pulls and the worker's gate "
         f"(trainer.max_staleness and rollout.max_staleness follow it). None: 0 colocated (on-policy), "
-        f"{SEPARATED_MAX_STALENESS} separated and ray (asynchronous), {ONLINE_MAX_STALENESS} online.")
-    eval_every: int = Field(5, ge=1, description="Evaluate held-out reward every N steps (and before the first and after the last).")
+        f"{SEPARATED_MAX_STALENESS} separated and ray (asynchronous), {ONLINE_MAX_STALENESS} online.",
+    )
+    eval_every: int = Field(
+        5, ge=1, description="Evaluate held-out reward every N steps (and before the first and after the last)."
+    )
     warm_start: WarmStartConfig = Field(default_factory=WarmStartConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     ray: RayConfig = Field(default_factory=RayConfig, description="The ray placement: cluster, actors, resources.")
-    store: StoreConfig = Field(default_factory=StoreConfig, description="Store policies (validator, ingest, SQL and "
-                               "stream limits) of the store process the run starts; db, host, port, keys and TLS are the run's.")
-    online: OnlineConfig | None = Field(None, description="Online mode: learn from an agent through rollbook proxy "
-                                        "(docs/online.md); None = learn from the rollout worker.")
+    store: StoreConfig = Field(
+        default_factory=StoreConfig,
+        description="Store policies (validator, ingest, SQL and "
+        "stream limits) of the store process the run starts; db, host, port, keys and TLS are the run's.",
+    )
+    online: OnlineConfig | None = Field(
+        None,
+        description="Online mode: learn from an agent through rollbook proxy "
+        "(docs/online.md); None = learn from the rollout worker.",
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> "RunConfig":
-        owned = sorted(f for f in set(_RUN_OWNS) & self.store.model_fields_set  # config.json repeats the defaults
-                       if getattr(self.store, f) != StoreConfig.model_fields[f].default)
+        owned = sorted(
+            f
+            for f in set(_RUN_OWNS) & self.store.model_fields_set  # config.json repeats the defaults
+            if getattr(self.store, f) != StoreConfig.model_fields[f].default
+        )
         if owned:
-            raise ValueError(f"store.{owned[0]} is set by rollbook run itself (ledger RUN_DIR/rollbook.duckdb on a "
-                             "loopback port, keys in RUN_DIR/keys.json); remove it from [store]")
+            raise ValueError(
+                f"store.{owned[0]} is set by rollbook run itself (ledger RUN_DIR/rollbook.duckdb on a "
+                "loopback port, keys in RUN_DIR/keys.json); remove it from [store]"
+            )
         self.run_dir = _one_value("run_dir", self, ("trainer", self.trainer, "run_dir"))
         self.num_steps = _one_value("num_steps", self, ("trainer", self.trainer, "num_steps"))
-        eta = _one_value("max_staleness", self, ("trainer", self.trainer, "max_staleness"),
-                         ("rollout", self.rollout, "max_staleness"))
-        default_eta = (ONLINE_MAX_STALENESS if self.online is not None
-                       else 0 if self.placement == "colocated" else SEPARATED_MAX_STALENESS)
+        eta = _one_value(
+            "max_staleness", self, ("trainer", self.trainer, "max_staleness"), ("rollout", self.rollout, "max_staleness")
+        )
+        default_eta = (
+            ONLINE_MAX_STALENESS if self.online is not None else 0 if self.placement == "colocated" else SEPARATED_MAX_STALENESS
+        )
         self.max_staleness = eta if eta is not None else default_eta
         self.trainer.run_dir, self.trainer.num_steps = self.run_dir, self.num_steps
         self.trainer.max_staleness = self.rollout.max_staleness = self.max_staleness
         if self.trainer.num_ranks > 1 and self.placement != "ray":
-            raise ValueError(f"trainer.num_ranks = {self.trainer.num_ranks} needs placement 'ray' (colocated and separated "
-                             "train in one process; `rollbook train --num_ranks N` runs ranks against any store)")
+            raise ValueError(
+                f"trainer.num_ranks = {self.trainer.num_ranks} needs placement 'ray' (colocated and separated "
+                "train in one process; `rollbook train --num_ranks N` runs ranks against any store)"
+            )
         if self.trainer.loss.distill_coef > 0 and self.warm_start.teacher_steps == 0 and not self.trainer.teachers:
-            raise ValueError("MOPD (trainer.loss.distill_coef > 0) needs a teacher: set warm_start.teacher_steps > 0 "
-                             "or list [[trainer.teachers]]")
+            raise ValueError(
+                "MOPD (trainer.loss.distill_coef > 0) needs a teacher: set warm_start.teacher_steps > 0 "
+                "or list [[trainer.teachers]]"
+            )
         if self.rollout.dataset is not None:  # the warm start knows only the toy tasks and their tokenizer
             ws = self.warm_start
             asked = [f for f in ("student_steps", "teacher_steps") if f in ws.model_fields_set and getattr(ws, f) > 0]
             if asked:
-                raise ValueError(f"warm_start.{asked[0]} = {getattr(ws, asked[0])}: the warm start trains on the toy tasks, "
-                                 "not on [rollout.dataset] rows; set it to 0 (start from trainer.model.path, or list "
-                                 "[[trainer.teachers]] for MOPD)")
+                raise ValueError(
+                    f"warm_start.{asked[0]} = {getattr(ws, asked[0])}: the warm start trains on the toy tasks, "
+                    "not on [rollout.dataset] rows; set it to 0 (start from trainer.model.path, or list "
+                    "[[trainer.teachers]] for MOPD)"
+                )
             ws.student_steps = 0  # its default is the toy tasks'
         return self
 
@@ -176,8 +269,9 @@ def _one_value(name: str, top: BaseModel, *copies: tuple[str, BaseModel, str]) -
     """The value of the top-level field ``name`` or of the explicitly set copies of it; two
     explicitly set values that differ are an error. None when none is set and the top has no default."""
     given = {name: getattr(top, name)} if name in top.model_fields_set else {}
-    given.update({f"{prefix}.{field}": getattr(model, field) for prefix, model, field in copies
-                  if field in model.model_fields_set})
+    given.update(
+        {f"{prefix}.{field}": getattr(model, field) for prefix, model, field in copies if field in model.model_fields_set}
+    )
     if len(set(given.values())) > 1:
         spelled = ", ".join(f"{k} = {v!r}" for k, v in given.items())
         raise ValueError(f"{spelled} disagree: set {name} once (the others follow it)")
@@ -235,8 +329,13 @@ def read_config_file(path: str | pathlib.Path) -> dict[str, Any]:
         raise ConfigError(f"config file {str(path)!r} does not parse: {exc}") from None
 
 
-def load_config(model: type[M], path: str | None, overrides: list[str], base: dict[str, Any] | None = None,
-                final: dict[str, Any] | None = None) -> M:
+def load_config(
+    model: type[M],
+    path: str | None,
+    overrides: list[str],
+    base: dict[str, Any] | None = None,
+    final: dict[str, Any] | None = None,
+) -> M:
     """``base`` (e.g. values from the environment), then the file, then the dotted overrides, then
     ``final`` (e.g. explicit flags); a missing file, a bad override or a refused value is a
     ``ConfigError`` in one line."""

@@ -52,11 +52,16 @@ class FieldMap(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     prompt: str = Field("prompt", description="Column of a plain-text prompt (used as it is).")
-    messages: str = Field("messages", description="Column of a chat prompt: a list of {role, content} (JSON text in "
-                          "CSV); goes through the tokenizer's chat template. A row has a prompt or messages.")
+    messages: str = Field(
+        "messages",
+        description="Column of a chat prompt: a list of {role, content} (JSON text in "
+        "CSV); goes through the tokenizer's chat template. A row has a prompt or messages.",
+    )
     answer: str = Field("answer", description="Column of the reference answer (math, exact, regex rewards).")
-    tests: str = Field("tests", description="Column of the tests (code reward): a list of Python statements, or a JSON "
-                       "list / one block of code as text.")
+    tests: str = Field(
+        "tests",
+        description="Column of the tests (code reward): a list of Python statements, or a JSON list / one block of code as text.",
+    )
     domain: str = Field("domain", description="Column naming the row's domain (which reward scores it).")
     task_id: str = Field("task_id", description="Column of a stable task id (else one is made from a hash of the prompt).")
 
@@ -67,20 +72,30 @@ class DatasetConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     train_files: list[str] = Field(min_length=1, description="Training files (.jsonl, .parquet, .csv; local paths).")
-    heldout_files: list[str] = Field(default_factory=list, description="Held-out files; empty = split the training files "
-                                     "by a stable hash of the task id (heldout_fraction).")
+    heldout_files: list[str] = Field(
+        default_factory=list,
+        description="Held-out files; empty = split the training files by a stable hash of the task id (heldout_fraction).",
+    )
     format: Format = Field("auto", description="File format; 'auto' goes by the file suffix (.jsonl/.json, .parquet, .csv).")
     fields: FieldMap = Field(default_factory=FieldMap, description="Column names of the fields.")
     default_domain: str | None = Field(None, description="Domain of rows without a domain column (None: such a row is bad).")
-    heldout_fraction: float = Field(0.1, ge=0, lt=1, description="Without heldout_files: the share of rows held out, by "
-                                    "a stable hash of the task id.")
+    heldout_fraction: float = Field(
+        0.1, ge=0, lt=1, description="Without heldout_files: the share of rows held out, by a stable hash of the task id."
+    )
     shuffle: bool = Field(True, description="Visit the training rows in a seeded random order, a new order every epoch.")
     seed: int = Field(0, description="Shuffling seed.")
-    epochs: int = Field(0, ge=0, description="Passes over the training rows; 0 = no end (the run's num_steps bounds it). "
-                        "When the epochs are done the worker stops producing.")
-    on_bad_row: Literal["skip", "fail"] = Field("skip", description="A bad row (missing field, wrong type, undecodable "
-                                                "text, invalid JSON line): 'skip' reports it as file:line and goes on; "
-                                                "'fail' refuses the dataset at load time, naming every bad row.")
+    epochs: int = Field(
+        0,
+        ge=0,
+        description="Passes over the training rows; 0 = no end (the run's num_steps bounds it). "
+        "When the epochs are done the worker stops producing.",
+    )
+    on_bad_row: Literal["skip", "fail"] = Field(
+        "skip",
+        description="A bad row (missing field, wrong type, undecodable "
+        "text, invalid JSON line): 'skip' reports it as file:line and goes on; "
+        "'fail' refuses the dataset at load time, naming every bad row.",
+    )
     max_rows: int | None = Field(None, ge=1, description="Read at most this many rows per file (None = all).")
 
 
@@ -99,10 +114,16 @@ class Row:
 
     def as_dict(self) -> dict[str, Any]:
         """What a verifier receives (``rollbook/rewards.py``): plain, picklable values."""
-        return {"task_id": self.task_id, "domain": self.domain, "prompt": self.prompt,
-                "messages": [dict(m) for m in self.messages] if self.messages is not None else None,
-                "answer": self.answer, "tests": list(self.tests) if isinstance(self.tests, tuple) else self.tests,
-                "source": self.source, "extra": dict(self.extra)}
+        return {
+            "task_id": self.task_id,
+            "domain": self.domain,
+            "prompt": self.prompt,
+            "messages": [dict(m) for m in self.messages] if self.messages is not None else None,
+            "answer": self.answer,
+            "tests": list(self.tests) if isinstance(self.tests, tuple) else self.tests,
+            "source": self.source,
+            "extra": dict(self.extra),
+        }
 
 
 @dataclass(frozen=True)
@@ -217,8 +238,16 @@ def _maybe_json(value: Any, csv_text: bool) -> Any:
     return value
 
 
-def _row(record: Mapping[str, Any], m: FieldMap, config: DatasetConfig, stem: str, source: str, csv_text: bool,
-         requirements: Mapping[str, Sequence[str]], known_domains: set[str] | None) -> Row:
+def _row(
+    record: Mapping[str, Any],
+    m: FieldMap,
+    config: DatasetConfig,
+    stem: str,
+    source: str,
+    csv_text: bool,
+    requirements: Mapping[str, Sequence[str]],
+    known_domains: set[str] | None,
+) -> Row:
     def cell(name: str) -> Any:
         value = record.get(name)
         return None if value is None or (csv_text and value == "") else value
@@ -270,12 +299,18 @@ def _row(record: Mapping[str, Any], m: FieldMap, config: DatasetConfig, stem: st
         raise _Bad(f"field {m.task_id!r} must be text or an integer, got {type(task_id).__name__}")
     mapped = {m.prompt, m.messages, m.answer, m.tests, m.domain, m.task_id}
     extra = {k: v for k, v in record.items() if k not in mapped}
-    return Row(task_id=task_id, domain=domain, prompt=prompt, messages=messages, answer=answer, tests=tests,
-               source=source, extra=extra)
+    return Row(
+        task_id=task_id, domain=domain, prompt=prompt, messages=messages, answer=answer, tests=tests, source=source, extra=extra
+    )
 
 
-def read_rows(paths: Sequence[str], config: DatasetConfig, *, requirements: Mapping[str, Sequence[str]] = {},
-              known_domains: set[str] | None = None) -> tuple[list[Row], list[BadRow]]:
+def read_rows(
+    paths: Sequence[str],
+    config: DatasetConfig,
+    *,
+    requirements: Mapping[str, Sequence[str]] = {},
+    known_domains: set[str] | None = None,
+) -> tuple[list[Row], list[BadRow]]:
     """Every good row of ``paths`` in file order, and every bad one (each also logged as file:line)."""
     rows: list[Row] = []
     bad: list[BadRow] = []
@@ -288,12 +323,12 @@ def read_rows(paths: Sequence[str], config: DatasetConfig, *, requirements: Mapp
             try:
                 if isinstance(record, _Bad):
                     raise record
-                rows.append(_row(record, config.fields, config, path.stem, f"{path}:{line}", fmt == "csv",
-                                 requirements, known_domains))
+                rows.append(
+                    _row(record, config.fields, config, path.stem, f"{path}:{line}", fmt == "csv", requirements, known_domains)
+                )
             except _Bad as exc:
                 bad.append(BadRow(str(path), line, str(exc)))
-                log.warning("bad row %s:%d: %s (%s)", path, line, exc,
-                            "skipped" if config.on_bad_row == "skip" else "refused")
+                log.warning("bad row %s:%d: %s (%s)", path, line, exc, "skipped" if config.on_bad_row == "skip" else "refused")
     return rows, bad
 
 
@@ -302,8 +337,9 @@ def heldout_bucket(task_id: str) -> float:
     return int.from_bytes(hashlib.blake2b(task_id.encode(), digest_size=8).digest(), "big") / 2**64
 
 
-def load_dataset(config: DatasetConfig, *, requirements: Mapping[str, Sequence[str]] = {},
-                 known_domains: set[str] | None = None) -> Dataset:
+def load_dataset(
+    config: DatasetConfig, *, requirements: Mapping[str, Sequence[str]] = {}, known_domains: set[str] | None = None
+) -> Dataset:
     """Read and check every row now. ``requirements``: the fields each domain's reward needs (a row
     without them is bad); ``known_domains``: the domains with a reward (a row of another is bad)."""
     train, bad = read_rows(config.train_files, config, requirements=requirements, known_domains=known_domains)

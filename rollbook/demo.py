@@ -21,15 +21,20 @@ from rollbook.query_cli import format_table
 from rollbook.run import StoreProcess
 
 QUESTIONS = [
-    ("Accepted evidence by domain",
-     "SELECT domain, count(*) AS trajectories, sum(num_output_tokens) AS tokens, round(avg(reward), 3) AS mean_reward "
-     "FROM trajectories GROUP BY domain ORDER BY domain"),
-    ("Why trajectories were rejected",
-     "SELECT reason, count(*) AS n, any_value(detail) AS example FROM rejections GROUP BY reason ORDER BY n DESC"),
-    ("Tokens per policy version (mixed-version sequences counted in both)",
-     "SELECT v AS version, count(*) AS tokens FROM (SELECT unnest(output_versions) AS v FROM trajectories) GROUP BY v ORDER BY v"),
-    ("Policy versions published",
-     "SELECT model_id, version, checksum FROM policy_versions ORDER BY version"),
+    (
+        "Accepted evidence by domain",
+        "SELECT domain, count(*) AS trajectories, sum(num_output_tokens) AS tokens, round(avg(reward), 3) AS mean_reward "
+        "FROM trajectories GROUP BY domain ORDER BY domain",
+    ),
+    (
+        "Why trajectories were rejected",
+        "SELECT reason, count(*) AS n, any_value(detail) AS example FROM rejections GROUP BY reason ORDER BY n DESC",
+    ),
+    (
+        "Tokens per policy version (mixed-version sequences counted in both)",
+        "SELECT v AS version, count(*) AS tokens FROM (SELECT unnest(output_versions) AS v FROM trajectories) GROUP BY v ORDER BY v",
+    ),
+    ("Policy versions published", "SELECT model_id, version, checksum FROM policy_versions ORDER BY version"),
 ]
 
 
@@ -91,8 +96,10 @@ def run_demo(args: argparse.Namespace) -> int:
             t0 = time.perf_counter()
             result = client.submit(workload, batch_size=64)
             dt = time.perf_counter() - t0
-            print(f"submitted {len(workload)} trajectories in {dt:.2f} s: {result.accepted} accepted, "
-                  f"{result.rejected} rejected, {result.duplicates} duplicates")
+            print(
+                f"submitted {len(workload)} trajectories in {dt:.2f} s: {result.accepted} accepted, "
+                f"{result.rejected} rejected, {result.duplicates} duplicates"
+            )
             again = client.submit(workload[:100])
             print(f"resubmitted 100: {again.duplicates} DUPLICATE, nothing stored twice")
             for title, sql in QUESTIONS:
@@ -100,5 +107,5 @@ def run_demo(args: argparse.Namespace) -> int:
                 print(format_table(client.query(sql)))
     finally:
         store.stop()
-    print(f"ledger left at {db}; ask it more with:\n  rollbook query --db {db} \"SELECT * FROM trajectories LIMIT 5\"")
+    print(f'ledger left at {db}; ask it more with:\n  rollbook query --db {db} "SELECT * FROM trajectories LIMIT 5"')
     return 0

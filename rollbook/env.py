@@ -34,8 +34,13 @@ ROLES = ("worker", "trainer", "reader", "admin")
 VARIABLES = (
     "ROLLBOOK_SERVER",
     *(f"ROLLBOOK_{role.upper()}_KEY" for role in ROLES),
-    "ROLLBOOK_TLS_CERT", "ROLLBOOK_TLS_KEY", "ROLLBOOK_TLS_CLIENT_CA",
-    "ROLLBOOK_TLS_CA", "ROLLBOOK_TLS_CLIENT_CERT", "ROLLBOOK_TLS_CLIENT_KEY", "ROLLBOOK_TLS_SERVER_NAME",
+    "ROLLBOOK_TLS_CERT",
+    "ROLLBOOK_TLS_KEY",
+    "ROLLBOOK_TLS_CLIENT_CA",
+    "ROLLBOOK_TLS_CA",
+    "ROLLBOOK_TLS_CLIENT_CERT",
+    "ROLLBOOK_TLS_CLIENT_KEY",
+    "ROLLBOOK_TLS_SERVER_NAME",
     "ROLLBOOK_BENCH_NOVALIDATE",
 )
 
@@ -68,8 +73,12 @@ def server_tls() -> dict[str, str | None]:
 
 def client_tls() -> dict[str, str | None]:
     """``{"ca", "cert", "key", "server_name"}`` of a client's TLS."""
-    return {"ca": get("ROLLBOOK_TLS_CA"), "cert": get("ROLLBOOK_TLS_CLIENT_CERT"), "key": get("ROLLBOOK_TLS_CLIENT_KEY"),
-            "server_name": get("ROLLBOOK_TLS_SERVER_NAME")}
+    return {
+        "ca": get("ROLLBOOK_TLS_CA"),
+        "cert": get("ROLLBOOK_TLS_CLIENT_CERT"),
+        "key": get("ROLLBOOK_TLS_CLIENT_KEY"),
+        "server_name": get("ROLLBOOK_TLS_SERVER_NAME"),
+    }
 
 
 def validate_evidence() -> bool:

@@ -29,10 +29,14 @@ class ModelConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     path: str | None = Field(
-        None, description="Local Hugging Face directory of the student (config.json + weights, e.g. saved with "
+        None,
+        description="Local Hugging Face directory of the student (config.json + weights, e.g. saved with "
         "save_pretrained; nothing is downloaded): the trainer and the rollout worker load the same directory and its "
-        "config.json vocab_size is what the store registers. None builds a tiny model from the fields below.")
-    vocab_size: int | None = Field(None, ge=2, description="Tiny model: vocabulary size; None = the task tokenizer's (rollbook/tasks.py). Ignored with path.")
+        "config.json vocab_size is what the store registers. None builds a tiny model from the fields below.",
+    )
+    vocab_size: int | None = Field(
+        None, ge=2, description="Tiny model: vocabulary size; None = the task tokenizer's (rollbook/tasks.py). Ignored with path."
+    )
     hidden_size: int = Field(64, ge=8, description="Tiny model: hidden size.")
     num_layers: int = Field(2, ge=1, description="Tiny model: number of decoder layers.")
     num_heads: int = Field(4, ge=1, description="Tiny model: attention heads.")
@@ -146,7 +150,12 @@ def build_student(m: ModelConfig, *, seed: int | None = None) -> "PreTrainedMode
 
     if m.path:
         return load_model(m.path, what="model.path")
-    spec = TinyModelSpec(vocab_size=m.vocab_size or TOKENIZER.vocab_size, hidden_size=m.hidden_size,
-                         num_layers=m.num_layers, num_heads=m.num_heads, num_kv_heads=m.num_kv_heads,
-                         intermediate_size=m.intermediate_size)
+    spec = TinyModelSpec(
+        vocab_size=m.vocab_size or TOKENIZER.vocab_size,
+        hidden_size=m.hidden_size,
+        num_layers=m.num_layers,
+        num_heads=m.num_heads,
+        num_kv_heads=m.num_kv_heads,
+        intermediate_size=m.intermediate_size,
+    )
     return build_tiny_model(spec, seed=m.seed if seed is None else seed)

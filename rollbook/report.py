@@ -35,8 +35,8 @@ SUMMARY_SQL = {
     "trained": "SELECT count(DISTINCT trajectory_id) AS n FROM leases WHERE acked_at IS NOT NULL",
     "steps": "SELECT count(DISTINCT step) AS n FROM train_steps",
     "staleness": "SELECT l.trainer_version - t.min_version AS staleness, count(*) AS n "
-                 "FROM leases l JOIN trajectories t USING (trajectory_id) WHERE l.acked_at IS NOT NULL "
-                 "GROUP BY staleness ORDER BY staleness",
+    "FROM leases l JOIN trajectories t USING (trajectory_id) WHERE l.acked_at IS NOT NULL "
+    "GROUP BY staleness ORDER BY staleness",
 }
 
 PLOTS = ("heldout", "train_reward", "teacher_gap", "staleness", "rejections", "throughput")
@@ -81,7 +81,7 @@ def _evals(metrics: list[dict]) -> list[dict]:
 
 def _domains(metrics: list[dict], prefix: str) -> list[str]:
     skip = {"reward", "sampled_reward", "errors", "num_ok", "num_error", "mean", "normalized_mean", "sampled"}
-    found = {k[len(prefix):] for m in metrics for k in m if k.startswith(prefix)}
+    found = {k[len(prefix) :] for m in metrics for k in m if k.startswith(prefix)}
     return sorted(d for d in found if d not in skip and "/" not in d)
 
 
@@ -209,16 +209,27 @@ def _plots(runs: list[tuple[str, list[dict], dict]], out: pathlib.Path) -> list[
     per_domain("teacher_gap", "teacher gap", "log pi_T - log pi_student", Keyed("teacher_gap/"))
 
     # staleness and rejections: grouped bars, one color per run
-    for name, key, title, xlabel in (("staleness", "staleness", "trained rows by staleness", "staleness (versions)"),
-                                     ("rejections", "rejected_by_reason", "rejected trajectories by reason", "")):
+    for name, key, title, xlabel in (
+        ("staleness", "staleness", "trained rows by staleness", "staleness (versions)"),
+        ("rejections", "rejected_by_reason", "rejected trajectories by reason", ""),
+    ):
         cats = sorted({c for _, _, s in runs for c in s[key]}, key=lambda c: (len(c), c))
         fig, ax = plt.subplots(figsize=(max(4.5, 1.2 * len(cats) + 2), 3.4))
         width = 0.8 / len(runs)
         for i, (label, _, summary) in enumerate(runs):
-            ax.bar([j + i * width for j in range(len(cats))], [summary[key].get(c, 0) for c in cats], width,
-                   color=f"C{i}", label=label)
-        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(cats))], cats, rotation=20 if key != "staleness" else 0,
-                      fontsize=7 if key != "staleness" else 9)
+            ax.bar(
+                [j + i * width for j in range(len(cats))],
+                [summary[key].get(c, 0) for c in cats],
+                width,
+                color=f"C{i}",
+                label=label,
+            )
+        ax.set_xticks(
+            [j + 0.4 - width / 2 for j in range(len(cats))],
+            cats,
+            rotation=20 if key != "staleness" else 0,
+            fontsize=7 if key != "staleness" else 9,
+        )
         ax.set_title(title if cats else f"{title}: none")
         ax.set_xlabel(xlabel)
         ax.set_ylabel("rows")
@@ -274,12 +285,19 @@ def _markdown(runs: list[tuple[str, list[dict], dict]], pngs: list[str]) -> str:
         text = ", ".join(f"{r}: {n}" for r, n in s["rejected_by_reason"].items()) or "none"
         lines.append(f"- {label}: {text}")
     lines.append("")
-    titles = {"heldout": "Held-out reward per domain", "train_reward": "Training reward per domain",
-              "teacher_gap": "Teacher gap per domain (MOPD)", "staleness": "Staleness of trained rows",
-              "rejections": "Rejections by reason", "throughput": "Throughput"}
+    titles = {
+        "heldout": "Held-out reward per domain",
+        "train_reward": "Training reward per domain",
+        "teacher_gap": "Teacher gap per domain (MOPD)",
+        "staleness": "Staleness of trained rows",
+        "rejections": "Rejections by reason",
+        "throughput": "Throughput",
+    }
     for name in PLOTS:
         if name in pngs:
             lines += [f"## {titles[name]}", "", f"![{name}]({name}.png)", ""]
-    lines += ["Numbers: each run's summary.json; ask the ledger more with "
-              "`rollbook query --db RUN_DIR/rollbook.duckdb \"SQL\"`.", ""]
+    lines += [
+        'Numbers: each run\'s summary.json; ask the ledger more with `rollbook query --db RUN_DIR/rollbook.duckdb "SQL"`.',
+        "",
+    ]
     return "\n".join(lines)

@@ -56,23 +56,41 @@ class RewardConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    kind: str = Field(description="'math' (math-verify), 'code' (sandboxed tests), 'exact', 'regex', or "
-                      "'package.module:function' (your own f(completion, row) -> float).")
-    pattern: str | None = Field(None, description="regex: the pattern searched in the completion (group 1, if any, is "
-                                "the extracted answer compared with the row's reference).")
+    kind: str = Field(
+        description="'math' (math-verify), 'code' (sandboxed tests), 'exact', 'regex', or "
+        "'package.module:function' (your own f(completion, row) -> float)."
+    )
+    pattern: str | None = Field(
+        None,
+        description="regex: the pattern searched in the completion (group 1, if any, is "
+        "the extracted answer compared with the row's reference).",
+    )
     case_sensitive: bool = Field(True, description="exact / regex: compare case-sensitively.")
-    code_reward: str = Field("all", pattern="^(all|fraction)$", description="code: 'all' = 1.0 only when every test "
-                             "passes (the fraction is still recorded), 'fraction' = the fraction of tests passed.")
-    timeout_s: float = Field(10.0, gt=0, le=600, description="code: wall-clock limit of one program run (the "
-                             "process group is killed after it).")
+    code_reward: str = Field(
+        "all",
+        pattern="^(all|fraction)$",
+        description="code: 'all' = 1.0 only when every test "
+        "passes (the fraction is still recorded), 'fraction' = the fraction of tests passed.",
+    )
+    timeout_s: float = Field(
+        10.0, gt=0, le=600, description="code: wall-clock limit of one program run (the process group is killed after it)."
+    )
     cpu_s: int = Field(5, ge=1, le=600, description="code: CPU-seconds limit (RLIMIT_CPU).")
     memory_mb: int = Field(512, ge=64, le=65536, description="code: address-space limit (RLIMIT_AS / RLIMIT_DATA).")
-    max_file_mb: int = Field(16, ge=1, le=4096, description="code: largest file (and captured output) the program may "
-                             "write (RLIMIT_FSIZE).")
-    max_files: int = Field(32, ge=1, le=100000, description="code: most files the program may open for writing "
-                           "(with max_file_mb, a bound on what it can write to disk).")
-    network_namespace: bool = Field(True, description="code: run in fresh user/network/PID namespaces (unshare) "
-                                    "where the platform allows; socket use is refused in-process either way.")
+    max_file_mb: int = Field(
+        16, ge=1, le=4096, description="code: largest file (and captured output) the program may write (RLIMIT_FSIZE)."
+    )
+    max_files: int = Field(
+        32,
+        ge=1,
+        le=100000,
+        description="code: most files the program may open for writing (with max_file_mb, a bound on what it can write to disk).",
+    )
+    network_namespace: bool = Field(
+        True,
+        description="code: run in fresh user/network/PID namespaces (unshare) "
+        "where the platform allows; socket use is refused in-process either way.",
+    )
 
     @field_validator("kind")
     @classmethod
@@ -82,9 +100,14 @@ class RewardConfig(BaseModel):
         return kind
 
     def limits(self) -> SandboxLimits:
-        return SandboxLimits(wall_s=self.timeout_s, cpu_s=self.cpu_s, memory_mb=self.memory_mb,
-                             max_file_mb=self.max_file_mb, max_files=self.max_files,
-                             network_namespace=self.network_namespace)
+        return SandboxLimits(
+            wall_s=self.timeout_s,
+            cpu_s=self.cpu_s,
+            memory_mb=self.memory_mb,
+            max_file_mb=self.max_file_mb,
+            max_files=self.max_files,
+            network_namespace=self.network_namespace,
+        )
 
 
 @dataclass
@@ -154,8 +177,14 @@ def code_reward(config: RewardConfig) -> Verifier:
         result = run_program(extract_program(completion), tests, limits)
         if result.reason == "sandbox_error":
             raise VerifierError(f"sandbox failed: {result.detail}")
-        info = {"reason": result.reason, "passed": result.passed, "total": result.total, "fraction": result.fraction,
-                "detail": result.detail, "wall_s": round(result.wall_s, 3)}
+        info = {
+            "reason": result.reason,
+            "passed": result.passed,
+            "total": result.total,
+            "fraction": result.fraction,
+            "detail": result.detail,
+            "wall_s": round(result.wall_s, 3),
+        }
         if result.violations or result.reason not in ("ok", "tests_failed"):
             return Scored(RewardOutcome("ok", 0.0), info)  # misbehaviour: 0 whatever passed before it
         reward = result.fraction if config.code_reward == "fraction" else float(result.all_passed)
@@ -233,12 +262,15 @@ def score_row(verifier: Verifier, completion: str, row: Mapping[str, Any]) -> Sc
     elif isinstance(got, (bool, int, float)):
         scored = Scored(RewardOutcome("ok", float(got)))
     else:
-        return Scored(RewardOutcome("error", None, f"verifier returned {type(got).__name__}, not a number"),
-                      {"reason": "verifier_error"})
+        return Scored(
+            RewardOutcome("error", None, f"verifier returned {type(got).__name__}, not a number"), {"reason": "verifier_error"}
+        )
     outcome = scored.outcome
     if outcome.status == "ok" and (outcome.reward is None or not math.isfinite(outcome.reward)):
-        return Scored(RewardOutcome("error", None, f"verifier returned a non-finite reward {outcome.reward!r}"),
-                      {"reason": "verifier_error"})
+        return Scored(
+            RewardOutcome("error", None, f"verifier returned a non-finite reward {outcome.reward!r}"),
+            {"reason": "verifier_error"},
+        )
     return scored
 
 
@@ -252,8 +284,10 @@ def _score_remote(config_json: str, completion: str, row: Mapping[str, Any]) -> 
         if verifier is None:
             verifier = _BUILT[config_json] = build_reward(RewardConfig.model_validate_json(config_json))
     except Exception as exc:
-        return Scored(RewardOutcome("error", None, f"cannot build the verifier: {type(exc).__name__}: {exc}"[:500]),
-                      {"reason": "verifier_error"})
+        return Scored(
+            RewardOutcome("error", None, f"cannot build the verifier: {type(exc).__name__}: {exc}"[:500]),
+            {"reason": "verifier_error"},
+        )
     return score_row(verifier, completion, row)
 
 
@@ -290,16 +324,21 @@ class RewardPool:
     def _pool(self) -> cf.ProcessPoolExecutor:
         with self._lock:
             if self._executor is None:
-                self._executor = cf.ProcessPoolExecutor(self.max_workers, mp_context=multiprocessing.get_context("spawn"),
-                                                        initializer=_warm_up)
+                self._executor = cf.ProcessPoolExecutor(
+                    self.max_workers, mp_context=multiprocessing.get_context("spawn"), initializer=_warm_up
+                )
             return self._executor
 
     def submit(self, domain: str, completion: str, row: Mapping[str, Any]) -> cf.Future[Scored]:
         config = self._configs.get(domain)
         if config is None:
             done: cf.Future[Scored] = cf.Future()
-            done.set_result(Scored(RewardOutcome("error", None, f"no reward configured for domain {domain!r} "
-                                                 f"(configured: {self.domains()})"), {"reason": "verifier_error"}))
+            done.set_result(
+                Scored(
+                    RewardOutcome("error", None, f"no reward configured for domain {domain!r} (configured: {self.domains()})"),
+                    {"reason": "verifier_error"},
+                )
+            )
             return done
         if self.max_workers == 0:
             inline: cf.Future[Scored] = cf.Future()
@@ -321,8 +360,9 @@ class RewardPool:
             return Scored(RewardOutcome("error", None, f"reward process died: {exc}"[:500]), {"reason": "verifier_error"})
         except cf.TimeoutError:
             future.cancel()
-            return Scored(RewardOutcome("error", None, f"verifier did not answer within {timeout} s"),
-                          {"reason": "verifier_error"})
+            return Scored(
+                RewardOutcome("error", None, f"verifier did not answer within {timeout} s"), {"reason": "verifier_error"}
+            )
         except Exception as exc:
             return Scored(RewardOutcome("error", None, f"{type(exc).__name__}: {exc}"[:500]), {"reason": "verifier_error"})
 

@@ -38,16 +38,19 @@ from rollbook.run_support import MetricsLog, check_inputs, heldout_text, install
 log = logging.getLogger("rollbook.run")
 
 SUMMARY_SQL = [
-    ("Reward and staleness per trainer step (train_steps)",
-     "SELECT step, version, round((stats->>'$.\"reward/mean\"')::DOUBLE, 3) AS reward, "
-     "round((stats->>'$.\"loss/total\"')::DOUBLE, 4) AS loss, stats->>'$.\"batch/staleness_max\"' AS max_staleness "
-     "FROM train_steps ORDER BY step DESC LIMIT 5"),
-    ("Which trajectories trained the last step, under which versions, with what rewards",
-     "SELECT l.step, t.domain, t.output_versions, t.original_reward, round(t.reward, 3) AS normalized "
-     "FROM leases l JOIN trajectories t USING (trajectory_id) "
-     "WHERE l.acked_at IS NOT NULL AND l.step = (SELECT max(step) FROM leases WHERE acked_at IS NOT NULL) LIMIT 5"),
-    ("Evidence that will never train, by reason",
-     "SELECT reason, count(*) AS n FROM rejections GROUP BY reason ORDER BY n DESC"),
+    (
+        "Reward and staleness per trainer step (train_steps)",
+        "SELECT step, version, round((stats->>'$.\"reward/mean\"')::DOUBLE, 3) AS reward, "
+        "round((stats->>'$.\"loss/total\"')::DOUBLE, 4) AS loss, stats->>'$.\"batch/staleness_max\"' AS max_staleness "
+        "FROM train_steps ORDER BY step DESC LIMIT 5",
+    ),
+    (
+        "Which trajectories trained the last step, under which versions, with what rewards",
+        "SELECT l.step, t.domain, t.output_versions, t.original_reward, round(t.reward, 3) AS normalized "
+        "FROM leases l JOIN trajectories t USING (trajectory_id) "
+        "WHERE l.acked_at IS NOT NULL AND l.step = (SELECT max(step) FROM leases WHERE acked_at IS NOT NULL) LIMIT 5",
+    ),
+    ("Evidence that will never train, by reason", "SELECT reason, count(*) AS n FROM rejections GROUP BY reason ORDER BY n DESC"),
 ]
 
 
@@ -57,10 +60,21 @@ class StoreProcess:
     key stays open (loopback only). ``tls`` (``rollbook.tls.ServerTLS``) turns TLS on; ``client()``
     then needs ``client_tls``."""
 
-    def __init__(self, db: pathlib.Path, *, admin_key: str | None = None, trainer_key: str | None = None,
-                 worker_key: str | None = None, reader_key: str | None = None, port: int = 0,
-                 env: dict[str, str] | None = None, tls=None, client_tls=None, extra_args: tuple[str, ...] = (),
-                 config_file: str | pathlib.Path | None = None):
+    def __init__(
+        self,
+        db: pathlib.Path,
+        *,
+        admin_key: str | None = None,
+        trainer_key: str | None = None,
+        worker_key: str | None = None,
+        reader_key: str | None = None,
+        port: int = 0,
+        env: dict[str, str] | None = None,
+        tls=None,
+        client_tls=None,
+        extra_args: tuple[str, ...] = (),
+        config_file: str | pathlib.Path | None = None,
+    ):
         self.db = pathlib.Path(db)
         self.keys = {"worker_key": worker_key, "trainer_key": trainer_key, "reader_key": reader_key, "admin_key": admin_key}
         self.admin_key, self.trainer_key = admin_key, trainer_key
@@ -71,8 +85,9 @@ class StoreProcess:
             args += ["--config", str(config_file)]
         if tls is not None:
             args += ["--tls-cert", tls.cert, "--tls-key", tls.key] + (["--tls-client-ca", tls.client_ca] if tls.client_ca else [])
-        self.proc = subprocess.Popen([sys.executable, "-m", "rollbook.cli", "serve", *args],
-                                     stdout=subprocess.PIPE, text=True, env=env)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "rollbook.cli", "serve", *args], stdout=subprocess.PIPE, text=True, env=env
+        )
         line = self.proc.stdout.readline().strip()
         if not line.startswith("listening on "):
             self.proc.kill()
@@ -99,12 +114,13 @@ def run(config: RunConfig) -> dict:
     run_dir = pathlib.Path(config.run_dir)
     done = steps_done(run_dir)
     if done > config.num_steps:
-        raise CommandError(f"{run_dir} is already past step {config.num_steps}: its checkpoint holds {done} steps "
-                           f"(train_steps rows 0..{done - 1}); ask for --num_steps above {done} to train on, or "
-                           "use a new --run_dir")
+        raise CommandError(
+            f"{run_dir} is already past step {config.num_steps}: its checkpoint holds {done} steps "
+            f"(train_steps rows 0..{done - 1}); ask for --num_steps above {done} to train on, or "
+            "use a new --run_dir"
+        )
     if done == config.num_steps:
-        print(f"{run_dir} has already finished its {done} steps: nothing to train (raise --num_steps to go on)",
-              flush=True)
+        print(f"{run_dir} has already finished its {done} steps: nothing to train (raise --num_steps to go on)", flush=True)
     check_inputs(config)  # before the store starts: a missing file is one line, and no ledger is made
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
     write_resolved(config, run_dir)
@@ -167,8 +183,11 @@ def _report(run_dir: pathlib.Path) -> None:
 
         write_report([run_dir])
     except Exception as exc:  # the run's evidence and checkpoints are already safe
-        print(f"report: not written ({type(exc).__name__}: {exc}); retry with `rollbook report {run_dir}`",
-              file=sys.stderr, flush=True)
+        print(
+            f"report: not written ({type(exc).__name__}: {exc}); retry with `rollbook report {run_dir}`",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def _colocated(config: RunConfig, client) -> dict:
@@ -183,8 +202,9 @@ def _colocated(config: RunConfig, client) -> dict:
     engine = NativeEngine(copy.deepcopy(student), version=0, seed=config.rollout.seed)
     worker = RolloutWorker(engine, config.rollout, model_id=config.trainer.model_id)
     metrics = MetricsLog(pathlib.Path(config.run_dir) / "metrics.jsonl")
-    trainer = Trainer(config.trainer, client, model=student, teacher=teacher,
-                      publishers=[lambda v, sd: install_weights(engine, v, sd)])
+    trainer = Trainer(
+        config.trainer, client, model=student, teacher=teacher, publishers=[lambda v, sd: install_weights(engine, v, sd)]
+    )
     trainer.start()
     first = {"step": trainer.state.step, **worker.evaluate()}
     metrics.write(first)

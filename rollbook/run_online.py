@@ -74,9 +74,16 @@ class AgentEvaluation:
         history: list[list[tuple[str, str]]] = [[("user", t.prompt)] for t in tasks]
         rewards: list[list[float]] = [[] for _ in tasks]
         for turn in range(self.online.turns):
-            requests = [GenerationRequest(prompt_token_ids=self.render.chat_prompt(h), max_new_tokens=self.online.max_tokens,
-                                          temperature=temperature, top_p=self.top_p if temperature > 0 else 1.0,
-                                          stop_token_ids=[self.render.eos_token_id]) for h in history]
+            requests = [
+                GenerationRequest(
+                    prompt_token_ids=self.render.chat_prompt(h),
+                    max_new_tokens=self.online.max_tokens,
+                    temperature=temperature,
+                    top_p=self.top_p if temperature > 0 else 1.0,
+                    stop_token_ids=[self.render.eos_token_id],
+                )
+                for h in history
+            ]
             # one seed per turn, the same at every evaluation: two evaluations differ only by the weights
             results = self.engine.generate(requests, seed=None if seed is None else seed + turn)
             for task, h, r, result in zip(tasks, history, rewards, results):
@@ -99,8 +106,11 @@ class AgentEvaluation:
         out = self._summary(self._episodes(self.tasks, 0.0, None), "eval/", "eval/reward")
         if self.online.eval_samples:
             tasks = [t for t in self.tasks for _ in range(self.online.eval_samples)]
-            out.update(self._summary(self._episodes(tasks, self.online.temperature, self.online.eval_seed),
-                                     "eval/sampled/", "eval/sampled_reward"))
+            out.update(
+                self._summary(
+                    self._episodes(tasks, self.online.temperature, self.online.eval_seed), "eval/sampled/", "eval/sampled_reward"
+                )
+            )
         return out
 
 
@@ -114,8 +124,12 @@ class ProxyProcess:
     """``rollbook proxy`` as a child process; ``url`` once it printed 'listening on'."""
 
     def __init__(self, config_path: pathlib.Path, env: dict[str, str]):
-        self.proc = subprocess.Popen([sys.executable, "-m", "rollbook.cli", "proxy", "--config", str(config_path),
-                                      "--log-level", "WARNING"], stdout=subprocess.PIPE, text=True, env=env)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "rollbook.cli", "proxy", "--config", str(config_path), "--log-level", "WARNING"],
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline().strip()
         if not line.startswith("listening on "):
@@ -147,7 +161,10 @@ def run_online(config: RunConfig, client, address: str, keys: dict) -> dict:
     if not agent.is_file():
         raise CommandError(f"online.agent {online.agent!r} is not a file (run from the repository root, or give its path)")
     run_dir = pathlib.Path(config.run_dir)
-    train, heldout = online_problems(config, "train", online.num_problems), online_problems(config, "heldout", online.num_eval_problems)
+    train, heldout = (
+        online_problems(config, "train", online.num_problems),
+        online_problems(config, "heldout", online.num_eval_problems),
+    )
     problems = run_dir / "online-problems.txt"
     problems.write_text("".join(t.prompt + "\n" for t in train))
 
@@ -157,13 +174,26 @@ def run_online(config: RunConfig, client, address: str, keys: dict) -> dict:
     evaluator = NativeEngine(copy.deepcopy(student), version=0, seed=config.rollout.seed)
     judge = AgentEvaluation(evaluator, heldout, online, top_p=config.rollout.top_p)
     metrics = MetricsLog(run_dir / "metrics.jsonl")
-    trainer = Trainer(config.trainer, client, model=student, teacher=teacher,
-                      publishers=[publisher.publish, lambda v, sd: install_weights(evaluator, v, sd)])
+    trainer = Trainer(
+        config.trainer,
+        client,
+        model=student,
+        teacher=teacher,
+        publishers=[publisher.publish, lambda v, sd: install_weights(evaluator, v, sd)],
+    )
     trainer.start()
-    proxy_cfg = ProxyConfig(server=address, port=0, model_id=config.trainer.model_id, model=config.trainer.model,
-                            weights=f"shm:{channel}", seed=config.rollout.seed, max_tokens_limit=max(16, online.max_tokens),
-                            worker_id="proxy", max_concurrent=max(4, online.concurrency * online.group_size),
-                            spool_dir=str(run_dir / "proxy" / "spool"))
+    proxy_cfg = ProxyConfig(
+        server=address,
+        port=0,
+        model_id=config.trainer.model_id,
+        model=config.trainer.model,
+        weights=f"shm:{channel}",
+        seed=config.rollout.seed,
+        max_tokens_limit=max(16, online.max_tokens),
+        worker_id="proxy",
+        max_concurrent=max(4, online.concurrency * online.group_size),
+        spool_dir=str(run_dir / "proxy" / "spool"),
+    )
     proxy_dir = run_dir / "proxy"
     write_resolved(proxy_cfg, proxy_dir)
     env = rollbook_env.with_keys(dict(os.environ), {"worker_key": keys["worker_key"], "admin_key": keys["admin_key"]})
@@ -172,13 +202,39 @@ def run_online(config: RunConfig, client, address: str, keys: dict) -> dict:
     agent_log = open(run_dir / "agent.log", "a")
     agent_env = rollbook_env.with_keys(dict(os.environ), {"worker_key": keys["worker_key"]})  # starts sessions only
     agent_proc = subprocess.Popen(
-        [sys.executable, str(agent), "--proxy", proxy.url, "--problems", str(problems), "--rounds", "0",
-         "--concurrency", str(online.concurrency), "--group-size", str(online.group_size), "--turns", str(online.turns),
-         "--seed", str(config.rollout.seed if online.agent_seed is None else online.agent_seed), "--model", config.trainer.model_id,
-         "--temperature", str(online.temperature), "--max-tokens", str(online.max_tokens)],
-        stdout=agent_log, stderr=subprocess.STDOUT, env=agent_env)
-    print(f"agent: {agent} (pid {agent_proc.pid}), {online.concurrency} x {online.group_size} sessions at once, "
-          f"log {run_dir / 'agent.log'}", flush=True)
+        [
+            sys.executable,
+            str(agent),
+            "--proxy",
+            proxy.url,
+            "--problems",
+            str(problems),
+            "--rounds",
+            "0",
+            "--concurrency",
+            str(online.concurrency),
+            "--group-size",
+            str(online.group_size),
+            "--turns",
+            str(online.turns),
+            "--seed",
+            str(config.rollout.seed if online.agent_seed is None else online.agent_seed),
+            "--model",
+            config.trainer.model_id,
+            "--temperature",
+            str(online.temperature),
+            "--max-tokens",
+            str(online.max_tokens),
+        ],
+        stdout=agent_log,
+        stderr=subprocess.STDOUT,
+        env=agent_env,
+    )
+    print(
+        f"agent: {agent} (pid {agent_proc.pid}), {online.concurrency} x {online.group_size} sessions at once, "
+        f"log {run_dir / 'agent.log'}",
+        flush=True,
+    )
     try:
         first = {"step": trainer.state.step, **judge.evaluate()}
         metrics.write(first)

@@ -56,8 +56,12 @@ class TrainerRank:
 
         import ray
 
-        return {"ip": ray.util.get_node_ip_address(), "node_id": ray.get_runtime_context().get_node_id(),
-                "rendezvous_port": _free_port(), "pid": os.getpid()}
+        return {
+            "ip": ray.util.get_node_ip_address(),
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "rendezvous_port": _free_port(),
+            "pid": os.getpid(),
+        }
 
     def run(self, init_method: str, weight_server: str) -> dict:
         import torch.distributed as dist
@@ -68,8 +72,9 @@ class TrainerRank:
 
         cfg = self.config
         trainer_cfg = cfg.trainer.model_copy(update={"weight_server": weight_server if self.rank == 0 else None})
-        init_group(self.rank, self.world_size, init_method, backend=trainer_cfg.dist_backend,
-                   timeout_s=trainer_cfg.dist_timeout_s)
+        init_group(
+            self.rank, self.world_size, init_method, backend=trainer_cfg.dist_backend, timeout_s=trainer_cfg.dist_timeout_s
+        )
         try:
             if self.rank != 0:
                 follow(trainer_cfg, build=lambda: build_models(cfg))
@@ -175,11 +180,12 @@ def _replay_spool(worker_config) -> None:
 
     if not any(pathlib.Path(worker_config.spool_dir).glob("*.batch")):
         return
-    with StoreClient.from_env(worker_config.server) as client, \
-            Submitter(client, Spool(worker_config.spool_dir, max_bytes=worker_config.spool_max_bytes)) as sub:
+    with (
+        StoreClient.from_env(worker_config.server) as client,
+        Submitter(client, Spool(worker_config.spool_dir, max_bytes=worker_config.spool_max_bytes)) as sub,
+    ):
         if not sub.flush(timeout=60):
-            log.warning("spool %s not replayed within 60 s (store unreachable?); the worker resends it",
-                        worker_config.spool_dir)
+            log.warning("spool %s not replayed within 60 s (store unreachable?); the worker resends it", worker_config.spool_dir)
 
 
 def run_ray(config: RunConfig, address: str, keys: dict) -> dict:
@@ -203,13 +209,16 @@ def run_ray(config: RunConfig, address: str, keys: dict) -> dict:
         needed = math.ceil(rc.num_workers * rc.worker_cpus + config.trainer.num_ranks * rc.trainer_cpus)
         num_cpus = rc.num_cpus or max(os.cpu_count() or 1, needed)
         if num_cpus < needed:
-            raise CommandError(f"ray.num_cpus {num_cpus} is fewer than the actors declare ({needed}: "
-                               f"{rc.num_workers} x ray.worker_cpus {rc.worker_cpus:g} + {config.trainer.num_ranks} x "
-                               f"ray.trainer_cpus {rc.trainer_cpus:g}); the actors would never be scheduled")
+            raise CommandError(
+                f"ray.num_cpus {num_cpus} is fewer than the actors declare ({needed}: "
+                f"{rc.num_workers} x ray.worker_cpus {rc.worker_cpus:g} + {config.trainer.num_ranks} x "
+                f"ray.trainer_cpus {rc.trainer_cpus:g}); the actors would never be scheduled"
+            )
     run_dir = pathlib.Path(config.run_dir).resolve()
     config = config.model_copy(update={"run_dir": str(run_dir)})
-    config.trainer = config.trainer.model_copy(update={"run_dir": str(run_dir), "server": address,
-                                                       "trainer_key": keys.get("trainer_key")})
+    config.trainer = config.trainer.model_copy(
+        update={"run_dir": str(run_dir), "server": address, "trainer_key": keys.get("trainer_key")}
+    )
     build_models(config)  # the warm start, once, cached in the run directory before the ranks read it
     started_here = not ray.is_initialized()
     if started_here:
@@ -227,12 +236,23 @@ def run_ray(config: RunConfig, address: str, keys: dict) -> dict:
         per_worker = math.ceil(config.trainer.num_samples / rc.num_workers)
         for i in range(rc.num_workers):
             rollout = config.rollout.model_copy(update={"worker_id": f"ray-worker-{i}", "seed": config.rollout.seed + i})
-            wcfg = WorkerConfig(server=address, weights=f"grpc:{weight_server}", model_id=config.trainer.model_id,
-                                model=config.trainer.model, rollout=rollout, batch_size=max(per_worker, rollout.group_size),
-                                spool_dir=str(run_dir / f"spool-{i}"), max_idle_s=0)
-            options: dict = {"num_cpus": rc.worker_cpus, "max_restarts": rc.max_restarts, "max_task_retries": -1,
-                             "name": f"rollbook-rollout-{i}-{run_dir.name}",
-                             "runtime_env": {"env_vars": {"ROLLBOOK_WORKER_KEY": keys["worker_key"]}}}
+            wcfg = WorkerConfig(
+                server=address,
+                weights=f"grpc:{weight_server}",
+                model_id=config.trainer.model_id,
+                model=config.trainer.model,
+                rollout=rollout,
+                batch_size=max(per_worker, rollout.group_size),
+                spool_dir=str(run_dir / f"spool-{i}"),
+                max_idle_s=0,
+            )
+            options: dict = {
+                "num_cpus": rc.worker_cpus,
+                "max_restarts": rc.max_restarts,
+                "max_task_retries": -1,
+                "name": f"rollbook-rollout-{i}-{run_dir.name}",
+                "runtime_env": {"env_vars": {"ROLLBOOK_WORKER_KEY": keys["worker_key"]}},
+            }
             if rc.worker_resources:
                 options["resources"] = rc.worker_resources[i % len(rc.worker_resources)]
             workers.append(rollout_cls.options(**options).remote(wcfg))
@@ -251,10 +271,13 @@ def run_ray(config: RunConfig, address: str, keys: dict) -> dict:
                 _kill(ranks)
                 attempts += 1
                 if attempts > rc.trainer_restarts:
-                    raise CommandError(f"the trainer group failed {attempts} times (ray.trainer_restarts "
-                                       f"{rc.trainer_restarts}); last: {str(exc).splitlines()[0]}") from None
-                log.warning("a trainer rank failed (%s); starting the group again from the last checkpoint",
-                            str(exc).splitlines()[0])
+                    raise CommandError(
+                        f"the trainer group failed {attempts} times (ray.trainer_restarts "
+                        f"{rc.trainer_restarts}); last: {str(exc).splitlines()[0]}"
+                    ) from None
+                log.warning(
+                    "a trainer rank failed (%s); starting the group again from the last checkpoint", str(exc).splitlines()[0]
+                )
                 ranks, _ = _start_ranks(trainer_cls, config, weight_port, attempt=attempts)
         summary["workers"] = [_stop_worker(w) for w in workers]
         summary["trainer_node_ids"] = [info["node_id"] for info in ray.get([a.where.remote() for a, _ in ranks])]
@@ -292,8 +315,10 @@ def _start_ranks(trainer_cls, config: RunConfig, weight_port: int, attempt: int)
     if rc.trainer_resources:
         options["resources"] = rc.trainer_resources
     name = pathlib.Path(config.run_dir).name
-    actors = [trainer_cls.options(**options, name=f"rollbook-trainer-{rank}-{name}-{attempt}").remote(config, rank, world)
-              for rank in range(world)]
+    actors = [
+        trainer_cls.options(**options, name=f"rollbook-trainer-{rank}-{name}-{attempt}").remote(config, rank, world)
+        for rank in range(world)
+    ]
     head = ray.get(actors[0].where.remote())
     init_method = f"tcp://{head['ip']}:{head['rendezvous_port']}"
     weight_server = f"{rc.weight_host}:{weight_port}"

@@ -32,15 +32,28 @@ def run_separated(config: RunConfig, client, address: str, keys: dict) -> dict:
     evaluator = NativeEngine(copy.deepcopy(student), version=0, seed=config.rollout.seed)
     judge = RolloutWorker(evaluator, config.rollout, model_id=config.trainer.model_id)
     metrics = MetricsLog(run_dir / "metrics.jsonl")
-    trainer = Trainer(config.trainer, client, model=student, teacher=teacher,
-                      publishers=[publisher.publish, lambda v, sd: install_weights(evaluator, v, sd)])
+    trainer = Trainer(
+        config.trainer,
+        client,
+        model=student,
+        teacher=teacher,
+        publishers=[publisher.publish, lambda v, sd: install_weights(evaluator, v, sd)],
+    )
     trainer.start()
-    worker_cfg = WorkerConfig(server=address, weights=f"shm:{channel}", model_id=config.trainer.model_id,
-                              model=config.trainer.model, rollout=config.rollout, batch_size=config.trainer.num_samples,
-                              spool_dir=str(run_dir / "spool"))
+    worker_cfg = WorkerConfig(
+        server=address,
+        weights=f"shm:{channel}",
+        model_id=config.trainer.model_id,
+        model=config.trainer.model,
+        rollout=config.rollout,
+        batch_size=config.trainer.num_samples,
+        spool_dir=str(run_dir / "spool"),
+    )
     path = write_worker_config(worker_cfg, run_dir / "worker.json")
-    worker = subprocess.Popen([sys.executable, "-m", "rollbook.cli", "rollout", "--config", str(path)],
-                              env=rollbook_env.with_keys(dict(os.environ), {"worker_key": keys["worker_key"]}))  # the worker role only
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "rollbook.cli", "rollout", "--config", str(path)],
+        env=rollbook_env.with_keys(dict(os.environ), {"worker_key": keys["worker_key"]}),
+    )  # the worker role only
     try:
         first = {"step": trainer.state.step, **judge.evaluate()}
         metrics.write(first)

@@ -46,9 +46,11 @@ def step_line(stats: dict, num_steps: int, *, extra: str = "") -> str:
     """The console line of a finished step. ``step`` is the ``train_steps.step`` of the row the
     trainer reported (0-based, as in SQL); ``done/num_steps`` counts the steps finished."""
     step = int(stats["step"])
-    return (f"step {step:4d} ({step + 1}/{num_steps} done)  train reward {stats['reward/mean']:.3f}  "
-            f"held-out {heldout_text(stats)}  loss {stats['loss/total']:+.4f}  {extra}"
-            f"{stats['perf/tokens_per_s']:.0f} tok/s")
+    return (
+        f"step {step:4d} ({step + 1}/{num_steps} done)  train reward {stats['reward/mean']:.3f}  "
+        f"held-out {heldout_text(stats)}  loss {stats['loss/total']:+.4f}  {extra}"
+        f"{stats['perf/tokens_per_s']:.0f} tok/s"
+    )
 
 
 def steps_done(run_dir: pathlib.Path) -> int:
@@ -81,15 +83,19 @@ def check_inputs(config) -> int:
         check_model_dir(trainer.reference, "reference")
     if rollout.dataset is None:
         if trainer.tokenizer is not None:
-            raise ConfigError("trainer.tokenizer applies with [rollout.dataset] (the toy tasks use their character "
-                              "tokenizer): set rollout.tokenizer with a dataset, or remove it")
+            raise ConfigError(
+                "trainer.tokenizer applies with [rollout.dataset] (the toy tasks use their character "
+                "tokenizer): set rollout.tokenizer with a dataset, or remove it"
+            )
         return registered_vocab_size(rollout, trainer.model)
     for name in [*rollout.dataset.train_files, *rollout.dataset.heldout_files]:
         if not pathlib.Path(name).is_file():
             raise ConfigError(f"rollout.dataset: dataset file {name} does not exist")
     if trainer.tokenizer and rollout.tokenizer and trainer.tokenizer != rollout.tokenizer:
-        raise ConfigError(f"trainer.tokenizer {trainer.tokenizer!r} and rollout.tokenizer {rollout.tokenizer!r} differ: "
-                          "set rollout.tokenizer only (the trainer exports the tokenizer the rollout encodes with)")
+        raise ConfigError(
+            f"trainer.tokenizer {trainer.tokenizer!r} and rollout.tokenizer {rollout.tokenizer!r} differ: "
+            "set rollout.tokenizer only (the trainer exports the tokenizer the rollout encodes with)"
+        )
     rollout.tokenizer = rollout.tokenizer or trainer.tokenizer
     use_model_tokenizer(rollout, trainer.model)  # no tokenizer given: the model directory's
     tokenizer = tokenizer_for(rollout)
@@ -98,6 +104,8 @@ def check_inputs(config) -> int:
     if trainer.model.path is None and trainer.model.vocab_size is None:
         trainer.model.vocab_size = vocab
     if tokenizer.vocab_size > vocab:
-        raise ConfigError(f"the tokenizer {rollout.tokenizer or '(characters)'} has {tokenizer.vocab_size} ids, the model "
-                          f"{vocab}: the model cannot read or emit all of its ids (model.vocab_size, model.path)")
+        raise ConfigError(
+            f"the tokenizer {rollout.tokenizer or '(characters)'} has {tokenizer.vocab_size} ids, the model "
+            f"{vocab}: the model cannot read or emit all of its ids (model.vocab_size, model.path)"
+        )
     return vocab

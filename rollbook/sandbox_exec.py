@@ -55,8 +55,20 @@ from dataclasses import dataclass, field
 
 # Reasons, in the order a result's reason is chosen when several apply.
 VIOLATIONS = ("forbidden_write", "disk_limit", "network", "fork", "subprocess", "ctypes", "signal", "forbidden")
-REASONS = ("ok", "tests_failed", "no_tests", *VIOLATIONS, "memory", "timeout", "cpu_time", "output_limit",
-           "program_error", "no_result", "killed", "sandbox_error")
+REASONS = (
+    "ok",
+    "tests_failed",
+    "no_tests",
+    *VIOLATIONS,
+    "memory",
+    "timeout",
+    "cpu_time",
+    "output_limit",
+    "program_error",
+    "no_result",
+    "killed",
+    "sandbox_error",
+)
 
 
 @dataclass(frozen=True)
@@ -92,7 +104,7 @@ class SandboxResult:
 # The harness runs in the sandboxed interpreter (python -I -S -c HARNESS): reads the nonce and the job
 # from stdin, installs the audit hook, runs the program and each test in one namespace, writes
 # NONCE + JSON to the result pipe.
-HARNESS = r'''
+HARNESS = r"""
 def main():
     import sys, os, json
     nonce = sys.stdin.readline().strip()
@@ -191,7 +203,7 @@ def main():
         data = data[write(fd, data):]
 
 main()
-'''
+"""
 
 
 @functools.cache
@@ -214,9 +226,13 @@ def isolation_prefix() -> tuple[str, ...]:
 def _set_limits(limits: SandboxLimits) -> None:
     """In the child between fork and exec (``preexec_fn``)."""
     mem = limits.memory_mb << 20
-    for which, value in ((resource.RLIMIT_AS, mem), (resource.RLIMIT_DATA, mem),
-                         (resource.RLIMIT_FSIZE, limits.max_file_mb << 20),
-                         (resource.RLIMIT_NOFILE, limits.max_open_files), (resource.RLIMIT_CORE, 0)):
+    for which, value in (
+        (resource.RLIMIT_AS, mem),
+        (resource.RLIMIT_DATA, mem),
+        (resource.RLIMIT_FSIZE, limits.max_file_mb << 20),
+        (resource.RLIMIT_NOFILE, limits.max_open_files),
+        (resource.RLIMIT_CORE, 0),
+    ):
         resource.setrlimit(which, (value, value))
     resource.setrlimit(resource.RLIMIT_CPU, (limits.cpu_s, limits.cpu_s + 1))
     try:  # the kernel exempts root; for anyone else it caps forks whatever the audit hook misses
@@ -247,12 +263,19 @@ def run_program(program: str, tests: Sequence[str], limits: SandboxLimits = Sand
         prefix = isolation_prefix() if limits.network_namespace else ()
         python = os.path.realpath(sys.executable)  # the base interpreter; -I -S: no site, no environment
         env = {"HOME": root, "TMPDIR": root, "PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "PYTHONHASHSEED": "0"}
-        job = json.dumps({"program": program, "tests": tests, "root": root, "result_fd": write_fd,
-                          "max_files": limits.max_files})
-        proc = subprocess.Popen([*prefix, python, "-I", "-S", "-c", HARNESS], cwd=root, env=env,
-                                stdin=subprocess.PIPE, stdout=open(os.path.join(root, ".stdout"), "wb"),
-                                stderr=open(os.path.join(root, ".stderr"), "wb"), pass_fds=(write_fd,),
-                                start_new_session=True, preexec_fn=lambda: _set_limits(limits), close_fds=True)
+        job = json.dumps({"program": program, "tests": tests, "root": root, "result_fd": write_fd, "max_files": limits.max_files})
+        proc = subprocess.Popen(
+            [*prefix, python, "-I", "-S", "-c", HARNESS],
+            cwd=root,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=open(os.path.join(root, ".stdout"), "wb"),
+            stderr=open(os.path.join(root, ".stderr"), "wb"),
+            pass_fds=(write_fd,),
+            start_new_session=True,
+            preexec_fn=lambda: _set_limits(limits),
+            close_fds=True,
+        )
         os.close(write_fd)
         write_fd = -1
         assert proc.stdin is not None  # stdin=PIPE above
@@ -318,13 +341,14 @@ def _tail(path: str, limit: int = 2000) -> str:
         return ""
 
 
-def _verdict(raw: bytes, nonce: str, total: int, returncode: int, timed_out: bool, cpu_exceeded: bool,
-             stderr: str, wall_s: float) -> SandboxResult:
+def _verdict(
+    raw: bytes, nonce: str, total: int, returncode: int, timed_out: bool, cpu_exceeded: bool, stderr: str, wall_s: float
+) -> SandboxResult:
     report, said = None, []
     for line in raw.decode("utf-8", "replace").splitlines():
         if line.startswith(nonce):
             try:
-                obj = json.loads(line[len(nonce):])
+                obj = json.loads(line[len(nonce) :])
             except ValueError:
                 continue
             if "violation" in obj:
@@ -347,7 +371,10 @@ def _verdict(raw: bytes, nonce: str, total: int, returncode: int, timed_out: boo
             kind = stderr.split("sandbox:", 1)[1].split()[0]
             reason, detail = (kind if kind in VIOLATIONS else "forbidden"), stderr.strip().splitlines()[-1][:300]
         else:
-            reason, detail = ("killed" if returncode == -signal.SIGKILL else "no_result"), f"exit status {returncode}; " + (stderr.strip().splitlines() or [""])[-1][:300]
+            reason, detail = (
+                ("killed" if returncode == -signal.SIGKILL else "no_result"),
+                f"exit status {returncode}; " + (stderr.strip().splitlines() or [""])[-1][:300],
+            )
         return SandboxResult(0, total, reason, detail, wall_s)
     results = [bool(r) for r in report.get("results", [])][:total]
     passed = sum(results)

@@ -211,16 +211,18 @@ class ProgramDomain:
         return float(got == [run_program(task.answer, x) for x in points])
 
 
-DOMAINS: dict[str, TaskDomain] = {d.name: d for d in (ArithmeticDomain(), ReverseDomain(), AdditionDomain(),
-                                                      ProgramDomain())}
+DOMAINS: dict[str, TaskDomain] = {d.name: d for d in (ArithmeticDomain(), ReverseDomain(), AdditionDomain(), ProgramDomain())}
 
 
 def build_domains(config) -> dict[str, TaskDomain]:
     """The domains a ``RolloutConfig`` names (``domains``), shaped by its ``num_digits`` and
     ``reverse_max_len``; the rollout worker samples them, the trainer's warm start trains on them."""
-    made: dict[str, TaskDomain] = {"arithmetic": ArithmeticDomain(num_digits=config.num_digits),
-            "reverse": ReverseDomain(min_len=1, max_len=config.reverse_max_len, alphabet="abcde",
-                                     per_char=getattr(config, "reverse_per_char", False))}
+    made: dict[str, TaskDomain] = {
+        "arithmetic": ArithmeticDomain(num_digits=config.num_digits),
+        "reverse": ReverseDomain(
+            min_len=1, max_len=config.reverse_max_len, alphabet="abcde", per_char=getattr(config, "reverse_per_char", False)
+        ),
+    }
     unknown = sorted(set(config.domains) - made.keys() - DOMAINS.keys())
     if unknown:
         raise ValueError(f"unknown domains {unknown}; known: {sorted(made)}")
@@ -233,9 +235,7 @@ def split_of(prompt: str) -> Split:
     return "heldout" if bucket == 0 else "train"
 
 
-def make_tasks(
-    domain: TaskDomain, split: Split, num_tasks: int, seed: int, *, allow_fewer: bool = False
-) -> list[Task]:
+def make_tasks(domain: TaskDomain, split: Split, num_tasks: int, seed: int, *, allow_fewer: bool = False) -> list[Task]:
     """``num_tasks`` distinct problems of ``split``, drawn deterministically from ``seed``; with
     ``allow_fewer``, a small domain returns all the problems it found instead of raising."""
     if split not in ("train", "heldout"):

@@ -40,8 +40,9 @@ class ServerTLS:
 
     def credentials(self) -> grpc.ServerCredentials:
         ca = _read(self.client_ca)
-        return grpc.ssl_server_credentials([(_read(self.key), _read(self.cert))], root_certificates=ca,
-                                           require_client_auth=ca is not None)
+        return grpc.ssl_server_credentials(
+            [(_read(self.key), _read(self.cert))], root_certificates=ca, require_client_auth=ca is not None
+        )
 
     @classmethod
     def from_env(cls) -> "ServerTLS | None":
@@ -69,8 +70,9 @@ class ClientTLS:
     def credentials(self) -> grpc.ChannelCredentials:
         if (self.cert is None) != (self.key is None):
             raise ValueError("a client certificate needs its key (and the other way round)")
-        return grpc.ssl_channel_credentials(root_certificates=_read(self.ca), private_key=_read(self.key),
-                                            certificate_chain=_read(self.cert))
+        return grpc.ssl_channel_credentials(
+            root_certificates=_read(self.ca), private_key=_read(self.key), certificate_chain=_read(self.cert)
+        )
 
     def options(self) -> list[tuple[str, str]]:
         return [("grpc.ssl_target_name_override", self.server_name)] if self.server_name else []
@@ -124,15 +126,48 @@ def make_test_certificates(directory: str | os.PathLike, days: int = 2) -> Throw
         subprocess.run(["openssl", *args], check=True, capture_output=True, cwd=d)
 
     ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
-    run("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.pem", "-days", str(days), "-subj", "/CN=rollbook test CA",
-        "-addext", "basicConstraints=critical,CA:TRUE", "-addext", "keyUsage=critical,keyCertSign,cRLSign")
-    for name, ext in (("server", "subjectAltName=DNS:localhost,IP:127.0.0.1,IP:::1\nextendedKeyUsage=serverAuth"),
-                      ("client", "extendedKeyUsage=clientAuth")):
+    run(
+        "req",
+        "-x509",
+        *ec,
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.pem",
+        "-days",
+        str(days),
+        "-subj",
+        "/CN=rollbook test CA",
+        "-addext",
+        "basicConstraints=critical,CA:TRUE",
+        "-addext",
+        "keyUsage=critical,keyCertSign,cRLSign",
+    )
+    for name, ext in (
+        ("server", "subjectAltName=DNS:localhost,IP:127.0.0.1,IP:::1\nextendedKeyUsage=serverAuth"),
+        ("client", "extendedKeyUsage=clientAuth"),
+    ):
         run("req", *ec, "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN=rollbook test {name}")
         (d / f"{name}.ext").write_text(ext + "\n")
-        run("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
-            "-out", f"{name}.pem", "-days", str(days), "-extfile", f"{name}.ext")
+        run(
+            "x509",
+            "-req",
+            "-in",
+            f"{name}.csr",
+            "-CA",
+            "ca.pem",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-out",
+            f"{name}.pem",
+            "-days",
+            str(days),
+            "-extfile",
+            f"{name}.ext",
+        )
     for name in ("ca.key", "server.key", "client.key"):
         (d / name).chmod(0o600)
-    return ThrowawayCertificates(str(d / "ca.pem"), str(d / "server.pem"), str(d / "server.key"),
-                            str(d / "client.pem"), str(d / "client.key"))
+    return ThrowawayCertificates(
+        str(d / "ca.pem"), str(d / "server.pem"), str(d / "server.key"), str(d / "client.pem"), str(d / "client.key")
+    )

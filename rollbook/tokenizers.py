@@ -100,7 +100,7 @@ class StopStrings:
     def __call__(self, output_ids: Sequence[int]) -> bool:
         if not self.strings:
             return False
-        tail = self.tokenizer.decode(list(output_ids[-self.window:]))
+        tail = self.tokenizer.decode(list(output_ids[-self.window :]))
         return any(s in tail for s in self.strings)
 
 
@@ -150,8 +150,10 @@ class CharTokenizer:
         contents are joined with newlines only if the alphabet has one, else refused."""
         if messages is not None:
             if "\n" not in self._ids:
-                raise ValueError("CharTokenizer has no chat template (and no newline to join messages); "
-                                 "use a plain prompt or a Hugging Face tokenizer")
+                raise ValueError(
+                    "CharTokenizer has no chat template (and no newline to join messages); "
+                    "use a plain prompt or a Hugging Face tokenizer"
+                )
             prompt = "\n".join(str(m.get("content", "")) for m in messages) + "\n"
         if prompt is None:
             raise ValueError("encode_prompt needs prompt or messages")
@@ -170,8 +172,9 @@ class CharTokenizer:
         backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"(?m)."), behavior="isolated")
         backend.decoder = decoders.Fuse()
         backend.add_special_tokens([PAD, BOS, EOS])
-        backend.post_processor = processors.TemplateProcessing(single=f"{BOS} $A", pair=f"{BOS} $A $B",
-                                                               special_tokens=[(BOS, self.bos_token_id)])
+        backend.post_processor = processors.TemplateProcessing(
+            single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, self.bos_token_id)]
+        )
         return backend
 
     def save_pretrained(self, directory: str | pathlib.Path) -> None:
@@ -179,8 +182,9 @@ class CharTokenizer:
         to ``encode(text, add_bos=True)`` (``add_special_tokens=False``: without the ``<bos>``)."""
         from transformers import PreTrainedTokenizerFast
 
-        fast = PreTrainedTokenizerFast(tokenizer_object=self.backend(), bos_token=BOS, eos_token=EOS, pad_token=PAD,
-                                       clean_up_tokenization_spaces=False)
+        fast = PreTrainedTokenizerFast(
+            tokenizer_object=self.backend(), bos_token=BOS, eos_token=EOS, pad_token=PAD, clean_up_tokenization_spaces=False
+        )
         fast.save_pretrained(str(directory))
 
 
@@ -190,8 +194,14 @@ class HFTokenizer:
     special tokens the tokenizer adds by default, e.g. a BOS). Completions stop on its eos (plus
     ``extra_stop_token_ids``) and on ``stop_strings``."""
 
-    def __init__(self, path: str | pathlib.Path, *, stop_strings: Sequence[str] = (),
-                 extra_stop_token_ids: Sequence[int] = (), tokenizer: Any = None) -> None:
+    def __init__(
+        self,
+        path: str | pathlib.Path,
+        *,
+        stop_strings: Sequence[str] = (),
+        extra_stop_token_ids: Sequence[int] = (),
+        tokenizer: Any = None,
+    ) -> None:
         if tokenizer is None:
             from transformers import AutoTokenizer
 
@@ -238,7 +248,7 @@ class HFTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         ids = list(ids)
         if self.eos_token_id in ids:
-            ids = ids[:ids.index(self.eos_token_id)]
+            ids = ids[: ids.index(self.eos_token_id)]
         return self.hf.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
     def encode_prompt(self, prompt: str | None = None, messages: Messages | None = None) -> list[int]:
@@ -255,16 +265,22 @@ class HFTokenizer:
         ids = list(ids)
         for stop in self._stop_ids:
             if stop in ids:
-                ids = ids[:ids.index(stop)]
-        return cut_at_stop_strings(self.hf.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False),
-                                   self._stop_strings)
+                ids = ids[: ids.index(stop)]
+        return cut_at_stop_strings(
+            self.hf.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False), self._stop_strings
+        )
 
     def save_pretrained(self, directory: str | pathlib.Path) -> None:
         self.hf.save_pretrained(str(directory))
 
 
-def load_tokenizer(path: str | pathlib.Path | None, *, default: CharTokenizer, stop_strings: Sequence[str] = (),
-                   extra_stop_token_ids: Sequence[int] = ()) -> Tokenizer:
+def load_tokenizer(
+    path: str | pathlib.Path | None,
+    *,
+    default: CharTokenizer,
+    stop_strings: Sequence[str] = (),
+    extra_stop_token_ids: Sequence[int] = (),
+) -> Tokenizer:
     """``None``: ``default`` (the toy tasks' ``rollbook.tasks.TOKENIZER``; passed in, since tasks.py
     imports this module), with ``stop_strings`` if any; a directory: an ``HFTokenizer`` from it (a
     missing directory is a ``FileNotFoundError`` naming it)."""
@@ -278,6 +294,11 @@ def load_tokenizer(path: str | pathlib.Path | None, *, default: CharTokenizer, s
 
 def describe(tokenizer: Tokenizer) -> dict[str, Any]:
     """A small summary for logs and run directories."""
-    return {"kind": type(tokenizer).__name__, "vocab_size": tokenizer.vocab_size, "eos_token_id": tokenizer.eos_token_id,
-            "pad_token_id": tokenizer.pad_token_id, "bos_token_id": tokenizer.bos_token_id,
-            "stop_strings": tokenizer.stop_strings}
+    return {
+        "kind": type(tokenizer).__name__,
+        "vocab_size": tokenizer.vocab_size,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+        "bos_token_id": tokenizer.bos_token_id,
+        "stop_strings": tokenizer.stop_strings,
+    }

@@ -45,7 +45,7 @@ class Ragged:
         return np.diff(self.offsets)
 
     def row(self, i: int) -> np.ndarray:
-        return self.values[self.offsets[i]:self.offsets[i + 1]]
+        return self.values[self.offsets[i] : self.offsets[i + 1]]
 
     def to_arrow(self, value_type: pa.DataType) -> pa.ListArray:
         return pa.ListArray.from_arrays(pa.array(self.offsets.astype(np.int32)), pa.array(self.values, type=value_type))
@@ -107,7 +107,9 @@ class TrajectoryColumns:
 
     def row(self, i: int) -> TrajectoryRow:
         m = self.msgs[i]
-        return TrajectoryRow(m, m.trajectory_id, self.prompt.row(i), self.tokens.row(i), self.logprobs.row(i), self.versions.row(i))
+        return TrajectoryRow(
+            m, m.trajectory_id, self.prompt.row(i), self.tokens.row(i), self.logprobs.row(i), self.versions.row(i)
+        )
 
 
 _OPTIONAL = frozenset(f.name for f in pb.Trajectory.DESCRIPTOR.fields if f.has_presence)

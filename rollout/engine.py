@@ -136,9 +136,7 @@ class GenerationEngine(Protocol):
         ...
 
 
-def sampling_logprobs(
-    logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor
-) -> torch.Tensor:
+def sampling_logprobs(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
     """Log-probabilities ``[N, V]`` of the distribution sampled from (see the module docstring).
 
     ``logits`` is ``[N, V]``; ``temperature``, ``top_p`` and ``top_k`` are ``[N]`` (one per row) or
@@ -346,8 +344,8 @@ class NativeEngine:
     def _raise_if_failed(self) -> None:
         if self._failure is not None:
             raise RuntimeError(
-            "a weight update failed; the engine's weights are unknown until an update succeeds"
-        ) from self._failure
+                "a weight update failed; the engine's weights are unknown until an update succeeds"
+            ) from self._failure
 
     def _check_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
         expected = {name: tuple(t.shape) for name, t in self._model.state_dict().items()}

@@ -74,8 +74,7 @@ class StalenessGate:
                 self._dropped += n
             self._cond.notify_all()
 
-    def wait_for_capacity(self, version_fn: Callable[[], int], timeout: float | None = None, *,
-                          poll_s: float = 0.05) -> int:
+    def wait_for_capacity(self, version_fn: Callable[[], int], timeout: float | None = None, *, poll_s: float = 0.05) -> int:
         """Wait until ``capacity(version_fn()) > 0`` and return it; 0 if ``timeout`` seconds pass first.
         Wakes on ``on_finished`` and every ``poll_s`` (the version moves outside the gate). Another
         thread may take the capacity first: admit with ``try_admit`` and use what it returns."""

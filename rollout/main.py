@@ -47,14 +47,22 @@ class WorkerConfig(BaseModel):
     model_id: str = Field("tiny", description="Model id the trajectories are recorded under.")
     model: ModelConfig = Field(default_factory=ModelConfig, description="Architecture to build before the first weights arrive.")
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
-    batch_size: int = Field(64, ge=1, description="The trainer's samples per version (the staleness gate's batch); "
-                            "replaced by the trainer's num_samples once it announces it through the store.")
+    batch_size: int = Field(
+        64,
+        ge=1,
+        description="The trainer's samples per version (the staleness gate's batch); "
+        "replaced by the trainer's num_samples once it announces it through the store.",
+    )
     spool_dir: str = Field("runs/default/spool", description="Local spool for trajectories while the store is unreachable.")
     spool_max_bytes: int = Field(256 << 20, ge=1 << 16, description="Spool bound; admission stops when it is full.")
     first_weights_timeout_s: float = Field(300.0, gt=0, description="How long to wait for the first published weights.")
     max_rounds: int = Field(0, ge=0, description="Stop after this many rollout rounds (0 = until signalled).")
-    max_idle_s: float = Field(600.0, ge=0, description="Stop when no round could run for this long (the staleness gate "
-                              "closed and no newer weights, e.g. the trainer has exited); 0 = wait until signalled.")
+    max_idle_s: float = Field(
+        600.0,
+        ge=0,
+        description="Stop when no round could run for this long (the staleness gate "
+        "closed and no newer weights, e.g. the trainer has exited); 0 = wait until signalled.",
+    )
     log_every: int = Field(10, ge=1, description="Log one progress line every N rounds.")
 
 
@@ -114,7 +122,10 @@ def _loop(config: WorkerConfig, stop: threading.Event, channel, engine, worker) 
     rounds = 0
     idle_since = time.monotonic()
     # keys and TLS from the environment (ROLLBOOK_WORKER_KEY, ROLLBOOK_TLS_CA, ...), never from the config file
-    with StoreClient.from_env(config.server) as client, Submitter(client, Spool(config.spool_dir, max_bytes=config.spool_max_bytes)) as sub:
+    with (
+        StoreClient.from_env(config.server) as client,
+        Submitter(client, Spool(config.spool_dir, max_bytes=config.spool_max_bytes)) as sub,
+    ):
         contract = TrainerContract(client, config, gate)
         contract.wait_for_announcement(stop, CONTRACT_WAIT_S)
         while not stop.is_set() and (config.max_rounds == 0 or rounds < config.max_rounds):
@@ -136,8 +147,11 @@ def _loop(config: WorkerConfig, stop: threading.Event, channel, engine, worker) 
                 gate.on_finished(admitted - whole, accepted=False)  # give back a partial group's slots
             if whole == 0:
                 if config.max_idle_s and time.monotonic() - idle_since > config.max_idle_s:
-                    log.warning("no round for %.0f s (staleness gate closed at version %d, no newer weights): stopping "
-                                "(max_idle_s)", config.max_idle_s, engine.version)
+                    log.warning(
+                        "no round for %.0f s (staleness gate closed at version %d, no newer weights): stopping (max_idle_s)",
+                        config.max_idle_s,
+                        engine.version,
+                    )
                     break
                 stop.wait(0.05)
                 continue
@@ -148,12 +162,23 @@ def _loop(config: WorkerConfig, stop: threading.Event, channel, engine, worker) 
             rounds += 1
             idle_since = time.monotonic()
             if rounds % config.log_every == 0 or rounds == config.max_rounds:
-                log.info("round %d: %d trajectories so far, version %d, %s", rounds, worker.stats.num_trajectories,
-                         engine.version, sub.stats().metrics())
+                log.info(
+                    "round %d: %d trajectories so far, version %d, %s",
+                    rounds,
+                    worker.stats.num_trajectories,
+                    engine.version,
+                    sub.stats().metrics(),
+                )
         sub.flush(timeout=120)
-        stats = {**worker.stats.metrics(), **sub.stats().metrics(), "rounds": rounds, "version": engine.version,
-                 "gate/max_staleness": gate.max_staleness, "gate/batch_size": gate.batch_size,
-                 "gate/from_trainer": int(contract.announced is not None)}
+        stats = {
+            **worker.stats.metrics(),
+            **sub.stats().metrics(),
+            "rounds": rounds,
+            "version": engine.version,
+            "gate/max_staleness": gate.max_staleness,
+            "gate/batch_size": gate.batch_size,
+            "gate/from_trainer": int(contract.announced is not None),
+        }
     channel.close()
     log.info("rollout worker done: %s", stats)
     return stats
@@ -188,21 +213,37 @@ class TrainerContract:
         try:
             info = self.client.get_model(self.config.model_id)
         except grpc.RpcError as exc:
-            self._once(exc.code().name, "staleness gate: cannot read the trainer's bound from the store (%s: %s); "
-                       "gating with this worker's max_staleness=%d, batch_size=%d until it can", exc.code().name,
-                       exc.details(), self.gate.max_staleness, self.gate.batch_size)
+            self._once(
+                exc.code().name,
+                "staleness gate: cannot read the trainer's bound from the store (%s: %s); "
+                "gating with this worker's max_staleness=%d, batch_size=%d until it can",
+                exc.code().name,
+                exc.details(),
+                self.gate.max_staleness,
+                self.gate.batch_size,
+            )
             return self.announced is not None
         if info.max_staleness is None and info.samples_per_version is None:
-            self._once("none", "staleness gate: the trainer has announced no bound yet; gating with this worker's "
-                       "max_staleness=%d, batch_size=%d", self.gate.max_staleness, self.gate.batch_size)
+            self._once(
+                "none",
+                "staleness gate: the trainer has announced no bound yet; gating with this worker's "
+                "max_staleness=%d, batch_size=%d",
+                self.gate.max_staleness,
+                self.gate.batch_size,
+            )
             return self.announced is not None
         eta = self.config.rollout.max_staleness if info.max_staleness is None else info.max_staleness
         batch = info.samples_per_version or self.config.batch_size
         if (eta, batch) != self.announced:
             own = (self.config.rollout.max_staleness, self.config.batch_size)
             if (eta, batch) != own or self.announced is not None:
-                log.info("staleness gate: the trainer announces max_staleness=%d, samples_per_version=%d; using them "
-                         "(this worker's config: rollout.max_staleness=%d, batch_size=%d)", eta, batch, *own)
+                log.info(
+                    "staleness gate: the trainer announces max_staleness=%d, samples_per_version=%d; using them "
+                    "(this worker's config: rollout.max_staleness=%d, batch_size=%d)",
+                    eta,
+                    batch,
+                    *own,
+                )
             self.gate.set_bound(eta, batch)
             self.announced = (eta, batch)
         return True
@@ -232,8 +273,10 @@ def _wait_for_channel(config: WorkerConfig, stop: threading.Event):
             if stop.is_set() or time.monotonic() > deadline:
                 from rollbook.errors import CommandError
 
-                raise CommandError(f"no weight channel {config.weights} within {config.first_weights_timeout_s:g} s "
-                                   "(first_weights_timeout_s): is the trainer running on this host?") from None
+                raise CommandError(
+                    f"no weight channel {config.weights} within {config.first_weights_timeout_s:g} s "
+                    "(first_weights_timeout_s): is the trainer running on this host?"
+                ) from None
             stop.wait(0.2)
 
 
@@ -253,8 +296,12 @@ def _fetch_or_none(channel):
         now = time.monotonic()
         if now - _last_unreachable_log[0] >= UNREACHABLE_LOG_EVERY_S:
             _last_unreachable_log[0] = now
-            log.warning("weight channel unreachable (%s); keeping version %s (said at most every %.0f s)",
-                        exc.code().name, channel.version, UNREACHABLE_LOG_EVERY_S)
+            log.warning(
+                "weight channel unreachable (%s); keeping version %s (said at most every %.0f s)",
+                exc.code().name,
+                channel.version,
+                UNREACHABLE_LOG_EVERY_S,
+            )
         return None
 
 
@@ -275,8 +322,10 @@ def _first_snapshot(channel, config: WorkerConfig, stop: threading.Event):
         stop.wait(0.1)
     from rollbook.errors import CommandError
 
-    raise CommandError(f"no weights on {config.weights} within {config.first_weights_timeout_s:g} s "
-                       "(first_weights_timeout_s): is the trainer running and publishing there?")
+    raise CommandError(
+        f"no weights on {config.weights} within {config.first_weights_timeout_s:g} s "
+        "(first_weights_timeout_s): is the trainer running and publishing there?"
+    )
 
 
 def _stop_on_signals() -> threading.Event:

@@ -14,7 +14,6 @@ key (``ROLLBOOK_WORKER_KEY``) or the admin key. With a key unset its endpoints a
 loopback only, as for the store. The proxy reaches the store only through ``StoreClient``.
 """
 
-
 # no `from __future__ import annotations`: FastAPI reads the handlers' annotations (Request is imported in create_app)
 import asyncio
 import concurrent.futures
@@ -46,37 +45,62 @@ class ProxyConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     server: str = Field("127.0.0.1:50551", description="Store address HOST:PORT (keys from ROLLBOOK_*_KEY, docs/security.md).")
-    host: str = Field("127.0.0.1", description="HTTP bind address; a non-loopback one needs ROLLBOOK_ADMIN_KEY and ROLLBOOK_WORKER_KEY.")
-    port: int = Field(8000, ge=0, le=65535, description="HTTP port; 0 = any free one (printed as 'listening on http://HOST:PORT').")
+    host: str = Field(
+        "127.0.0.1", description="HTTP bind address; a non-loopback one needs ROLLBOOK_ADMIN_KEY and ROLLBOOK_WORKER_KEY."
+    )
+    port: int = Field(
+        8000, ge=0, le=65535, description="HTTP port; 0 = any free one (printed as 'listening on http://HOST:PORT')."
+    )
     model_id: str = Field("tiny", description="The model name clients ask for and the store records trajectories under.")
     model: ModelConfig = Field(default_factory=ModelConfig, description="The served model's architecture (or local path).")
-    engine: Literal["native", "vllm"] = Field("native", description="native: the PyTorch engine (CPU or CUDA); vllm: VllmEngine on model.path (GPU, optional).")
-    checkpoint: str | None = Field(None, description="A state dict file (.safetensors or torch .pt) loaded into the model at start; None keeps the built weights.")
+    engine: Literal["native", "vllm"] = Field(
+        "native", description="native: the PyTorch engine (CPU or CUDA); vllm: VllmEngine on model.path (GPU, optional)."
+    )
+    checkpoint: str | None = Field(
+        None,
+        description="A state dict file (.safetensors or torch .pt) loaded into the model at start; None keeps the built weights.",
+    )
     version: int = Field(0, ge=0, description="The policy version of the starting weights (without a weight channel).")
-    weights: str | None = Field(None, description="Follow a trainer's weight channel: 'shm:NAME' (one host) or 'grpc:HOST:PORT'. "
-                                "Completions wait for its first version (the built weights are never served), and each newer "
-                                "version is installed as load_weights does.")
+    weights: str | None = Field(
+        None,
+        description="Follow a trainer's weight channel: 'shm:NAME' (one host) or 'grpc:HOST:PORT'. "
+        "Completions wait for its first version (the built weights are never served), and each newer "
+        "version is installed as load_weights does.",
+    )
     weights_poll_s: float = Field(0.5, gt=0, description="How often the weight channel is asked for a newer version.")
     seed: int = Field(0, description="Sampling seed of the engine.")
     max_batch_size: int = Field(64, ge=1, description="Engine batch size.")
-    max_context_tokens: int = Field(512, ge=2, description="Prompt plus max_tokens may not exceed this (400 context_length_exceeded).")
+    max_context_tokens: int = Field(
+        512, ge=2, description="Prompt plus max_tokens may not exceed this (400 context_length_exceeded)."
+    )
     default_max_tokens: int = Field(16, ge=1, description="max_tokens when a request gives none.")
     max_tokens_limit: int = Field(256, ge=1, description="The largest max_tokens a request may ask for.")
     max_n: int = Field(8, ge=1, description="The largest n (choices per request).")
     max_body_bytes: int = Field(1 << 20, ge=1024, description="Larger request bodies are refused with 413.")
     max_concurrent: int = Field(32, ge=1, description="Completions generating at once (engine threads).")
-    max_waiting: int = Field(256, ge=0, description="Completions waiting for admission beyond max_concurrent; more are refused with 429.")
-    admission_wait_s: float = Field(60.0, gt=0, description="How long a completion waits while the engine is paused or loading weights before 503.")
+    max_waiting: int = Field(
+        256, ge=0, description="Completions waiting for admission beyond max_concurrent; more are refused with 429."
+    )
+    admission_wait_s: float = Field(
+        60.0, gt=0, description="How long a completion waits while the engine is paused or loading weights before 503."
+    )
     max_sessions: int = Field(100_000, ge=1, description="Sessions held at once (ended ones count until ended_session_ttl_s).")
     ended_session_ttl_s: float = Field(3600.0, gt=0, description="How long an ended session still takes rewards.")
-    consume_settle_s: float = Field(60.0, gt=0, description="A delivered completion is submitted as consumed once the session "
-                                    "moves on (its next call, a reward, the end) or after this long; a retry of its call "
-                                    "before then shows it was not consumed (docs/online.md).")
+    consume_settle_s: float = Field(
+        60.0,
+        gt=0,
+        description="A delivered completion is submitted as consumed once the session "
+        "moves on (its next call, a reward, the end) or after this long; a retry of its call "
+        "before then shows it was not consumed (docs/online.md).",
+    )
     submit_batch_size: int = Field(64, ge=1, description="Trajectories per Submit batch.")
-    spool_dir: str | None = Field(None, description="A local directory for the durable spool: every completion is written "
-                                  "there (fsync'd) before its first byte goes out and stays until the store answered it, so "
-                                  "a proxy killed and restarted on the same directory submits what it had delivered, exactly "
-                                  "once (docs/online.md). None: in memory only.")
+    spool_dir: str | None = Field(
+        None,
+        description="A local directory for the durable spool: every completion is written "
+        "there (fsync'd) before its first byte goes out and stays until the store answered it, so "
+        "a proxy killed and restarted on the same directory submits what it had delivered, exactly "
+        "once (docs/online.md). None: in memory only.",
+    )
     spool_max_bytes: int = Field(256 << 20, ge=1 << 20, description="Bound of the spool; a full spool makes completions wait.")
     worker_id: str = Field("proxy", description="worker_id recorded on every trajectory.")
 
@@ -190,9 +214,16 @@ class ApiError(Exception):
     def __init__(self, status: int, message: str, *, code: str, param: str | None = None, type_: str | None = None):
         super().__init__(message)
         self.status, self.message, self.code, self.param = status, message, code, param
-        self.type = type_ or {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                              404: "not_found_error", 409: "invalid_request_error", 413: "invalid_request_error",
-                              429: "rate_limit_error", 503: "overloaded_error"}.get(status, "server_error")
+        self.type = type_ or {
+            400: "invalid_request_error",
+            401: "authentication_error",
+            403: "permission_error",
+            404: "not_found_error",
+            409: "invalid_request_error",
+            413: "invalid_request_error",
+            429: "rate_limit_error",
+            503: "overloaded_error",
+        }.get(status, "server_error")
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -222,16 +253,24 @@ class Gate:
     async def admit(self) -> None:
         async with self._cond:
             if self.running + self.waiting >= self.max_concurrent + self.max_waiting:
-                raise ApiError(429, f"overloaded: {self.running} completions running and {self.waiting} waiting "
-                               "(max_concurrent, max_waiting); retry later", code="overloaded")
+                raise ApiError(
+                    429,
+                    f"overloaded: {self.running} completions running and {self.waiting} waiting "
+                    "(max_concurrent, max_waiting); retry later",
+                    code="overloaded",
+                )
             self.waiting += 1
             try:
-                await asyncio.wait_for(self._cond.wait_for(lambda: not self.paused and self.running < self.max_concurrent),
-                                       self.wait_s)
+                await asyncio.wait_for(
+                    self._cond.wait_for(lambda: not self.paused and self.running < self.max_concurrent), self.wait_s
+                )
             except TimeoutError:
                 why = ", ".join(sorted(self.paused)) or "busy"
-                raise ApiError(503, f"not admitted within {self.wait_s:g} s (admission_wait_s): engine {why}; retry later",
-                               code="engine_unavailable") from None
+                raise ApiError(
+                    503,
+                    f"not admitted within {self.wait_s:g} s (admission_wait_s): engine {why}; retry later",
+                    code="engine_unavailable",
+                ) from None
             finally:
                 self.waiting -= 1
             self.running += 1
@@ -257,15 +296,28 @@ class Gate:
 class Proxy:
     """The state behind the HTTP app: engine, sessions, submission, admission, keys."""
 
-    def __init__(self, config: ProxyConfig, engine: GenerationEngine, client, *, admin_key: str | None,
-                 worker_key: str | None, render: Renderer | None = None):
+    def __init__(
+        self,
+        config: ProxyConfig,
+        engine: GenerationEngine,
+        client,
+        *,
+        admin_key: str | None,
+        worker_key: str | None,
+        render: Renderer | None = None,
+    ):
         self.config, self.engine, self.client = config, engine, client
         self.render = render or renderer()
         self.admin_key, self.worker_key = admin_key, worker_key
-        self.sessions = Sessions(model_id=config.model_id, worker_id=config.worker_id, max_sessions=config.max_sessions,
-                                 ended_ttl_s=config.ended_session_ttl_s)
-        self.submitter = SubmitQueue(client, batch_size=config.submit_batch_size, spool_dir=config.spool_dir,
-                                     spool_max_bytes=config.spool_max_bytes)
+        self.sessions = Sessions(
+            model_id=config.model_id,
+            worker_id=config.worker_id,
+            max_sessions=config.max_sessions,
+            ended_ttl_s=config.ended_session_ttl_s,
+        )
+        self.submitter = SubmitQueue(
+            client, batch_size=config.submit_batch_size, spool_dir=config.spool_dir, spool_max_bytes=config.spool_max_bytes
+        )
         self.gate = Gate(config.max_concurrent, config.max_waiting, config.admission_wait_s)
         self.pool = concurrent.futures.ThreadPoolExecutor(config.max_concurrent, thread_name_prefix="proxy-engine")
         self.control_pool = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="proxy-control")
@@ -295,7 +347,9 @@ class Proxy:
             return
         given = self._bearer(headers)
         if given is None:
-            raise ApiError(401, "control endpoints need the admin key: Authorization: Bearer <ROLLBOOK_ADMIN_KEY>", code="missing_key")
+            raise ApiError(
+                401, "control endpoints need the admin key: Authorization: Bearer <ROLLBOOK_ADMIN_KEY>", code="missing_key"
+            )
         if not self._matches(given, self.admin_key):
             raise ApiError(401, "wrong admin key", code="invalid_api_key")
 
@@ -304,18 +358,25 @@ class Proxy:
             return
         given = self._bearer(headers)
         if given is None:
-            raise ApiError(401, "starting a session needs the worker or admin key: Authorization: Bearer <key>", code="missing_key")
+            raise ApiError(
+                401, "starting a session needs the worker or admin key: Authorization: Bearer <key>", code="missing_key"
+            )
         if not (self._matches(given, self.worker_key) | self._matches(given, self.admin_key)):
             raise ApiError(401, "wrong key: starting a session needs the worker or admin key", code="invalid_api_key")
 
     def session_of_key(self, headers) -> Session:
         given = self._bearer(headers)
         if given is None:
-            raise ApiError(401, "missing API key: pass the session key from POST /rollbook/sessions as the API key", code="missing_key")
+            raise ApiError(
+                401, "missing API key: pass the session key from POST /rollbook/sessions as the API key", code="missing_key"
+            )
         session = self.sessions.authenticate(given)
         if session is None:
-            raise ApiError(401, "unknown API key: not the key of a session of this proxy (start one: POST /rollbook/sessions)",
-                           code="invalid_api_key")
+            raise ApiError(
+                401,
+                "unknown API key: not the key of a session of this proxy (start one: POST /rollbook/sessions)",
+                code="invalid_api_key",
+            )
         return session
 
     def session_for(self, headers, session_id: str) -> Session:
@@ -335,20 +396,34 @@ class Proxy:
 
     def _params(self, req: _Sampling, prompt_ids: list[int], max_tokens: int | None) -> tuple[list[GenerationRequest], list[int]]:
         if req.model != self.config.model_id:
-            raise ApiError(404, f"model {req.model!r} is not served here (this proxy serves {self.config.model_id!r})",
-                           code="model_not_found", param="model")
+            raise ApiError(
+                404,
+                f"model {req.model!r} is not served here (this proxy serves {self.config.model_id!r})",
+                code="model_not_found",
+                param="model",
+            )
         if req.n > self.config.max_n:
             raise ApiError(400, f"n: at most {self.config.max_n} (max_n)", code="invalid_value", param="n")
         max_new = max_tokens or self.config.default_max_tokens
         if max_new > self.config.max_tokens_limit:
-            raise ApiError(400, f"max_tokens: at most {self.config.max_tokens_limit} (max_tokens_limit)", code="invalid_value",
-                           param="max_tokens")
+            raise ApiError(
+                400,
+                f"max_tokens: at most {self.config.max_tokens_limit} (max_tokens_limit)",
+                code="invalid_value",
+                param="max_tokens",
+            )
         if len(prompt_ids) + max_new > self.config.max_context_tokens:
-            raise ApiError(400, f"the prompt is {len(prompt_ids)} tokens and max_tokens {max_new}: more than the "
-                           f"{self.config.max_context_tokens}-token context (max_context_tokens)", code="context_length_exceeded",
-                           param="messages")
+            raise ApiError(
+                400,
+                f"the prompt is {len(prompt_ids)} tokens and max_tokens {max_new}: more than the "
+                f"{self.config.max_context_tokens}-token context (max_context_tokens)",
+                code="context_length_exceeded",
+                param="messages",
+            )
         if max(prompt_ids, default=0) >= self.render.vocab_size or min(prompt_ids, default=0) < 0:
-            raise ApiError(400, f"prompt: token ids must be in [0, {self.render.vocab_size})", code="invalid_value", param="prompt")
+            raise ApiError(
+                400, f"prompt: token ids must be in [0, {self.render.vocab_size})", code="invalid_value", param="prompt"
+            )
         stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         if len(stops) > 4:
             raise ApiError(400, "stop: at most 4 sequences", code="invalid_value", param="stop")
@@ -356,8 +431,17 @@ class Proxy:
         temperature = 1.0 if req.temperature is None else req.temperature
         top_p = 1.0 if req.top_p is None else req.top_p
         top_k = 0 if req.top_k is None else req.top_k
-        requests = [GenerationRequest(prompt_token_ids=prompt_ids, max_new_tokens=max_new, temperature=temperature, top_p=top_p,
-                                      top_k=top_k, stop_token_ids=stop_ids) for _ in range(req.n)]
+        requests = [
+            GenerationRequest(
+                prompt_token_ids=prompt_ids,
+                max_new_tokens=max_new,
+                temperature=temperature,
+                top_p=top_p,
+                top_k=top_k,
+                stop_token_ids=stop_ids,
+            )
+            for _ in range(req.n)
+        ]
         return requests, stop_ids
 
     async def complete(self, kind: Literal["chat", "text"], headers, body: Any) -> tuple[dict, Any, Any]:
@@ -461,15 +545,26 @@ class Proxy:
             verdicts = await asyncio.gather(*(asyncio.wrap_future(f) for f in attempt.verdicts), return_exceptions=True)
             for tid, verdict in zip(attempt.trajectory_ids, verdicts):
                 if isinstance(verdict, BaseException) or verdict is None or verdict.reason:
-                    why = verdict.reason if verdict is not None and not isinstance(verdict, BaseException) else f"not stored: {verdict}"
+                    why = (
+                        verdict.reason
+                        if verdict is not None and not isinstance(verdict, BaseException)
+                        else f"not stored: {verdict}"
+                    )
                     skipped.append({"trajectory_id": tid, "turn": call.turn, "reason": why})
                     continue
                 try:
-                    await loop.run_in_executor(self.control_pool, functools.partial(self.client.set_reward, value, trajectory_id=tid))
+                    await loop.run_in_executor(
+                        self.control_pool, functools.partial(self.client.set_reward, value, trajectory_id=tid)
+                    )
                 except Exception as exc:
                     details = getattr(exc, "details", None)
-                    skipped.append({"trajectory_id": tid, "turn": call.turn,
-                                    "reason": details() if callable(details) else f"{type(exc).__name__}: {exc}"})
+                    skipped.append(
+                        {
+                            "trajectory_id": tid,
+                            "turn": call.turn,
+                            "reason": details() if callable(details) else f"{type(exc).__name__}: {exc}",
+                        }
+                    )
                     continue
                 rewarded.append({"trajectory_id": tid, "turn": call.turn, "reward": value})
         return {"session_id": session.session_id, "rewarded": rewarded, "skipped": skipped}
@@ -542,10 +637,18 @@ class Proxy:
             await asyncio.sleep(poll_s)
 
     def status(self) -> dict:
-        return {"model_id": self.config.model_id, "version": self.engine.version, "paused": "admin pause" in self.gate.paused,
-                "waiting_for_weights": "waiting for the first weights" in self.gate.paused,
-                "loading_version": self.loading, "running": self.gate.running, "waiting": self.gate.waiting,
-                "pending_submissions": self.submitter.pending, "held": len(self.held), **self.counters}
+        return {
+            "model_id": self.config.model_id,
+            "version": self.engine.version,
+            "paused": "admin pause" in self.gate.paused,
+            "waiting_for_weights": "waiting for the first weights" in self.gate.paused,
+            "loading_version": self.loading,
+            "running": self.gate.running,
+            "waiting": self.gate.waiting,
+            "pending_submissions": self.submitter.pending,
+            "held": len(self.held),
+            **self.counters,
+        }
 
 
 def _load_snapshot(load_into, snapshot, model):
@@ -584,14 +687,31 @@ def _chat_payload(proxy: Proxy, req: Any, completion_id: str, results: Sequence[
     for i, r in enumerate(results):
         logprobs = None
         if req.logprobs:
-            logprobs = {"content": [{"token": (t := proxy.render.token_text(tok)), "logprob": lp,
-                                     "bytes": list(t.encode()), "top_logprobs": []}
-                                    for tok, lp in zip(r.output_token_ids, r.output_logprobs)], "refusal": None}
-        choices.append({"index": i, "message": {"role": "assistant", "content": proxy.render.decode(r.output_token_ids)},
-                        "logprobs": logprobs, "finish_reason": r.finish_reason})
-    return {"id": completion_id, "object": "chat.completion", "created": int(time.time()), "model": proxy.config.model_id,
-            "choices": choices, "usage": _usage(results), "system_fingerprint": f"v{proxy.engine.version}",
-            "rollbook": _rollbook_extra(proxy, results, turn)}
+            logprobs = {
+                "content": [
+                    {"token": (t := proxy.render.token_text(tok)), "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
+                    for tok, lp in zip(r.output_token_ids, r.output_logprobs)
+                ],
+                "refusal": None,
+            }
+        choices.append(
+            {
+                "index": i,
+                "message": {"role": "assistant", "content": proxy.render.decode(r.output_token_ids)},
+                "logprobs": logprobs,
+                "finish_reason": r.finish_reason,
+            }
+        )
+    return {
+        "id": completion_id,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": proxy.config.model_id,
+        "choices": choices,
+        "usage": _usage(results),
+        "system_fingerprint": f"v{proxy.engine.version}",
+        "rollbook": _rollbook_extra(proxy, results, turn),
+    }
 
 
 def _text_payload(proxy: Proxy, req: Any, completion_id: str, results: Sequence[GenerationResult], turn: int) -> dict:
@@ -605,45 +725,88 @@ def _text_payload(proxy: Proxy, req: Any, completion_id: str, results: Sequence[
                 offsets.append(at)
                 at += len(t)
             logprobs = {"tokens": tokens, "token_logprobs": list(r.output_logprobs), "top_logprobs": None, "text_offset": offsets}
-        choices.append({"index": i, "text": proxy.render.decode(r.output_token_ids), "logprobs": logprobs,
-                        "finish_reason": r.finish_reason})
-    return {"id": completion_id, "object": "text_completion", "created": int(time.time()), "model": proxy.config.model_id,
-            "choices": choices, "usage": _usage(results), "system_fingerprint": f"v{proxy.engine.version}",
-            "rollbook": _rollbook_extra(proxy, results, turn)}
+        choices.append(
+            {"index": i, "text": proxy.render.decode(r.output_token_ids), "logprobs": logprobs, "finish_reason": r.finish_reason}
+        )
+    return {
+        "id": completion_id,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": proxy.config.model_id,
+        "choices": choices,
+        "usage": _usage(results),
+        "system_fingerprint": f"v{proxy.engine.version}",
+        "rollbook": _rollbook_extra(proxy, results, turn),
+    }
 
 
 def stream_chunks(proxy: Proxy, kind: str, payload: dict, include_usage: bool) -> list[bytes]:
     """The server-sent events of a finished completion: a role chunk (chat), one chunk per token of
     every choice, a finish chunk per choice, the usage chunk when asked, then ``[DONE]``."""
     events: list[dict] = []
-    base = {"id": payload["id"], "created": payload["created"], "model": payload["model"],
-            "system_fingerprint": payload["system_fingerprint"]}
+    base = {
+        "id": payload["id"],
+        "created": payload["created"],
+        "model": payload["model"],
+        "system_fingerprint": payload["system_fingerprint"],
+    }
     obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
     for choice in payload["choices"]:
         i = choice["index"]
         if kind == "chat":
-            events.append({**base, "object": obj, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                                               "logprobs": None, "finish_reason": None}]})
+            events.append(
+                {
+                    **base,
+                    "object": obj,
+                    "choices": [
+                        {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+                    ],
+                }
+            )
             text = choice["message"]["content"]
             items = choice["logprobs"]["content"] if choice["logprobs"] else None
             pieces = _split(text, items)
             for piece, item in pieces:
-                events.append({**base, "object": obj, "choices": [{"index": i, "delta": {"content": piece},
-                                                                   "logprobs": {"content": [item], "refusal": None} if item else None,
-                                                                   "finish_reason": None}]})
-            events.append({**base, "object": obj, "choices": [{"index": i, "delta": {}, "logprobs": None,
-                                                               "finish_reason": choice["finish_reason"]}]})
+                events.append(
+                    {
+                        **base,
+                        "object": obj,
+                        "choices": [
+                            {
+                                "index": i,
+                                "delta": {"content": piece},
+                                "logprobs": {"content": [item], "refusal": None} if item else None,
+                                "finish_reason": None,
+                            }
+                        ],
+                    }
+                )
+            events.append(
+                {
+                    **base,
+                    "object": obj,
+                    "choices": [{"index": i, "delta": {}, "logprobs": None, "finish_reason": choice["finish_reason"]}],
+                }
+            )
         else:
             lp = choice["logprobs"]
-            pieces = _split(choice["text"], None if lp is None else list(zip(lp["tokens"], lp["token_logprobs"], lp["text_offset"])))
+            pieces = _split(
+                choice["text"], None if lp is None else list(zip(lp["tokens"], lp["token_logprobs"], lp["text_offset"]))
+            )
             for piece, item in pieces:
                 logprobs = None
                 if item is not None:
                     logprobs = {"tokens": [item[0]], "token_logprobs": [item[1]], "top_logprobs": None, "text_offset": [item[2]]}
-                events.append({**base, "object": obj, "choices": [{"index": i, "text": piece, "logprobs": logprobs,
-                                                                   "finish_reason": None}]})
-            events.append({**base, "object": obj, "choices": [{"index": i, "text": "", "logprobs": None,
-                                                               "finish_reason": choice["finish_reason"]}]})
+                events.append(
+                    {**base, "object": obj, "choices": [{"index": i, "text": piece, "logprobs": logprobs, "finish_reason": None}]}
+                )
+            events.append(
+                {
+                    **base,
+                    "object": obj,
+                    "choices": [{"index": i, "text": "", "logprobs": None, "finish_reason": choice["finish_reason"]}],
+                }
+            )
     if include_usage:
         events.append({**base, "object": obj, "choices": [], "usage": payload["usage"]})
     return [f"data: {json.dumps(e)}\n\n".encode() for e in events] + [b"data: [DONE]\n\n"]
@@ -657,7 +820,7 @@ def _split(text: str, items: list | None) -> list[tuple[str, Any]]:
     out, at = [], 0
     for item in items:
         token = item["token"] if isinstance(item, dict) else item[0]
-        piece = text[at:at + len(token)] if text[at:at + len(token)] == token else ""
+        piece = text[at : at + len(token)] if text[at : at + len(token)] == token else ""
         at += len(piece)
         out.append((piece, item))
     return out
@@ -721,8 +884,9 @@ def create_app(proxy: Proxy):
         declared = request.headers.get("content-length")
         limit = proxy.config.max_body_bytes
         if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise ApiError(413, f"request body of {declared} bytes is over the {limit}-byte limit (max_body_bytes)",
-                           code="request_too_large")
+            raise ApiError(
+                413, f"request body of {declared} bytes is over the {limit}-byte limit (max_body_bytes)", code="request_too_large"
+            )
         chunks, size = [], 0
         async for chunk in request.stream():
             size += len(chunk)
@@ -766,8 +930,11 @@ def create_app(proxy: Proxy):
             finally:
                 deliver(finished)
 
-        return StreamingResponse(events(), media_type="text/event-stream",
-                                 headers={"x-rollbook-turn": str(payload["rollbook"]["turn"]), "cache-control": "no-cache"})
+        return StreamingResponse(
+            events(),
+            media_type="text/event-stream",
+            headers={"x-rollbook-turn": str(payload["rollbook"]["turn"]), "cache-control": "no-cache"},
+        )
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -780,7 +947,10 @@ def create_app(proxy: Proxy):
     @app.get("/v1/models")
     async def models(request: Request):
         proxy.session_of_key(request.headers)
-        return {"object": "list", "data": [{"id": proxy.config.model_id, "object": "model", "created": 0, "owned_by": "rollbook"}]}
+        return {
+            "object": "list",
+            "data": [{"id": proxy.config.model_id, "object": "model", "created": 0, "owned_by": "rollbook"}],
+        }
 
     @app.get("/health")
     async def health():
@@ -790,8 +960,9 @@ def create_app(proxy: Proxy):
     async def start_session(request: Request):
         proxy.require_starter(request.headers)
         start = await read_json(request, _StartSession)
-        session, key = proxy.sessions.start(task_id=start.task_id, domain=start.domain, group_id=start.group_id,
-                                            group_size=start.group_size)
+        session, key = proxy.sessions.start(
+            task_id=start.task_id, domain=start.domain, group_id=start.group_id, group_size=start.group_size
+        )
         return {"session_id": session.session_id, "api_key": key, "model": proxy.config.model_id}
 
     @app.get("/rollbook/sessions/{session_id}")
@@ -838,8 +1009,12 @@ def create_app(proxy: Proxy):
         body = await read_json(request, _RegisterModel)
         model_id = body.model_id or proxy.config.model_id
         if model_id != proxy.config.model_id:
-            raise ApiError(404, f"model {model_id!r} is not served here (this proxy serves {proxy.config.model_id!r})",
-                           code="model_not_found", param="model_id")
+            raise ApiError(
+                404,
+                f"model {model_id!r} is not served here (this proxy serves {proxy.config.model_id!r})",
+                code="model_not_found",
+                param="model_id",
+            )
         loop = asyncio.get_running_loop()
         try:
             await loop.run_in_executor(proxy.control_pool, proxy.client.register_model, model_id, proxy.render.vocab_size)
@@ -880,8 +1055,10 @@ def check_exposure(config: ProxyConfig, admin_key: str | None, worker_key: str |
     if config.host not in LOOPBACK and (admin_key is None or worker_key is None):
         from rollbook.errors import ConfigError
 
-        raise ConfigError(f"host {config.host} is not loopback: set ROLLBOOK_ADMIN_KEY and ROLLBOOK_WORKER_KEY, else anyone "
-                          "who reaches the port may start sessions and load weights")
+        raise ConfigError(
+            f"host {config.host} is not loopback: set ROLLBOOK_ADMIN_KEY and ROLLBOOK_WORKER_KEY, else anyone "
+            "who reaches the port may start sessions and load weights"
+        )
 
 
 class ProxyServer:
@@ -899,8 +1076,9 @@ class ProxyServer:
         self.sock.bind((host, port))
         self.port = self.sock.getsockname()[1]
         self.url = f"http://{host}:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(create_app(proxy), log_level="warning", access_log=False,
-                                                    timeout_graceful_shutdown=5))
+        self.server = uvicorn.Server(
+            uvicorn.Config(create_app(proxy), log_level="warning", access_log=False, timeout_graceful_shutdown=5)
+        )
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 
     def start(self) -> "ProxyServer":

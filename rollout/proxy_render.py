@@ -62,8 +62,9 @@ class CharRenderer:
         try:
             return self.tokenizer.encode(text)
         except ValueError as exc:
-            raise RenderError(f"{param}: {exc} (the character tokenizer knows digits, lowercase letters and "
-                              f"'+-*=:;,.?! ')", param) from None
+            raise RenderError(
+                f"{param}: {exc} (the character tokenizer knows digits, lowercase letters and '+-*=:;,.?! ')", param
+            ) from None
 
     def chat_prompt(self, messages: Sequence[tuple[str, str]]) -> list[int]:
         ids = [self.tokenizer.bos_token_id]
@@ -87,8 +88,11 @@ class CharRenderer:
         for i, s in enumerate(stop):
             ids = self._encode(s, f"stop[{i}]")
             if len(ids) != 1:
-                raise RenderError(f"stop[{i}]: {s!r} is {len(ids)} tokens; a stop sequence must be one token with this "
-                                  "tokenizer (the recorded tokens must be exactly the ones the caller sees)", "stop")
+                raise RenderError(
+                    f"stop[{i}]: {s!r} is {len(ids)} tokens; a stop sequence must be one token with this "
+                    "tokenizer (the recorded tokens must be exactly the ones the caller sees)",
+                    "stop",
+                )
             out += ids
         return out
 

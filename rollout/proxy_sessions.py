@@ -108,8 +108,7 @@ class Session:
                 self.calls.append(call)
             number = len(call.attempts)
             prefix = "chatcmpl" if isinstance(body, dict) and "messages" in body else "cmpl"
-            attempt = Attempt(number=number, created_at=now,
-                              completion_id=f"{prefix}-{self.session_id}-t{call.turn}-a{number}")
+            attempt = Attempt(number=number, created_at=now, completion_id=f"{prefix}-{self.session_id}-t{call.turn}-a{number}")
             call.attempts.append(attempt)
             return call, attempt
 
@@ -125,11 +124,27 @@ class Session:
     def summary(self) -> dict:
         with self.lock:
             return {
-                "session_id": self.session_id, "task_id": self.task_id, "domain": self.domain, "group_id": self.group_id,
-                "group_size": self.group_size, "ended": self.ended_at is not None,
-                "calls": [{"turn": c.turn, "attempts": [{"attempt": a.number, "completion_id": a.completion_id,
-                                                          "delivered": a.delivered, "trajectory_ids": a.trajectory_ids}
-                                                         for a in c.attempts]} for c in self.calls],
+                "session_id": self.session_id,
+                "task_id": self.task_id,
+                "domain": self.domain,
+                "group_id": self.group_id,
+                "group_size": self.group_size,
+                "ended": self.ended_at is not None,
+                "calls": [
+                    {
+                        "turn": c.turn,
+                        "attempts": [
+                            {
+                                "attempt": a.number,
+                                "completion_id": a.completion_id,
+                                "delivered": a.delivered,
+                                "trajectory_ids": a.trajectory_ids,
+                            }
+                            for a in c.attempts
+                        ],
+                    }
+                    for c in self.calls
+                ],
             }
 
 
@@ -157,8 +172,11 @@ class Sessions:
         with self._lock:
             self._forget_expired(now)
             if len(self._by_id) >= self.max_sessions:
-                raise SessionError(429, "too_many_sessions", f"the proxy holds {self.max_sessions} sessions (max_sessions); "
-                                   "end sessions or wait for ended ones to expire")
+                raise SessionError(
+                    429,
+                    "too_many_sessions",
+                    f"the proxy holds {self.max_sessions} sessions (max_sessions); end sessions or wait for ended ones to expire",
+                )
             session_id = f"s-{secrets.token_hex(8)}"
             key = KEY_PREFIX + secrets.token_urlsafe(24)
             session = Session(session_id, task_id, domain, group_id, group_size, started_at=now)
@@ -184,25 +202,45 @@ class Sessions:
             del self._by_id[s.session_id]
             self._by_key.pop(self._key_of.pop(s.session_id), None)
 
-    def trajectories(self, session: Session, call: Call, attempt: Attempt, results: Sequence[GenerationResult],
-                     delivered: bool, *, record: bool = True) -> list[dict]:
+    def trajectories(
+        self,
+        session: Session,
+        call: Call,
+        attempt: Attempt,
+        results: Sequence[GenerationResult],
+        delivered: bool,
+        *,
+        record: bool = True,
+    ) -> list[dict]:
         """The trajectories of one finished attempt (one per choice), recorded on the attempt unless
         ``record`` is false."""
         out: list[dict[str, Any]] = []
         for choice, r in enumerate(results):
             request_id = f"turn-{call.turn}.{choice}"
-            out.append({
-                "trajectory_id": f"{session.session_id}/{request_id}/a{attempt.number}",
-                "session_id": session.session_id,
-                "group_id": f"{session.group_id}/turn-{call.turn}" if session.group_id else "",
-                "group_size": session.group_size * len(results) if session.group_id else 0,
-                "request_id": request_id, "attempt": attempt.number, "consumed": delivered,
-                "task_id": session.task_id, "domain": session.domain, "model_id": self.model_id,
-                "prompt_token_ids": list(r.prompt_token_ids), "output_token_ids": list(r.output_token_ids),
-                "output_logprobs": list(r.output_logprobs), "output_versions": list(r.output_versions),
-                "temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k, "finish_reason": r.finish_reason,
-                "worker_id": self.worker_id, "created_at": attempt.created_at,
-            })
+            out.append(
+                {
+                    "trajectory_id": f"{session.session_id}/{request_id}/a{attempt.number}",
+                    "session_id": session.session_id,
+                    "group_id": f"{session.group_id}/turn-{call.turn}" if session.group_id else "",
+                    "group_size": session.group_size * len(results) if session.group_id else 0,
+                    "request_id": request_id,
+                    "attempt": attempt.number,
+                    "consumed": delivered,
+                    "task_id": session.task_id,
+                    "domain": session.domain,
+                    "model_id": self.model_id,
+                    "prompt_token_ids": list(r.prompt_token_ids),
+                    "output_token_ids": list(r.output_token_ids),
+                    "output_logprobs": list(r.output_logprobs),
+                    "output_versions": list(r.output_versions),
+                    "temperature": r.temperature,
+                    "top_p": r.top_p,
+                    "top_k": r.top_k,
+                    "finish_reason": r.finish_reason,
+                    "worker_id": self.worker_id,
+                    "created_at": attempt.created_at,
+                }
+            )
         if not record:
             return out
         with session.lock:
@@ -227,8 +265,12 @@ def reward_targets(session: Session, which: str | int) -> list[tuple[Call, Attem
         attempt = call.delivered
         targets = [(call, attempt)] if attempt is not None else []
     if not targets:
-        raise SessionError(409, "nothing_delivered", f"session {session.session_id} has no delivered completion for "
-                           f"call={which!r}: nothing to reward", "call")
+        raise SessionError(
+            409,
+            "nothing_delivered",
+            f"session {session.session_id} has no delivered completion for call={which!r}: nothing to reward",
+            "call",
+        )
     return [(c, a) for c, a in targets if a is not None]
 
 
@@ -248,8 +290,15 @@ class SubmitQueue:
       ``DUPLICATE``, so each completion is stored once.
     """
 
-    def __init__(self, client: StoreClient, *, batch_size: int = 64, linger_s: float = 0.01,
-                 spool_dir: str | None = None, spool_max_bytes: int = 256 << 20):
+    def __init__(
+        self,
+        client: StoreClient,
+        *,
+        batch_size: int = 64,
+        linger_s: float = 0.01,
+        spool_dir: str | None = None,
+        spool_max_bytes: int = 256 << 20,
+    ):
         self.client, self.batch_size, self.linger_s = client, batch_size, linger_s
         self._queue: queue.Queue = queue.Queue()
         self._stop = threading.Event()
@@ -284,8 +333,13 @@ class SubmitQueue:
             result = self.client.submit(list(request.trajectories))
             self.spool.remove(seq)
             self.recovered += len(request.trajectories)
-            log.warning("replayed %d trajectories a previous proxy left in its spool: %d accepted, %d already stored, "
-                        "%d rejected", len(request.trajectories), result.accepted, result.duplicates, result.rejected)
+            log.warning(
+                "replayed %d trajectories a previous proxy left in its spool: %d accepted, %d already stored, %d rejected",
+                len(request.trajectories),
+                result.accepted,
+                result.duplicates,
+                result.rejected,
+            )
 
     def hold(self, trajectories: list[dict]) -> int | None:
         """Write a finished completion durably before it is sent (``held/``); None without a spool."""
@@ -342,8 +396,12 @@ class SubmitQueue:
             try:
                 result = self.client.submit([t for t, _, _ in batch])
             except Exception as exc:  # the store stayed unreachable past the client's retry deadline
-                log.error("submitting %d trajectories failed: %s%s", len(batch), exc,
-                          " (kept in the spool for the next start)" if self.spool is not None else "")
+                log.error(
+                    "submitting %d trajectories failed: %s%s",
+                    len(batch),
+                    exc,
+                    " (kept in the spool for the next start)" if self.spool is not None else "",
+                )
                 self.failed += len(batch)
                 for _, future, _ in batch:
                     future.set_exception(exc)

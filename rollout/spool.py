@@ -154,8 +154,10 @@ class Spool:
     def _wait_for_room(self, timeout: float | None) -> None:
         with self._cond:
             if not self._cond.wait_for(lambda: self._nbytes < self.max_bytes, timeout):
-                raise SpoolFull(f"spool {self.directory} still holds >= {self.max_bytes} bytes after waiting; "
-                                "the store has been unreachable too long, or max_bytes is too small")
+                raise SpoolFull(
+                    f"spool {self.directory} still holds >= {self.max_bytes} bytes after waiting; "
+                    "the store has been unreachable too long, or max_bytes is too small"
+                )
 
     def _write(self, seq: int, data: bytes) -> pathlib.Path:
         tmp = self.directory / f"{seq:012d}.tmp"
@@ -172,8 +174,9 @@ class Spool:
         data = path.read_bytes()
         expected = _BATCH_NAME.match(path.name).group(2)
         if f"{zlib.crc32(data):08x}" != expected:
-            log.error("spool batch %s is corrupt (CRC %08x, name says %s); moving it to corrupt/",
-                      path.name, zlib.crc32(data), expected)
+            log.error(
+                "spool batch %s is corrupt (CRC %08x, name says %s); moving it to corrupt/", path.name, zlib.crc32(data), expected
+            )
             return None
         try:
             return pb.SubmitRequest.FromString(data)
@@ -194,8 +197,9 @@ def _lock_directory(directory: pathlib.Path):
         fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         lock_file.close()
-        raise RuntimeError(f"spool {directory} is in use by another Spool (its .lock is held); "
-                           "give each rollout worker its own spool directory") from None
+        raise RuntimeError(
+            f"spool {directory} is in use by another Spool (its .lock is held); give each rollout worker its own spool directory"
+        ) from None
     return lock_file
 
 

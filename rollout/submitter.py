@@ -82,16 +82,36 @@ class SubmitterStats:
         return self.accepted + self.duplicates
 
     def metrics(self) -> dict[str, float]:
-        out = {f"submit/{name}": float(getattr(self, name)) for name in (
-            "accepted", "duplicates", "delivered", "rejected", "batches_spooled", "batches_delivered", "replays",
-            "outage_s", "admission_wait_s", "spool_batches", "spool_bytes")}
+        out = {
+            f"submit/{name}": float(getattr(self, name))
+            for name in (
+                "accepted",
+                "duplicates",
+                "delivered",
+                "rejected",
+                "batches_spooled",
+                "batches_delivered",
+                "replays",
+                "outage_s",
+                "admission_wait_s",
+                "spool_batches",
+                "spool_bytes",
+            )
+        }
         out.update({f"submit/rejected/{reason}": float(n) for reason, n in self.rejected_by_reason.items()})
         return out
 
 
 class Submitter:
-    def __init__(self, client: StoreClient, spool: Spool, *, batch_size: int = 64,
-                 retry_backoff_s: tuple[float, float] = (0.05, 2.0), retry_deadline_s: float = 10.0):
+    def __init__(
+        self,
+        client: StoreClient,
+        spool: Spool,
+        *,
+        batch_size: int = 64,
+        retry_backoff_s: tuple[float, float] = (0.05, 2.0),
+        retry_deadline_s: float = 10.0,
+    ):
         """``retry_backoff_s``: (first, largest) wait between delivery attempts, doubling in between.
         ``retry_deadline_s``: passed to ``StoreClient.submit``, how long it may retry a batch that a
         reachable store keeps failing (UNAVAILABLE: commit failed) before giving it back to this loop."""
@@ -113,18 +133,19 @@ class Submitter:
         self._thread = threading.Thread(target=self._drain, name="rollbook-submitter", daemon=True)
         self._thread.start()
 
-    def submit(self, trajectories: Iterable[pb.Trajectory | Mapping[str, Any]], *,
-               timeout: float | None = None) -> list[int]:
+    def submit(self, trajectories: Iterable[pb.Trajectory | Mapping[str, Any]], *, timeout: float | None = None) -> list[int]:
         """Spool ``trajectories`` in batches of ``batch_size``; returns their spool sequence numbers.
         Blocks while the spool is full; ``SpoolFull`` if that lasts ``timeout`` seconds."""
         if self._stop.is_set():
             raise RuntimeError("submit() on a closed Submitter")
         items = [as_trajectory(t) for t in trajectories]
         if missing := [i for i, t in enumerate(items) if not t.trajectory_id]:
-            raise ValueError(f"trajectories at positions {missing[:5]} have no trajectory_id; it is the idempotency "
-                             "key that makes replays safe, so set it before submitting")
+            raise ValueError(
+                f"trajectories at positions {missing[:5]} have no trajectory_id; it is the idempotency "
+                "key that makes replays safe, so set it before submitting"
+            )
         deadline = None if timeout is None else time.monotonic() + timeout
-        return [self._put(items[i:i + self.batch_size], deadline) for i in range(0, len(items), self.batch_size)]
+        return [self._put(items[i : i + self.batch_size], deadline) for i in range(0, len(items), self.batch_size)]
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every spooled batch is delivered; False if ``timeout`` seconds pass first."""
@@ -156,8 +177,13 @@ class Submitter:
         # thread if the caller closes the channel meanwhile; let it retire first.
         time.sleep(max(0.0, self._last_probe + 0.25 - time.monotonic()))
         if self._thread.is_alive():
-            log.warning("submitter: delivery thread still waiting on the store after %.0f s; %d batch(es) stay in "
-                        "spool %s for the next run", timeout, len(self.spool), self.spool.directory)
+            log.warning(
+                "submitter: delivery thread still waiting on the store after %.0f s; %d batch(es) stay in "
+                "spool %s for the next run",
+                timeout,
+                len(self.spool),
+                self.spool.directory,
+            )
 
     def __enter__(self) -> "Submitter":
         return self
@@ -191,8 +217,9 @@ class Submitter:
 
     def _raise_if_failed(self) -> None:
         if self._error is not None:
-            raise SubmitterFailed(f"delivery stopped: {self._error!r}; {len(self.spool)} batch(es) kept in "
-                                  f"spool {self.spool.directory}") from self._error
+            raise SubmitterFailed(
+                f"delivery stopped: {self._error!r}; {len(self.spool)} batch(es) kept in spool {self.spool.directory}"
+            ) from self._error
 
     # ---- delivery (background thread) -------------------------------------------------------------
 
@@ -218,13 +245,16 @@ class Submitter:
             sends += 1
             started = time.monotonic()
             try:
-                result = self.client.submit(request.trajectories, batch_size=len(request.trajectories),
-                                            max_in_flight=1, retry_deadline_s=self.retry_deadline_s)
+                result = self.client.submit(
+                    request.trajectories,
+                    batch_size=len(request.trajectories),
+                    max_in_flight=1,
+                    retry_deadline_s=self.retry_deadline_s,
+                )
             except grpc.RpcError as exc:
                 if exc.code() not in RETRYABLE:
                     raise
-                log.warning("submitter: batch %d not delivered (%s); keeping it, retry in %.2f s",
-                            seq, exc.code().name, backoff)
+                log.warning("submitter: batch %d not delivered (%s); keeping it, retry in %.2f s", seq, exc.code().name, backoff)
                 self._mark_down(started)
                 self._stop.wait(backoff)
                 backoff = min(2 * backoff, self.retry_backoff_s[1])
@@ -264,5 +294,4 @@ class Submitter:
                 outage = time.monotonic() - self._down_since
                 self._stats.outage_s += outage
                 self._down_since = None
-                log.info("submitter: store back after %.1f s; replaying %d spooled batch(es)",
-                         outage, len(self.spool) - 1)
+                log.info("submitter: store back after %.1f s; replaying %d spooled batch(es)", outage, len(self.spool) - 1)

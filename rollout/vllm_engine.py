@@ -56,12 +56,21 @@ class VllmEngine:
             self._in_flight += 1
             version = self._version
         try:
-            params = [SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k if r.top_k > 0 else -1,
-                                     max_tokens=r.max_new_tokens, stop_token_ids=list(r.stop_token_ids), logprobs=0,
-                                     seed=None if seed is None else seed + i)
-                      for i, r in enumerate(requests)]
-            outputs = self._llm.generate([TokensPrompt(prompt_token_ids=list(r.prompt_token_ids)) for r in requests],
-                                         params, use_tqdm=False)
+            params = [
+                SamplingParams(
+                    temperature=r.temperature,
+                    top_p=r.top_p,
+                    top_k=r.top_k if r.top_k > 0 else -1,
+                    max_tokens=r.max_new_tokens,
+                    stop_token_ids=list(r.stop_token_ids),
+                    logprobs=0,
+                    seed=None if seed is None else seed + i,
+                )
+                for i, r in enumerate(requests)
+            ]
+            outputs = self._llm.generate(
+                [TokensPrompt(prompt_token_ids=list(r.prompt_token_ids)) for r in requests], params, use_tqdm=False
+            )
             return [_result(r, o.outputs[0], version) for r, o in zip(requests, outputs)]
         finally:
             with self._admit:
@@ -88,7 +97,13 @@ def _result(request: GenerationRequest, completion, version: int) -> GenerationR
     tokens = list(completion.token_ids)
     logprobs = [float(step[token].logprob) for step, token in zip(completion.logprobs, tokens)]
     return GenerationResult(
-        request_id=request.request_id, prompt_token_ids=list(request.prompt_token_ids), output_token_ids=tokens,
-        output_logprobs=logprobs, output_versions=[version] * len(tokens),
+        request_id=request.request_id,
+        prompt_token_ids=list(request.prompt_token_ids),
+        output_token_ids=tokens,
+        output_logprobs=logprobs,
+        output_versions=[version] * len(tokens),
         finish_reason="stop" if completion.finish_reason == "stop" else "length",
-        temperature=request.temperature, top_p=request.top_p, top_k=request.top_k)
+        temperature=request.temperature,
+        top_p=request.top_p,
+        top_k=request.top_k,
+    )

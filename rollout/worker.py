@@ -47,47 +47,86 @@ class RolloutConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    domains: list[str] = Field(default_factory=lambda: ["arithmetic", "reverse"], description="Task domains to sample (see rollbook/tasks.py).")
+    domains: list[str] = Field(
+        default_factory=lambda: ["arithmetic", "reverse"], description="Task domains to sample (see rollbook/tasks.py)."
+    )
     num_digits: int = Field(2, ge=1, le=6, description="arithmetic: operand digits.")
     reverse_max_len: int = Field(4, ge=1, le=12, description="reverse: longest string.")
-    reverse_per_char: bool = Field(False, description="reverse: graded reward, the fraction of characters in the right place (else 1/0 exact match).")
+    reverse_per_char: bool = Field(
+        False, description="reverse: graded reward, the fraction of characters in the right place (else 1/0 exact match)."
+    )
     num_train_tasks: int = Field(400, ge=1, description="Training problems per domain.")
     num_eval_tasks: int = Field(40, ge=1, description="Held-out problems per domain for evaluation.")
-    num_eval_samples: int = Field(8, ge=0, description="Sampled answers per held-out problem for eval/sampled_reward (0 = greedy only).")
-    eval_seed: int = Field(1234, description="Seed of the sampled evaluation: the same for every evaluation (common random numbers).")
+    num_eval_samples: int = Field(
+        8, ge=0, description="Sampled answers per held-out problem for eval/sampled_reward (0 = greedy only)."
+    )
+    eval_seed: int = Field(
+        1234, description="Seed of the sampled evaluation: the same for every evaluation (common random numbers)."
+    )
     group_size: int = Field(8, ge=1, description="Samples per prompt (one normalization group).")
     num_prompts: int = Field(8, ge=1, description="Prompts per rollout round.")
     max_new_tokens: int = Field(6, ge=1, description="Longest completion.")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature (the trainer recomputes log-probs at the same one).")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass (1 = off).")
     top_k: int = Field(0, ge=-1, description="Top-k (0 or -1 = off).")
-    max_staleness: int = Field(1, ge=0, description="Staleness gate eta: admit while (eta + version + 1) * batch > accepted + running. `rollbook rollout` replaces it with the max_staleness its trainer announces through the store.")
+    max_staleness: int = Field(
+        1,
+        ge=0,
+        description="Staleness gate eta: admit while (eta + version + 1) * batch > accepted + running. `rollbook rollout` replaces it with the max_staleness its trainer announces through the store.",
+    )
     seed: int = Field(0, description="Task sampling seed.")
     worker_id: str = Field("worker-0", description="Recorded on every trajectory.")
-    dataset: DatasetConfig | None = Field(None, description="Your own data: train on these dataset rows instead of the "
-                                          "built-in toy domains (which `domains` then does not name). See rollbook/datasets.py.")
-    rewards: dict[str, RewardConfig] = Field(default_factory=dict, description="With a dataset: the reward of each "
-                                             "domain ([rollout.rewards.<domain>] kind = 'math' | 'code' | 'exact' | "
-                                             "'regex' | 'module:function'). A row of a domain without one is a bad row.")
-    tokenizer: str | None = Field(None, description="With a dataset: local directory of a Hugging Face tokenizer "
-                                  "(loaded with local_files_only). None: the model's directory when the model loads "
-                                  "from one (model.path), else the toy tasks' character tokenizer.")
-    stop_strings: list[str] = Field(default_factory=list, description="With a dataset: strings that end a completion "
-                                    "(besides the tokenizer's eos); the text is cut before them for scoring.")
-    reward_workers: int = Field(2, ge=0, le=64, description="With a dataset: processes that run the verifiers off the "
-                                "generation thread (0 = score in the worker's thread).")
-    reward_timeout_s: float = Field(300.0, gt=0, description="With a dataset: longest wait for one sample's verifier "
-                                    "result; past it the sample is an error outcome (no reward).")
-    chunk_prompts: int = Field(0, ge=0, description="With a dataset: generate a round's prompts in chunks of this many, "
-                               "scoring each chunk while the next one generates (0 = one chunk).")
+    dataset: DatasetConfig | None = Field(
+        None,
+        description="Your own data: train on these dataset rows instead of the "
+        "built-in toy domains (which `domains` then does not name). See rollbook/datasets.py.",
+    )
+    rewards: dict[str, RewardConfig] = Field(
+        default_factory=dict,
+        description="With a dataset: the reward of each "
+        "domain ([rollout.rewards.<domain>] kind = 'math' | 'code' | 'exact' | "
+        "'regex' | 'module:function'). A row of a domain without one is a bad row.",
+    )
+    tokenizer: str | None = Field(
+        None,
+        description="With a dataset: local directory of a Hugging Face tokenizer "
+        "(loaded with local_files_only). None: the model's directory when the model loads "
+        "from one (model.path), else the toy tasks' character tokenizer.",
+    )
+    stop_strings: list[str] = Field(
+        default_factory=list,
+        description="With a dataset: strings that end a completion "
+        "(besides the tokenizer's eos); the text is cut before them for scoring.",
+    )
+    reward_workers: int = Field(
+        2,
+        ge=0,
+        le=64,
+        description="With a dataset: processes that run the verifiers off the "
+        "generation thread (0 = score in the worker's thread).",
+    )
+    reward_timeout_s: float = Field(
+        300.0,
+        gt=0,
+        description="With a dataset: longest wait for one sample's verifier "
+        "result; past it the sample is an error outcome (no reward).",
+    )
+    chunk_prompts: int = Field(
+        0,
+        ge=0,
+        description="With a dataset: generate a round's prompts in chunks of this many, "
+        "scoring each chunk while the next one generates (0 = one chunk).",
+    )
 
     @model_validator(mode="after")
     def _dataset_fields(self) -> "RolloutConfig":
         if self.dataset is None:
             used = sorted(f for f in ("rewards", "tokenizer", "stop_strings") if f in self.model_fields_set and getattr(self, f))
             if used:
-                raise ValueError(f"rollout.{used[0]} applies to dataset rows: set [rollout.dataset] (the toy domains use "
-                                 "the character tokenizer and their own verifiers)")
+                raise ValueError(
+                    f"rollout.{used[0]} applies to dataset rows: set [rollout.dataset] (the toy domains use "
+                    "the character tokenizer and their own verifiers)"
+                )
         elif not self.rewards:
             raise ValueError("rollout.dataset needs rewards: set [rollout.rewards.<domain>] kind = ... for each domain")
         return self
@@ -130,8 +169,7 @@ class RolloutStats:
 
 
 class RolloutWorker:
-    def __init__(self, engine: GenerationEngine, config: RolloutConfig, *, model_id: str,
-                 tokenizer: Tokenizer | None = None):
+    def __init__(self, engine: GenerationEngine, config: RolloutConfig, *, model_id: str, tokenizer: Tokenizer | None = None):
         self.engine = engine
         self.config = config
         self.model_id = model_id
@@ -144,8 +182,16 @@ class RolloutWorker:
             return
         self.tokenizer: Tokenizer = TOKENIZER
         self.domains = build_domains(config)
-        self.train_tasks = [t for d in self.domains.values() for t in make_tasks(d, "train", config.num_train_tasks, config.seed, allow_fewer=True)]
-        self.eval_tasks = [t for d in self.domains.values() for t in make_tasks(d, "heldout", config.num_eval_tasks, config.seed, allow_fewer=True)]
+        self.train_tasks = [
+            t
+            for d in self.domains.values()
+            for t in make_tasks(d, "train", config.num_train_tasks, config.seed, allow_fewer=True)
+        ]
+        self.eval_tasks = [
+            t
+            for d in self.domains.values()
+            for t in make_tasks(d, "heldout", config.num_eval_tasks, config.seed, allow_fewer=True)
+        ]
 
     # -- your own data ---------------------------------------------------------------------------
 
@@ -159,16 +205,22 @@ class RolloutWorker:
         self._prompt_ids: dict[tuple[str, str], list[int]] = {}
         train, heldout = self._encodable(data.train), self._encodable(data.heldout)
         if self.bad_rows and data_cfg.on_bad_row == "fail":
-            raise DatasetError(f"{len(self.bad_rows)} bad rows (on_bad_row = 'fail'): "
-                               + "; ".join(str(b) for b in self.bad_rows[:20]))
+            raise DatasetError(
+                f"{len(self.bad_rows)} bad rows (on_bad_row = 'fail'): " + "; ".join(str(b) for b in self.bad_rows[:20])
+            )
         if not train:
             raise DatasetError(f"no usable training rows in {data_cfg.train_files} ({len(self.bad_rows)} bad rows)")
         self.train_rows, self.eval_rows = train, heldout
         self.sampler = RowSampler(train, shuffle=data_cfg.shuffle, seed=data_cfg.seed, epochs=data_cfg.epochs)
         self.rewards = RewardPool(config.rewards, max_workers=config.reward_workers)
         self._stop = StopStrings(self.tokenizer, self.tokenizer.stop_strings) if self.tokenizer.stop_strings else None
-        log.info("dataset: %d training rows, %d held out, %d bad rows skipped; tokenizer vocabulary %d",
-                 len(train), len(heldout), len(self.bad_rows), self.tokenizer.vocab_size)
+        log.info(
+            "dataset: %d training rows, %d held out, %d bad rows skipped; tokenizer vocabulary %d",
+            len(train),
+            len(heldout),
+            len(self.bad_rows),
+            self.tokenizer.vocab_size,
+        )
 
     def _encodable(self, rows: list[Row]) -> list[Row]:
         """The rows whose prompt the tokenizer encodes (ids cached); the others are bad rows, reported now."""
@@ -195,10 +247,15 @@ class RolloutWorker:
 
     def _request(self, row: Row, *, temperature: float) -> GenerationRequest:
         cfg = self.config
-        return GenerationRequest(prompt_token_ids=self._prompt_ids[(row.source, row.task_id)], max_new_tokens=cfg.max_new_tokens,
-                                 temperature=temperature, top_p=cfg.top_p if temperature > 0 else 1.0,
-                                 top_k=cfg.top_k if temperature > 0 else 0,
-                                 stop_token_ids=self.tokenizer.stop_token_ids, stop=self._stop)
+        return GenerationRequest(
+            prompt_token_ids=self._prompt_ids[(row.source, row.task_id)],
+            max_new_tokens=cfg.max_new_tokens,
+            temperature=temperature,
+            top_p=cfg.top_p if temperature > 0 else 1.0,
+            top_k=cfg.top_k if temperature > 0 else 0,
+            stop_token_ids=self.tokenizer.stop_token_ids,
+            stop=self._stop,
+        )
 
     def _generate_and_score(self, rows: list[Row], temperature: float, *, seed: int | None = None, per_prompt: int = 1):
         """Generate ``rows`` (one request each; ``per_prompt`` consecutive requests per prompt) chunk by
@@ -208,10 +265,12 @@ class RolloutWorker:
         chunk = self.config.chunk_prompts * per_prompt or len(rows)
         pending = []
         for start in range(0, len(rows), max(1, chunk)):
-            part = rows[start:start + chunk]
+            part = rows[start : start + chunk]
             results = self.engine.generate([self._request(r, temperature=temperature) for r in part], seed=seed)
-            pending += [(result, self.rewards.submit(row.domain, self.tokenizer.completion_text(result.output_token_ids),
-                                                     row.as_dict())) for row, result in zip(part, results)]
+            pending += [
+                (result, self.rewards.submit(row.domain, self.tokenizer.completion_text(result.output_token_ids), row.as_dict()))
+                for row, result in zip(part, results)
+            ]
         return [(result, self.rewards.result(future, timeout=self.config.reward_timeout_s)) for result, future in pending]
 
     def _produce_rows(self, num_prompts: int) -> list[pb.Trajectory]:
@@ -251,9 +310,16 @@ class RolloutWorker:
             group_id = uuid.uuid4().hex
             prompt = TOKENIZER.encode(task.prompt, add_bos=True)
             for _ in range(cfg.group_size):
-                requests.append(GenerationRequest(prompt_token_ids=prompt, max_new_tokens=cfg.max_new_tokens,
-                                                  temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-                                                  stop_token_ids=[TOKENIZER.eos_token_id]))
+                requests.append(
+                    GenerationRequest(
+                        prompt_token_ids=prompt,
+                        max_new_tokens=cfg.max_new_tokens,
+                        temperature=cfg.temperature,
+                        top_p=cfg.top_p,
+                        top_k=cfg.top_k,
+                        stop_token_ids=[TOKENIZER.eos_token_id],
+                    )
+                )
                 owners.append((task, group_id))
         results = self.engine.generate(requests)
         return [self._trajectory(task, group_id, result) for (task, group_id), result in zip(owners, results)]
@@ -267,13 +333,26 @@ class RolloutWorker:
         self.stats.num_trajectories += 1
         self.stats.num_tokens += len(result.output_token_ids)
         traj = pb.Trajectory(
-            trajectory_id=uuid.uuid4().hex, session_id=result.request_id, group_id=group_id,
-            group_size=self.config.group_size, request_id=result.request_id, consumed=True, task_id=task_id,
-            domain=domain, model_id=self.model_id, prompt_token_ids=result.prompt_token_ids,
-            output_token_ids=result.output_token_ids, output_logprobs=result.output_logprobs,
-            output_versions=result.output_versions, temperature=result.temperature, top_p=result.top_p,
-            top_k=result.top_k, finish_reason=result.finish_reason, worker_id=self.config.worker_id,
-            created_at=time.time())
+            trajectory_id=uuid.uuid4().hex,
+            session_id=result.request_id,
+            group_id=group_id,
+            group_size=self.config.group_size,
+            request_id=result.request_id,
+            consumed=True,
+            task_id=task_id,
+            domain=domain,
+            model_id=self.model_id,
+            prompt_token_ids=result.prompt_token_ids,
+            output_token_ids=result.output_token_ids,
+            output_logprobs=result.output_logprobs,
+            output_versions=result.output_versions,
+            temperature=result.temperature,
+            top_p=result.top_p,
+            top_k=result.top_k,
+            finish_reason=result.finish_reason,
+            worker_id=self.config.worker_id,
+            created_at=time.time(),
+        )
         if outcome.status == "ok":
             traj.reward = outcome.reward
         else:
@@ -295,18 +374,32 @@ class RolloutWorker:
         if cfg.dataset is not None:
             return self._evaluate_rows()
         tasks = tasks or self.eval_tasks
-        greedy = [GenerationRequest(prompt_token_ids=TOKENIZER.encode(t.prompt, add_bos=True),
-                                    max_new_tokens=cfg.max_new_tokens, temperature=0.0,
-                                    stop_token_ids=[TOKENIZER.eos_token_id]) for t in tasks]
+        greedy = [
+            GenerationRequest(
+                prompt_token_ids=TOKENIZER.encode(t.prompt, add_bos=True),
+                max_new_tokens=cfg.max_new_tokens,
+                temperature=0.0,
+                stop_token_ids=[TOKENIZER.eos_token_id],
+            )
+            for t in tasks
+        ]
         out, errors = self._score(tasks, self.engine.generate(greedy), "eval/", "eval/reward")
         if cfg.num_eval_samples:
             sampled_tasks = [t for t in tasks for _ in range(cfg.num_eval_samples)]
-            sampled = [GenerationRequest(prompt_token_ids=TOKENIZER.encode(t.prompt, add_bos=True),
-                                         max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-                                         top_p=cfg.top_p, top_k=cfg.top_k, stop_token_ids=[TOKENIZER.eos_token_id])
-                       for t in sampled_tasks]
-            more, more_errors = self._score(sampled_tasks, self.engine.generate(sampled, seed=cfg.eval_seed),
-                                            "eval/sampled/", "eval/sampled_reward")
+            sampled = [
+                GenerationRequest(
+                    prompt_token_ids=TOKENIZER.encode(t.prompt, add_bos=True),
+                    max_new_tokens=cfg.max_new_tokens,
+                    temperature=cfg.temperature,
+                    top_p=cfg.top_p,
+                    top_k=cfg.top_k,
+                    stop_token_ids=[TOKENIZER.eos_token_id],
+                )
+                for t in sampled_tasks
+            ]
+            more, more_errors = self._score(
+                sampled_tasks, self.engine.generate(sampled, seed=cfg.eval_seed), "eval/sampled/", "eval/sampled_reward"
+            )
             out.update(more)
             errors += more_errors
         out["eval/errors"] = errors
@@ -329,15 +422,18 @@ class RolloutWorker:
     def _evaluate_rows(self) -> dict[str, float]:
         """``evaluate`` on the dataset's held-out rows (none: an empty dict), scored by the rewards."""
         cfg = self.config
-        rows = self.eval_rows[:cfg.num_eval_tasks]
+        rows = self.eval_rows[: cfg.num_eval_tasks]
         if not rows:
             return {}
         out, errors = self._tally(rows, self._generate_and_score(rows, 0.0), "eval/", "eval/reward")
         if cfg.num_eval_samples:
             sampled = [r for r in rows for _ in range(cfg.num_eval_samples)]
-            more, more_errors = self._tally(sampled, self._generate_and_score(sampled, cfg.temperature, seed=cfg.eval_seed,
-                                                                              per_prompt=cfg.num_eval_samples),
-                                            "eval/sampled/", "eval/sampled_reward")
+            more, more_errors = self._tally(
+                sampled,
+                self._generate_and_score(sampled, cfg.temperature, seed=cfg.eval_seed, per_prompt=cfg.num_eval_samples),
+                "eval/sampled/",
+                "eval/sampled_reward",
+            )
             out.update(more)
             errors += more_errors
         out["eval/errors"] = errors

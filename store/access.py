@@ -57,7 +57,7 @@ def bearer(metadata: Metadata | None) -> bytes | None:
         if k == "authorization":
             if isinstance(v, bytes):
                 v = v.decode("latin-1")
-            return v[len("Bearer "):].encode() if v.startswith("Bearer ") else None
+            return v[len("Bearer ") :].encode() if v.startswith("Bearer ") else None
     return None
 
 
@@ -93,8 +93,10 @@ class KeyRing:
             return role
         if role is None:
             what = "no key" if given is None else "a key that is no role's key"
-            raise Denied(grpc.StatusCode.UNAUTHENTICATED,
-                         f"{rpc} needs the {need} key (metadata 'authorization: Bearer <key>'); got {what}")
+            raise Denied(
+                grpc.StatusCode.UNAUTHENTICATED,
+                f"{rpc} needs the {need} key (metadata 'authorization: Bearer <key>'); got {what}",
+            )
         raise Denied(grpc.StatusCode.PERMISSION_DENIED, f"the {role} key may not call {rpc}; it needs the {need} key")
 
 
@@ -119,20 +121,26 @@ def check_keys(keys: dict[str, str | None], *, loopback: bool) -> None:
     missing = [r for r in ROLES if not keys.get(r)]
     if not loopback and missing:
         names = ", ".join(f"ROLLBOOK_{r.upper()}_KEY" for r in missing)
-        raise ValueError(f"a non-loopback store needs all four role keys; missing {names} "
-                         f"(make them with: python -c 'import secrets; print(secrets.token_hex(16))')")
+        raise ValueError(
+            f"a non-loopback store needs all four role keys; missing {names} "
+            f"(make them with: python -c 'import secrets; print(secrets.token_hex(16))')"
+        )
     for role in ROLES:
         key = keys.get(role)
         if not key:
             continue
         reason = weak_key_reason(key) if not loopback else ("contains whitespace" if any(c.isspace() for c in key) else None)
         if reason:
-            raise ValueError(f"ROLLBOOK_{role.upper()}_KEY {reason}; use e.g. python -c 'import secrets; print(secrets.token_hex(16))'")
+            raise ValueError(
+                f"ROLLBOOK_{role.upper()}_KEY {reason}; use e.g. python -c 'import secrets; print(secrets.token_hex(16))'"
+            )
     given = [(r, key) for r in ROLES if (key := keys.get(r))]
     for i, (a, ka) in enumerate(given):
-        for b, kb in given[i + 1:]:
+        for b, kb in given[i + 1 :]:
             if hmac.compare_digest(ka.encode(), kb.encode()):
-                raise ValueError(f"ROLLBOOK_{a.upper()}_KEY and ROLLBOOK_{b.upper()}_KEY are the same key; each role needs its own")
+                raise ValueError(
+                    f"ROLLBOOK_{a.upper()}_KEY and ROLLBOOK_{b.upper()}_KEY are the same key; each role needs its own"
+                )
 
 
 # ---- numeric request fields ------------------------------------------------------------------------
@@ -160,25 +168,33 @@ def _int_in(name: str, value: int, lo: int, hi: int) -> str | None:
 
 
 def _pull(r: pb.PullBatchRequest) -> list[str | None]:
-    return [_finite_in("lease_seconds", r.lease_seconds, 0.0, MAX_LEASE_SECONDS),
-            _int_in("num_samples", r.num_samples, 0, MAX_BATCH), _int_in("num_groups", r.num_groups, 0, MAX_BATCH),
-            _int_in("max_staleness", r.max_staleness, 0, MAX_VERSION),
-            _int_in("trainer_version", r.trainer_version, 0, MAX_VERSION), _int_in("step", r.step, 0, MAX_STEP)]
+    return [
+        _finite_in("lease_seconds", r.lease_seconds, 0.0, MAX_LEASE_SECONDS),
+        _int_in("num_samples", r.num_samples, 0, MAX_BATCH),
+        _int_in("num_groups", r.num_groups, 0, MAX_BATCH),
+        _int_in("max_staleness", r.max_staleness, 0, MAX_VERSION),
+        _int_in("trainer_version", r.trainer_version, 0, MAX_VERSION),
+        _int_in("step", r.step, 0, MAX_STEP),
+    ]
 
 
 def _report(r: pb.ReportTrainStepRequest) -> list[str | None]:
-    return [_int_in("step", r.step, 0, MAX_STEP), _int_in("version", r.version, 0, MAX_VERSION),
-            _finite_in("started_at", r.started_at, MIN_TIME, MAX_TIME),
-            _finite_in("finished_at", r.finished_at, MIN_TIME, MAX_TIME)]
+    return [
+        _int_in("step", r.step, 0, MAX_STEP),
+        _int_in("version", r.version, 0, MAX_VERSION),
+        _finite_in("started_at", r.started_at, MIN_TIME, MAX_TIME),
+        _finite_in("finished_at", r.finished_at, MIN_TIME, MAX_TIME),
+    ]
 
 
 _FIELD_CHECKS = {
     "PullBatch": _pull,
     "SetReward": lambda r: [_finite_in("reward", r.reward, -MAX_REWARD, MAX_REWARD)],
     "Query": lambda r: [_finite_in("timeout_seconds", r.timeout_seconds, 0.0, MAX_QUERY_TIMEOUT_S)],
-    "PublishVersion": lambda r: [_int_in("version", r.version, 0, MAX_VERSION),
-                                 _int_in("samples_per_version", r.samples_per_version, 1, MAX_BATCH)
-                                 if r.HasField("samples_per_version") else None],
+    "PublishVersion": lambda r: [
+        _int_in("version", r.version, 0, MAX_VERSION),
+        _int_in("samples_per_version", r.samples_per_version, 1, MAX_BATCH) if r.HasField("samples_per_version") else None,
+    ],
     "RegisterModel": lambda r: [_int_in("vocab_size", r.vocab_size, 0, MAX_VOCAB)],
     "ReportTrainStep": _report,
 }

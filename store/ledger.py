@@ -155,10 +155,17 @@ class _Registry:
 class Ledger:
     """Owns the DuckDB connection, the write-ahead log and the idempotency index."""
 
-    def __init__(self, db_path: str | pathlib.Path, *, ingest_config: IngestConfig | None = None,
-                 validator_config: ValidatorConfig | None = None,
-                 fold_interval_s: float = 0.5, fold_bytes: int = 256 << 20, fold_max_delay_s: float = 10.0,
-                 validate: bool = True):
+    def __init__(
+        self,
+        db_path: str | pathlib.Path,
+        *,
+        ingest_config: IngestConfig | None = None,
+        validator_config: ValidatorConfig | None = None,
+        fold_interval_s: float = 0.5,
+        fold_bytes: int = 256 << 20,
+        fold_max_delay_s: float = 10.0,
+        validate: bool = True,
+    ):
         self.db_path = pathlib.Path(db_path).absolute()  # the SQL sandbox's workers run elsewhere
         self.db_path.parent.mkdir(parents=True, exist_ok=True)
         self.ingest_config = ingest_config or IngestConfig()
@@ -198,8 +205,9 @@ class Ledger:
 
     def submit(self, trajectories: Sequence[pb.Trajectory]) -> list[Outcome]:
         """Validate, deduplicate and durably commit one batch; blocks until the group is fsync'd."""
-        return self.commit(prepare(decode_messages(trajectories), self.registry, self.ingest_config,
-                                   validate=self.validate, now=time.time()))
+        return self.commit(
+            prepare(decode_messages(trajectories), self.registry, self.ingest_config, validate=self.validate, now=time.time())
+        )
 
     def commit(self, prepared: Prepared) -> list[Outcome]:
         """Deduplicate a prepared batch and commit it (group commit); blocks until fsync'd.
@@ -235,14 +243,19 @@ class Ledger:
 
     def register_model(self, model_id: str, vocab_size: int) -> None:
         with self._db_lock:
-            self.con.execute(
-                "INSERT OR REPLACE INTO models VALUES (?, ?, ?)", [model_id, vocab_size, time.time()]
-            )
+            self.con.execute("INSERT OR REPLACE INTO models VALUES (?, ?, ?)", [model_id, vocab_size, time.time()])
             self._generation += 1
         self.registry.set_vocab(model_id, vocab_size)
 
-    def publish_version(self, model_id: str, version: int, checksum: str, *, max_staleness: int | None = None,
-                        samples_per_version: int | None = None) -> int:
+    def publish_version(
+        self,
+        model_id: str,
+        version: int,
+        checksum: str,
+        *,
+        max_staleness: int | None = None,
+        samples_per_version: int | None = None,
+    ) -> int:
         """Record version ``version`` of ``model_id``; returns the latest published version. An
         announced staleness contract (either value not None) replaces the model's previous one."""
         if self.registry.vocab_size(model_id) is None:
@@ -277,8 +290,10 @@ class Ledger:
         if not math.isfinite(reward):
             raise InvalidReward(f"{Reason.NONFINITE_REWARD}: reward = {reward}")
         if abs(reward) > self.ingest_config.max_abs_reward:
-            raise InvalidReward(f"{Reason.REWARD_OUT_OF_RANGE}: reward = {reward:g}; |reward| must be <= "
-                                f"max_abs_reward {self.ingest_config.max_abs_reward:g}")
+            raise InvalidReward(
+                f"{Reason.REWARD_OUT_OF_RANGE}: reward = {reward:g}; |reward| must be <= "
+                f"max_abs_reward {self.ingest_config.max_abs_reward:g}"
+            )
         if bool(trajectory_id) == bool(session_id):
             raise InvalidReward("give exactly one of trajectory_id and session_id")
         self.flush()
@@ -295,15 +310,19 @@ class Ledger:
                             ORDER BY consumed DESC, created_at DESC, trajectory_id DESC) AS rk
                           FROM trajectories WHERE session_id = ?)
                         SELECT trajectory_id, status FROM calls WHERE rk = 1
-                        ORDER BY created_at DESC, trajectory_id DESC LIMIT 1""", [session_id]).fetchone()
+                        ORDER BY created_at DESC, trajectory_id DESC LIMIT 1""",
+                    [session_id],
+                ).fetchone()
                 if found is None:
                     raise UnknownTrajectory(f"no accepted trajectory in session {session_id!r}")
             else:
-                found = con.execute("SELECT trajectory_id, status FROM trajectories WHERE trajectory_id = ?",
-                                    [trajectory_id]).fetchone()
+                found = con.execute(
+                    "SELECT trajectory_id, status FROM trajectories WHERE trajectory_id = ?", [trajectory_id]
+                ).fetchone()
                 if found is None:
-                    rejected = con.execute("SELECT reason FROM rejections WHERE trajectory_id = ? LIMIT 1",
-                                           [trajectory_id]).fetchone()
+                    rejected = con.execute(
+                        "SELECT reason FROM rejections WHERE trajectory_id = ? LIMIT 1", [trajectory_id]
+                    ).fetchone()
                     if rejected:
                         raise NotRewardable(f"trajectory {trajectory_id!r} was rejected ({rejected[0]}); it will never train")
                     raise UnknownTrajectory(f"unknown trajectory {trajectory_id!r}")
@@ -311,8 +330,10 @@ class Ledger:
             if status != "pending":
                 raise NotRewardable(f"trajectory {tid!r} is already {status}; its reward can no longer change")
             con.execute("UPDATE trajectories SET reward = ?, original_reward = ? WHERE trajectory_id = ?", [reward, reward, tid])
-            con.execute("INSERT INTO rewards VALUES (?, ?, ?, ?, ?)",
-                        [tid, session_id, reward, "session" if session_id else "trajectory", now])
+            con.execute(
+                "INSERT INTO rewards VALUES (?, ?, ?, ?, ?)",
+                [tid, session_id, reward, "session" if session_id else "trajectory", now],
+            )
             groups.settle(con, self.validator_config, now)
         return tid
 
@@ -333,13 +354,16 @@ class Ledger:
         with self._transaction() as con:
             return pull.ack_lease(con, lease_id, time.time(), trainer_id)
 
-    def record_train_step(self, step: int, trainer_id: str, version: int, lease_id: str, started_at: float,
-                          finished_at: float, stats_json: str) -> None:
+    def record_train_step(
+        self, step: int, trainer_id: str, version: int, lease_id: str, started_at: float, finished_at: float, stats_json: str
+    ) -> None:
         """Write (or rewrite, after a trainer restart) one row of ``train_steps``."""
         with self._transaction() as con:
             con.execute("DELETE FROM train_steps WHERE step = ? AND trainer_id = ?", [step, trainer_id])
-            con.execute("INSERT INTO train_steps VALUES (?, ?, ?, ?, ?, ?, ?)",
-                        [step, trainer_id, version, lease_id, started_at, finished_at, stats_json])
+            con.execute(
+                "INSERT INTO train_steps VALUES (?, ?, ?, ?, ?, ?, ?)",
+                [step, trainer_id, version, lease_id, started_at, finished_at, stats_json],
+            )
 
     @contextlib.contextmanager
     def _transaction(self) -> Iterator[duckdb.DuckDBPyConnection]:
@@ -358,10 +382,10 @@ class Ledger:
         self.flush()
         cur = self.cursor()
         try:
-            accepted, tokens = one_row(cur.execute(
-                "SELECT count(*), coalesce(sum(num_output_tokens), 0) FROM trajectories"))
+            accepted, tokens = one_row(cur.execute("SELECT count(*), coalesce(sum(num_output_tokens), 0) FROM trajectories"))
             by_reason = cur.execute(
-                "SELECT reason, count(*), coalesce(sum(num_output_tokens), 0) FROM rejections GROUP BY reason").fetchall()
+                "SELECT reason, count(*), coalesce(sum(num_output_tokens), 0) FROM rejections GROUP BY reason"
+            ).fetchall()
         finally:
             cur.close()
         return {
@@ -439,8 +463,13 @@ class Ledger:
             self.counters["duplicates"] += 1
             first = self._seen.get(tid, ACCEPTED)
         if first == REJECTED:
-            return Outcome(tid, DUPLICATE, "", "trajectory_id already seen (first verdict: REJECTED); ids are unique "
-                           "forever, so a corrected trajectory must be sent under a new trajectory_id; nothing stored twice")
+            return Outcome(
+                tid,
+                DUPLICATE,
+                "",
+                "trajectory_id already seen (first verdict: REJECTED); ids are unique "
+                "forever, so a corrected trajectory must be sent under a new trajectory_id; nothing stored twice",
+            )
         return Outcome(tid, DUPLICATE, "", f"trajectory_id already stored (first verdict: {first}); nothing stored twice")
 
     def _group_commit(self, pending: _Pending) -> None:
@@ -459,8 +488,10 @@ class Ledger:
         accepted = [tid for p in group for tid in p.accepted]
         rejected = [tid for p in group for tid in p.rejected]
         try:
-            batch = self.wal.append([p.trajectories for p in group if p.trajectories is not None],
-                                    [p.rejections for p in group if p.rejections is not None])
+            batch = self.wal.append(
+                [p.trajectories for p in group if p.trajectories is not None],
+                [p.rejections for p in group if p.rejections is not None],
+            )
         except Exception as exc:  # nothing was acknowledged: release the ids so retries can land
             log.exception("commit failed")
             self._release(group)
@@ -497,7 +528,10 @@ class Ledger:
                 if not self._unfolded:
                     continue
                 idle = time.monotonic() - self._last_commit >= self.fold_interval_s
-                due = self._unfolded_bytes >= self.fold_bytes or time.monotonic() - self._unfolded[0].committed_at >= self.fold_max_delay_s
+                due = (
+                    self._unfolded_bytes >= self.fold_bytes
+                    or time.monotonic() - self._unfolded[0].committed_at >= self.fold_max_delay_s
+                )
             if idle or due:
                 try:
                     self._fold()

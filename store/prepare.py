@@ -168,8 +168,10 @@ def _varints(msgs: Sequence[view_pb.TrajectoryView], name: str, dtype: type) -> 
 
 
 # each packed varint field's tag (field number << 3 | wire type 2): one byte for fields 1-15
-_FIELD_TAGS = {name: bytes([pb.Trajectory.DESCRIPTOR.fields_by_name[name].number << 3 | 2])
-               for name in ("prompt_token_ids", "output_token_ids", "output_versions")}
+_FIELD_TAGS = {
+    name: bytes([pb.Trajectory.DESCRIPTOR.fields_by_name[name].number << 3 | 2])
+    for name in ("prompt_token_ids", "output_token_ids", "output_versions")
+}
 
 
 def parse_message(message_type: type[Message], data: bytes) -> Message:

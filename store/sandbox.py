@@ -54,7 +54,6 @@ from rollbook.store.sql import INTERNAL, INVALID, RESOURCES, QueryError, QueryLi
 log = logging.getLogger("rollbook.store.sandbox")
 
 
-
 class Busy(QueryError):
     """Every sandbox is busy and the queue is full."""
 
@@ -102,8 +101,7 @@ class Snapshots:
     def acquire(self) -> Snapshot:
         with self._lock:
             cur = self._current
-            if cur is None or (self.source.changed_since(cur.generation)
-                               and time.monotonic() - cur.taken >= self.max_age_s):
+            if cur is None or (self.source.changed_since(cur.generation) and time.monotonic() - cur.taken >= self.max_age_s):
                 self._serial += 1
                 path = self.directory / f"snapshot-{self._serial}.duckdb"
                 generation = self.source.snapshot(path)
@@ -182,8 +180,12 @@ class _Worker:
         env = {k: v for k, v in os.environ.items() if k in ("PATH", "LANG", "LC_ALL", "PYTHONPATH", "VIRTUAL_ENV")}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "rollbook.store.sandbox_worker", json.dumps(settings)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=self.temp_dir,  # stderr: the server's log
-            env=env, close_fds=True)
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            cwd=self.temp_dir,  # stderr: the server's log
+            env=env,
+            close_fds=True,
+        )
         stdin, stdout = self.proc.stdin, self.proc.stdout
         assert stdin is not None and stdout is not None  # both are PIPE above
         self.stdin, self.stdout = stdin, stdout
@@ -271,8 +273,10 @@ class SandboxPool:
             if self._closed:
                 raise QueryError("the store is shutting down", RESOURCES)
             if not self._idle and self._waiting >= self.limits.queue:
-                raise Busy(f"too many concurrent queries: {self.limits.workers} running and {self.limits.queue} "
-                           "waiting (query_workers, query_queue); retry later")
+                raise Busy(
+                    f"too many concurrent queries: {self.limits.workers} running and {self.limits.queue} "
+                    "waiting (query_workers, query_queue); retry later"
+                )
             self._waiting += 1
             try:
                 while not self._idle:
@@ -319,8 +323,9 @@ class SandboxPool:
 
     # -- one query --
 
-    def _execute(self, worker: _Worker, db: pathlib.Path, sql: str, rows: int, timeout: float,
-                 deadline: float) -> Iterator[tuple[bytes, bool]]:
+    def _execute(
+        self, worker: _Worker, db: pathlib.Path, sql: str, rows: int, timeout: float, deadline: float
+    ) -> Iterator[tuple[bytes, bool]]:
         lim = self.limits
         remaining = max(deadline - time.monotonic(), 0.05)
         hard_deadline = deadline + lim.kill_grace_s
@@ -330,10 +335,20 @@ class SandboxPool:
         timed_out = QueryError(f"query exceeded its timeout of {timeout:g} s")
         try:
             try:
-                worker.send({"db": str(db), "sql": sql, "max_rows": rows, "timeout_s": remaining,
-                             "timeout_label": timeout, "max_bytes": lim.max_result_bytes,
-                             "batch_rows": lim.batch_rows, "chunk_bytes": lim.chunk_bytes,
-                             "max_chunk_bytes": lim.max_chunk_bytes, "fence": lim.fence})
+                worker.send(
+                    {
+                        "db": str(db),
+                        "sql": sql,
+                        "max_rows": rows,
+                        "timeout_s": remaining,
+                        "timeout_label": timeout,
+                        "max_bytes": lim.max_result_bytes,
+                        "batch_rows": lim.batch_rows,
+                        "chunk_bytes": lim.chunk_bytes,
+                        "max_chunk_bytes": lim.max_chunk_bytes,
+                        "fence": lim.fence,
+                    }
+                )
             except (BrokenPipeError, OSError) as exc:
                 worker.kill()
                 raise QueryError("the query's sandbox process was not running; retry", INTERNAL) from exc
@@ -398,5 +413,6 @@ def _death(worker: _Worker) -> str:
             how = f"signal {signal.Signals(-rc).name}"
         except ValueError:
             how = f"signal {-rc}"
-    return (f"the query's sandbox process died ({how}), most likely at its memory or resource limits; "
-            "the store itself is unaffected")
+    return (
+        f"the query's sandbox process died ({how}), most likely at its memory or resource limits; the store itself is unaffected"
+    )

@@ -220,7 +220,9 @@ def _stream(pa: ModuleType, reader: pa_types.RecordBatchReader, request: dict, o
                 if fit == 0 and rows == 0:
                     raise QueryError(
                         f"the first row alone is larger than the result cap ({min(max_piece, max_bytes) >> 20} MiB); "
-                        "select less (substr, fewer columns)", RESOURCES)
+                        "select less (substr, fewer columns)",
+                        RESOURCES,
+                    )
                 piece = piece.slice(0, fit)
                 nbytes = piece.nbytes
                 truncated = True

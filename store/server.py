@@ -43,8 +43,13 @@ MAX_MESSAGE_BYTES = 64 << 20
 
 def _key_field(role: str, rpcs: str) -> Any:  # a pydantic FieldInfo, typed Any like Field()
     # repr=False and exclude=True: a key never shows in a log line or a dumped config
-    return Field(None, repr=False, exclude=True, description=f"The {role} role's key, for {rpcs} "
-                 f"(env ROLLBOOK_{role.upper()}_KEY). Unset on loopback leaves those RPCs open; required off loopback.")
+    return Field(
+        None,
+        repr=False,
+        exclude=True,
+        description=f"The {role} role's key, for {rpcs} "
+        f"(env ROLLBOOK_{role.upper()}_KEY). Unset on loopback leaves those RPCs open; required off loopback.",
+    )
 
 
 _LIMITS = QueryLimits()  # the query_* defaults live in one place, store/sql.py
@@ -57,42 +62,113 @@ class StoreConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    db: pathlib.Path = Field(pathlib.Path("runs/default/rollbook.duckdb"), description="DuckDB ledger file (created if missing); the write-ahead log lives beside it.")
-    host: str = Field("127.0.0.1", description="Address to bind. A non-loopback address requires all four role keys, and TLS unless `insecure`.")
+    db: pathlib.Path = Field(
+        pathlib.Path("runs/default/rollbook.duckdb"),
+        description="DuckDB ledger file (created if missing); the write-ahead log lives beside it.",
+    )
+    host: str = Field(
+        "127.0.0.1", description="Address to bind. A non-loopback address requires all four role keys, and TLS unless `insecure`."
+    )
     port: int = Field(50551, ge=0, le=65535, description="Port to bind; 0 picks a free one.")
     worker_key: str | None = _key_field("worker", "Submit, SetReward and GetModel")
     trainer_key: str | None = _key_field("trainer", "PullBatch, AckBatch, PublishVersion and ReportTrainStep")
     reader_key: str | None = _key_field("reader", "Query and GetStats")
     admin_key: str | None = _key_field("admin", "RegisterModel and every other RPC")
-    tls_cert: pathlib.Path | None = Field(None, description="PEM certificate (chain) of the server; with tls_key turns TLS on (env ROLLBOOK_TLS_CERT).")
+    tls_cert: pathlib.Path | None = Field(
+        None, description="PEM certificate (chain) of the server; with tls_key turns TLS on (env ROLLBOOK_TLS_CERT)."
+    )
     tls_key: pathlib.Path | None = Field(None, description="PEM private key of tls_cert (env ROLLBOOK_TLS_KEY).")
-    tls_client_ca: pathlib.Path | None = Field(None, description="PEM CA that must have signed every client's certificate: mutual TLS (env ROLLBOOK_TLS_CLIENT_CA).")
-    insecure: bool = Field(False, description="Allow a non-loopback address without TLS (keys then cross the network in clear text).")
-    max_message_bytes: int = Field(MAX_MESSAGE_BYTES, ge=1 << 20, description="Largest gRPC message accepted; a bigger one is RESOURCE_EXHAUSTED.")
-    num_workers: int = Field(8, ge=1, description="Threads that prepare and commit Submit batches (an open stream holds none while it waits).")
-    control_workers: int = Field(8, ge=1, description="Threads for PullBatch, AckBatch, SetReward, GetStats and the other unary RPCs.")
-    query_threads: int = Field(4, ge=1, description="Threads that run Query calls (so slow queries cannot hold up the control RPCs).")
+    tls_client_ca: pathlib.Path | None = Field(
+        None, description="PEM CA that must have signed every client's certificate: mutual TLS (env ROLLBOOK_TLS_CLIENT_CA)."
+    )
+    insecure: bool = Field(
+        False, description="Allow a non-loopback address without TLS (keys then cross the network in clear text)."
+    )
+    max_message_bytes: int = Field(
+        MAX_MESSAGE_BYTES, ge=1 << 20, description="Largest gRPC message accepted; a bigger one is RESOURCE_EXHAUSTED."
+    )
+    num_workers: int = Field(
+        8, ge=1, description="Threads that prepare and commit Submit batches (an open stream holds none while it waits)."
+    )
+    control_workers: int = Field(
+        8, ge=1, description="Threads for PullBatch, AckBatch, SetReward, GetStats and the other unary RPCs."
+    )
+    query_threads: int = Field(
+        4, ge=1, description="Threads that run Query calls (so slow queries cannot hold up the control RPCs)."
+    )
     max_submit_streams: int = Field(1024, ge=1, description="Open Submit streams in all; one more is RESOURCE_EXHAUSTED.")
-    max_submit_streams_per_host: int = Field(256, ge=1, description="Open Submit streams from one client address (host); one more is RESOURCE_EXHAUSTED.")
-    max_streams_per_connection: int = Field(128, ge=1, description="Concurrent RPCs on one connection (HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS); more wait in the client.")
+    max_submit_streams_per_host: int = Field(
+        256, ge=1, description="Open Submit streams from one client address (host); one more is RESOURCE_EXHAUSTED."
+    )
+    max_streams_per_connection: int = Field(
+        128,
+        ge=1,
+        description="Concurrent RPCs on one connection (HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS); more wait in the client.",
+    )
     max_concurrent_rpcs: int = Field(8192, ge=16, description="Open RPCs in all; one more is RESOURCE_EXHAUSTED.")
-    stream_idle_timeout_s: float = Field(120.0, gt=0, le=86400, description="A Submit stream that sends no batch, or reads no answer, for this long is closed (DEADLINE_EXCEEDED; StoreClient reconnects).")
+    stream_idle_timeout_s: float = Field(
+        120.0,
+        gt=0,
+        le=86400,
+        description="A Submit stream that sends no batch, or reads no answer, for this long is closed (DEADLINE_EXCEEDED; StoreClient reconnects).",
+    )
     # The SQL sandbox (docs/sql.md); defaults are QueryLimits'. Every query_* field can also be set
     # as env ROLLBOOK_<FIELD>.
     query_max_rows: int = Field(_LIMITS.max_rows, ge=1, description="Row cap of one Query; the last chunk says when it cut.")
-    query_timeout_s: float = Field(_LIMITS.timeout_s, gt=0, le=3600, description="Per-query timeout in seconds: the default, and the most a caller may ask for (0, negative, NaN or inf mean this). A query still running query_kill_grace_s later has its sandbox process killed.")
-    query_kill_grace_s: float = Field(_LIMITS.kill_grace_s, ge=0.1, le=60, description="Seconds past the timeout before the server SIGKILLs the query's sandbox process (DuckDB's own interrupt comes first).")
-    query_max_result_bytes: int = Field(_LIMITS.max_result_bytes, ge=1 << 20, description="Byte cap of one Query's result (Arrow bytes); the result is cut there and the last chunk says so.")
-    query_memory_limit_mb: int = Field(_LIMITS.memory_limit_mb, ge=64, description="DuckDB memory_limit of each sandbox process, in MiB.")
-    query_process_headroom_mb: int = Field(_LIMITS.process_headroom_mb, ge=128, description="Each sandbox process's data-segment limit (RLIMIT_DATA) is query_memory_limit_mb plus this; allocations past it fail inside the sandbox.")
+    query_timeout_s: float = Field(
+        _LIMITS.timeout_s,
+        gt=0,
+        le=3600,
+        description="Per-query timeout in seconds: the default, and the most a caller may ask for (0, negative, NaN or inf mean this). A query still running query_kill_grace_s later has its sandbox process killed.",
+    )
+    query_kill_grace_s: float = Field(
+        _LIMITS.kill_grace_s,
+        ge=0.1,
+        le=60,
+        description="Seconds past the timeout before the server SIGKILLs the query's sandbox process (DuckDB's own interrupt comes first).",
+    )
+    query_max_result_bytes: int = Field(
+        _LIMITS.max_result_bytes,
+        ge=1 << 20,
+        description="Byte cap of one Query's result (Arrow bytes); the result is cut there and the last chunk says so.",
+    )
+    query_memory_limit_mb: int = Field(
+        _LIMITS.memory_limit_mb, ge=64, description="DuckDB memory_limit of each sandbox process, in MiB."
+    )
+    query_process_headroom_mb: int = Field(
+        _LIMITS.process_headroom_mb,
+        ge=128,
+        description="Each sandbox process's data-segment limit (RLIMIT_DATA) is query_memory_limit_mb plus this; allocations past it fail inside the sandbox.",
+    )
     query_duckdb_threads: int = Field(_LIMITS.threads, ge=1, le=64, description="DuckDB threads per sandbox process.")
-    query_temp_limit_mb: int = Field(_LIMITS.temp_limit_mb, ge=0, description="Spill space per sandbox process in its private temp folder, in MiB (0: no spilling).")
-    query_workers: int = Field(_LIMITS.workers, ge=1, le=64, description="Sandbox processes: at most this many queries run at once. Query-engine memory is bounded by query_workers x (query_memory_limit_mb + query_process_headroom_mb).")
-    query_queue: int = Field(_LIMITS.queue, ge=0, description="Queries that may wait for a free sandbox process; more are refused with RESOURCE_EXHAUSTED.")
-    query_snapshot_max_age_s: float = Field(_LIMITS.snapshot_max_age_s, ge=0, description="Queries read a snapshot of the ledger; a new one is taken (checkpoint + file copy, under the ledger's lock) when the ledger changed and the current one is at least this old. 0: every query sees every acknowledged row; raise it when the ledger is large and queries frequent (see docs/sql.md for the cost).")
+    query_temp_limit_mb: int = Field(
+        _LIMITS.temp_limit_mb,
+        ge=0,
+        description="Spill space per sandbox process in its private temp folder, in MiB (0: no spilling).",
+    )
+    query_workers: int = Field(
+        _LIMITS.workers,
+        ge=1,
+        le=64,
+        description="Sandbox processes: at most this many queries run at once. Query-engine memory is bounded by query_workers x (query_memory_limit_mb + query_process_headroom_mb).",
+    )
+    query_queue: int = Field(
+        _LIMITS.queue,
+        ge=0,
+        description="Queries that may wait for a free sandbox process; more are refused with RESOURCE_EXHAUSTED.",
+    )
+    query_snapshot_max_age_s: float = Field(
+        _LIMITS.snapshot_max_age_s,
+        ge=0,
+        description="Queries read a snapshot of the ledger; a new one is taken (checkpoint + file copy, under the ledger's lock) when the ledger changed and the current one is at least this old. 0: every query sees every acknowledged row; raise it when the ledger is large and queries frequent (see docs/sql.md for the cost).",
+    )
     ingest: IngestConfig = Field(default_factory=IngestConfig, description="Limits and tolerances of the ingest rules.")
-    validator: ValidatorConfig = Field(default_factory=ValidatorConfig, description="Group readiness, normalization and lease settings.")
-    validate_evidence: bool = Field(True, description="Run the evidence rules at ingest. Off only to measure their cost (env ROLLBOOK_BENCH_NOVALIDATE=1).")
+    validator: ValidatorConfig = Field(
+        default_factory=ValidatorConfig, description="Group readiness, normalization and lease settings."
+    )
+    validate_evidence: bool = Field(
+        True, description="Run the evidence rules at ingest. Off only to measure their cost (env ROLLBOOK_BENCH_NOVALIDATE=1)."
+    )
 
     @model_validator(mode="after")
     def _access(self) -> "StoreConfig":
@@ -103,8 +179,10 @@ class StoreConfig(BaseModel):
         if self.tls_client_ca is not None and self.tls_cert is None:
             raise ValueError("tls_client_ca (mutual TLS) needs tls_cert and tls_key")
         if not loopback and self.tls_cert is None and not self.insecure:
-            raise ValueError(f"refusing to bind non-loopback address {self.host!r} without TLS: give --tls-cert and "
-                             "--tls-key (env ROLLBOOK_TLS_CERT/ROLLBOOK_TLS_KEY), or --insecure to send keys in clear text")
+            raise ValueError(
+                f"refusing to bind non-loopback address {self.host!r} without TLS: give --tls-cert and "
+                "--tls-key (env ROLLBOOK_TLS_CERT/ROLLBOOK_TLS_KEY), or --insecure to send keys in clear text"
+            )
         return self
 
     def keys(self) -> dict[str, str | None]:
@@ -121,11 +199,19 @@ class StoreConfig(BaseModel):
 
     def query_limits(self) -> QueryLimits:
         return QueryLimits(
-            max_rows=self.query_max_rows, timeout_s=self.query_timeout_s, kill_grace_s=self.query_kill_grace_s,
-            max_result_bytes=self.query_max_result_bytes, max_chunk_bytes=self.max_message_bytes - (1 << 20),
-            memory_limit_mb=self.query_memory_limit_mb, process_headroom_mb=self.query_process_headroom_mb,
-            threads=self.query_duckdb_threads, temp_limit_mb=self.query_temp_limit_mb, workers=self.query_workers,
-            queue=self.query_queue, snapshot_max_age_s=self.query_snapshot_max_age_s)
+            max_rows=self.query_max_rows,
+            timeout_s=self.query_timeout_s,
+            kill_grace_s=self.query_kill_grace_s,
+            max_result_bytes=self.query_max_result_bytes,
+            max_chunk_bytes=self.max_message_bytes - (1 << 20),
+            memory_limit_mb=self.query_memory_limit_mb,
+            process_headroom_mb=self.query_process_headroom_mb,
+            threads=self.query_duckdb_threads,
+            temp_limit_mb=self.query_temp_limit_mb,
+            workers=self.query_workers,
+            queue=self.query_queue,
+            snapshot_max_age_s=self.query_snapshot_max_age_s,
+        )
 
 
 def env_values() -> dict:
@@ -190,19 +276,25 @@ class StoreServer:
 
 def create_server(config: StoreConfig, ledger: Ledger | None = None) -> tuple[StoreServer, int, Ledger]:
     """The server (not started), its port and its ledger."""
-    ledger = ledger or Ledger(config.db, ingest_config=config.ingest, validator_config=config.validator,
-                              validate=config.validate_evidence)
-    service = TrajectoryStoreService(
-        ledger, query_limits=config.query_limits())
-    pools = Pools(ingest=ThreadPoolExecutor(config.num_workers, thread_name_prefix="rollbook-ingest"),
-                  # enough threads for every query the sandbox admits (running + waiting), so an excess
-                  # one reaches the sandbox's RESOURCE_EXHAUSTED at once instead of an untimed backlog
-                  query=ThreadPoolExecutor(max(config.query_threads, config.query_workers + config.query_queue),
-                                           thread_name_prefix="rollbook-query"),
-                  control=ThreadPoolExecutor(config.control_workers, thread_name_prefix="rollbook-control"))
-    store = AsyncStore(service, KeyRing(config.keys()),
-                       StreamLimits(config.max_submit_streams, config.max_submit_streams_per_host,
-                                    config.stream_idle_timeout_s), pools)
+    ledger = ledger or Ledger(
+        config.db, ingest_config=config.ingest, validator_config=config.validator, validate=config.validate_evidence
+    )
+    service = TrajectoryStoreService(ledger, query_limits=config.query_limits())
+    pools = Pools(
+        ingest=ThreadPoolExecutor(config.num_workers, thread_name_prefix="rollbook-ingest"),
+        # enough threads for every query the sandbox admits (running + waiting), so an excess
+        # one reaches the sandbox's RESOURCE_EXHAUSTED at once instead of an untimed backlog
+        query=ThreadPoolExecutor(
+            max(config.query_threads, config.query_workers + config.query_queue), thread_name_prefix="rollbook-query"
+        ),
+        control=ThreadPoolExecutor(config.control_workers, thread_name_prefix="rollbook-control"),
+    )
+    store = AsyncStore(
+        service,
+        KeyRing(config.keys()),
+        StreamLimits(config.max_submit_streams, config.max_submit_streams_per_host, config.stream_idle_timeout_s),
+        pools,
+    )
     options = [
         ("grpc.max_receive_message_length", config.max_message_bytes),
         ("grpc.max_send_message_length", config.max_message_bytes),
@@ -252,8 +344,9 @@ def _check_port_free(host: str, port: int) -> None:
             probe.bind(address)
         except OSError as exc:
             if exc.errno == errno.EADDRINUSE:
-                raise CommandError(f"cannot bind {host}:{port}: address already in use (another store? "
-                                   "--port 0 picks a free one)") from None
+                raise CommandError(
+                    f"cannot bind {host}:{port}: address already in use (another store? --port 0 picks a free one)"
+                ) from None
 
 
 def serve(config: StoreConfig) -> None:
@@ -269,8 +362,9 @@ def serve(config: StoreConfig) -> None:
     except duckdb.IOException as exc:
         if "lock" not in str(exc).lower():
             raise
-        raise CommandError(f"ledger {config.db} is held by another process (another rollbook serve on it?): "
-                           f"{' '.join(str(exc).split())[:300]}") from None
+        raise CommandError(
+            f"ledger {config.db} is held by another process (another rollbook serve on it?): {' '.join(str(exc).split())[:300]}"
+        ) from None
     except OSError as exc:
         raise CommandError(f"{exc} (is the port in use? --port 0 picks a free one)") from None
     server.start()

@@ -163,8 +163,9 @@ class TrajectoryStoreService:
         return pb.SubmitResponse(verdicts=[_verdict(o) for o in outcomes])
 
     def _prepare(self, data: bytes) -> Prepared:
-        return prepare_bytes(data, self.ledger.registry, self.ledger.ingest_config,
-                             validate=self.ledger.validate, now=time.time())
+        return prepare_bytes(
+            data, self.ledger.registry, self.ledger.ingest_config, validate=self.ledger.validate, now=time.time()
+        )
 
     # ---- control --------------------------------------------------------------------------------
 
@@ -180,9 +181,12 @@ class TrajectoryStoreService:
         if request.version < 0:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"version must be >= 0, got {request.version}")
         latest = self.ledger.publish_version(
-            request.model_id, request.version, request.checksum,
+            request.model_id,
+            request.version,
+            request.checksum,
             max_staleness=request.max_staleness if request.HasField("max_staleness") else None,
-            samples_per_version=request.samples_per_version if request.HasField("samples_per_version") else None)
+            samples_per_version=request.samples_per_version if request.HasField("samples_per_version") else None,
+        )
         return pb.PublishVersionResponse(latest_version=latest)
 
     def GetModel(self, message: Request[pb.GetModelRequest], context: SyncContext) -> pb.GetModelResponse:
@@ -190,9 +194,13 @@ class TrajectoryStoreService:
         if not request.model_id:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "model_id is required")
         entry = self.ledger.model_entry(request.model_id)
-        return pb.GetModelResponse(model_id=entry.model_id, vocab_size=entry.vocab_size,
-                                   latest_version=entry.latest_version, max_staleness=entry.max_staleness,
-                                   samples_per_version=entry.samples_per_version)
+        return pb.GetModelResponse(
+            model_id=entry.model_id,
+            vocab_size=entry.vocab_size,
+            latest_version=entry.latest_version,
+            max_staleness=entry.max_staleness,
+            samples_per_version=entry.samples_per_version,
+        )
 
     # ---- reading --------------------------------------------------------------------------------
 
@@ -201,8 +209,7 @@ class TrajectoryStoreService:
         # Runs in a sandbox process over a snapshot (store/sandbox.py, docs/sql.md); the timeout
         # and caps are the server's (a NaN, inf, negative or zero timeout means the default).
         try:
-            for ipc, truncated in self.sandbox.run(request.sql, max_rows=request.max_rows,
-                                                   timeout_s=request.timeout_seconds):
+            for ipc, truncated in self.sandbox.run(request.sql, max_rows=request.max_rows, timeout_s=request.timeout_seconds):
                 yield pb.QueryChunk(arrow_ipc=ipc, truncated=truncated)
         except QueryError as exc:
             context.abort(getattr(grpc.StatusCode, exc.code, grpc.StatusCode.INVALID_ARGUMENT), str(exc))
@@ -231,14 +238,17 @@ class TrajectoryStoreService:
         request = _parsed(message, context, pb.PullBatchRequest)
         batch = self.ledger.pull_batch(request)  # the message as it came (validator.pull.check_request)
         payload = _ipc(batch.table.to_batches() or [pa.RecordBatch.from_pylist([], schema=batch.table.schema)])
-        return pb.PullBatchResponse(lease_id=batch.lease_id, arrow_ipc=payload, num_rows=batch.table.num_rows,
-                                    stats_json=json.dumps(batch.stats, sort_keys=True))
+        return pb.PullBatchResponse(
+            lease_id=batch.lease_id,
+            arrow_ipc=payload,
+            num_rows=batch.table.num_rows,
+            stats_json=json.dumps(batch.stats, sort_keys=True),
+        )
 
     def AckBatch(self, message: Request[pb.AckBatchRequest], context: SyncContext) -> pb.AckBatchResponse:
         request = _parsed(message, context, pb.AckBatchRequest)
         n = self.ledger.ack_batch(request.lease_id, request.trainer_id)
         return pb.AckBatchResponse(num_rows=n)
-
 
     def ReportTrainStep(self, message: Request[pb.ReportTrainStepRequest], context: SyncContext) -> pb.ReportTrainStepResponse:
         request = _parsed(message, context, pb.ReportTrainStepRequest)
@@ -246,8 +256,15 @@ class TrajectoryStoreService:
             json.loads(request.stats_json or "{}")
         except json.JSONDecodeError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"stats_json is not JSON: {exc}")
-        self.ledger.record_train_step(request.step, request.trainer_id, request.version, request.lease_id,
-                                      request.started_at, request.finished_at, request.stats_json or "{}")
+        self.ledger.record_train_step(
+            request.step,
+            request.trainer_id,
+            request.version,
+            request.lease_id,
+            request.started_at,
+            request.finished_at,
+            request.stats_json or "{}",
+        )
         return pb.ReportTrainStepResponse()
 
 
@@ -368,12 +385,16 @@ class AsyncStore:
         host = context.peer().rsplit(":", 1)[0]
         limits = self.limits
         if self.open_streams >= limits.max_submit_streams:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"the store holds its limit of {limits.max_submit_streams} open Submit streams; retry later")
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"the store holds its limit of {limits.max_submit_streams} open Submit streams; retry later",
+            )
         if self.streams_by_host.get(host, 0) >= limits.max_submit_streams_per_host:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"{host} holds its limit of {limits.max_submit_streams_per_host} open Submit streams; "
-                                "close some or send on fewer streams")
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{host} holds its limit of {limits.max_submit_streams_per_host} open Submit streams; "
+                "close some or send on fewer streams",
+            )
         self.open_streams += 1
         self.streams_by_host[host] = self.streams_by_host.get(host, 0) + 1
         loop = asyncio.get_running_loop()
@@ -394,8 +415,7 @@ class AsyncStore:
                 try:
                     await asyncio.wait_for(context.write(response), idle)
                 except TimeoutError:
-                    await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                        f"Submit stream read no answer for {idle:g} s; closed")
+                    await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"Submit stream read no answer for {idle:g} s; closed")
         finally:
             self.open_streams -= 1
             left = self.streams_by_host[host] - 1
@@ -416,11 +436,13 @@ def handlers(store: AsyncStore) -> grpc.GenericRpcHandler:
         "rollbook.v1.TrajectoryStore",
         {
             "Submit": grpc.stream_stream_rpc_method_handler(
-                store.Submit, request_deserializer=None,  # raw bytes: parsed in submit_batch
+                store.Submit,
+                request_deserializer=None,  # raw bytes: parsed in submit_batch
                 response_serializer=pb.SubmitResponse.SerializeToString,
             ),
             "Query": grpc.unary_stream_rpc_method_handler(
-                store.Query, request_deserializer=_tolerant(pb.QueryRequest),
+                store.Query,
+                request_deserializer=_tolerant(pb.QueryRequest),
                 response_serializer=pb.QueryChunk.SerializeToString,
             ),
             "SetReward": unary("SetReward", pb.SetRewardRequest, control),

@@ -135,7 +135,9 @@ _FILE_FUNCTION = re.compile(
     r"^(read_\w+|glob|sniff_csv|parquet_\w+|\w+_scan|iceberg_\w+|delta_\w+|query|query_table|"
     r"json_execute_serialized_sql|checkpoint|force_checkpoint|truncate_duckdb_logs|write_log|duckdb_logs\w*|"
     r"getenv|setseed|load_aws_credentials|which_secret|duckdb_secrets|read_single_\w+|python_\w+|"
-    r"\w+_external_resource\w*|\w+_grammar_extension|enable_\w+|disable_\w+)$", re.IGNORECASE)
+    r"\w+_external_resource\w*|\w+_grammar_extension|enable_\w+|disable_\w+)$",
+    re.IGNORECASE,
+)
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
@@ -150,7 +152,9 @@ def _check_tree(tree: Any) -> None:
             if isinstance(name, str) and _FILE_FUNCTION.match(name):
                 raise QueryError(f"function {name}() is not allowed: the SQL endpoint reads only the ledger's tables")
             if node.get("type") == "BASE_TABLE" and not _IDENTIFIER.match(str(node.get("table_name", ""))):
-                raise QueryError(f"table reference {node.get('table_name')!r} is not allowed: only the ledger's tables can be read")
+                raise QueryError(
+                    f"table reference {node.get('table_name')!r} is not allowed: only the ledger's tables can be read"
+                )
             stack.extend(node.values())
         elif isinstance(node, list):
             stack.extend(node)

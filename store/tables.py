@@ -18,8 +18,12 @@ def trajectories_table(batch: TrajectoryColumns, received_at: float, keep: np.nd
     """The rows of ``batch`` (those where ``keep`` is True, or all) -> one Arrow table
     (``original_reward`` = the reward as submitted). Kept rows must have equal-length token, log-prob
     and version arrays (the evidence rules guarantee it)."""
-    lists = {"prompt_token_ids": batch.prompt.to_arrow(pa.int32()), "output_token_ids": batch.tokens.to_arrow(pa.int32()),
-             "output_logprobs": batch.logprobs.to_arrow(pa.float32()), "output_versions": batch.versions.to_arrow(pa.int64())}
+    lists = {
+        "prompt_token_ids": batch.prompt.to_arrow(pa.int32()),
+        "output_token_ids": batch.tokens.to_arrow(pa.int32()),
+        "output_logprobs": batch.logprobs.to_arrow(pa.float32()),
+        "output_versions": batch.versions.to_arrow(pa.int64()),
+    }
     if keep is not None and not keep.all():
         idx = np.flatnonzero(keep)
 
@@ -28,41 +32,48 @@ def trajectories_table(batch: TrajectoryColumns, received_at: float, keep: np.nd
             return [values[i] for i in idx]
 
         lists = {name: array.take(pa.array(idx)) for name, array in lists.items()}
-        versions = Ragged(lists["output_versions"].flatten().to_numpy(),
-                          lists["output_versions"].offsets.to_numpy().astype(np.int64))
+        versions = Ragged(
+            lists["output_versions"].flatten().to_numpy(), lists["output_versions"].offsets.to_numpy().astype(np.int64)
+        )
     else:
         column, versions = batch.column, batch.versions
     lengths = versions.lengths
     cols: dict[str, Any] = {name: column(name) for name in _SCALAR_COLUMNS}
     cols.update(lists)
-    cols.update({
-        "num_prompt_tokens": np.diff(lists["prompt_token_ids"].offsets.to_numpy()),
-        "num_output_tokens": lengths.astype(np.int32),
-        "min_version": pa.array(versions.reduce(np.minimum, 0), mask=lengths == 0),
-        "max_version": pa.array(versions.reduce(np.maximum, 0), mask=lengths == 0),
-        "original_reward": cols["reward"],
-        "received_at": np.full(len(cols["trajectory_id"]), received_at),
-    })
+    cols.update(
+        {
+            "num_prompt_tokens": np.diff(lists["prompt_token_ids"].offsets.to_numpy()),
+            "num_output_tokens": lengths.astype(np.int32),
+            "min_version": pa.array(versions.reduce(np.minimum, 0), mask=lengths == 0),
+            "max_version": pa.array(versions.reduce(np.maximum, 0), mask=lengths == 0),
+            "original_reward": cols["reward"],
+            "received_at": np.full(len(cols["trajectory_id"]), received_at),
+        }
+    )
     return pa.Table.from_pydict(cols, schema=TRAJECTORY_SCHEMA)
 
 
 # the stored columns that are the message's own scalar fields
-_SCALAR_COLUMNS = [f.name for f in TRAJECTORY_SCHEMA if f.name in pb.Trajectory.DESCRIPTOR.fields_by_name
-                   and not pa.types.is_list(f.type)]
+_SCALAR_COLUMNS = [
+    f.name for f in TRAJECTORY_SCHEMA if f.name in pb.Trajectory.DESCRIPTOR.fields_by_name and not pa.types.is_list(f.type)
+]
 
 
 def rejections_table(batch: TrajectoryColumns, rejected: Sequence[tuple[int, str, str]], stage: str, at: float) -> pa.Table:
     """(row index, reason, detail) triples of ``batch`` -> one Arrow table in ``REJECTION_SCHEMA``."""
     rows = [i for i, _, _ in rejected]
     num_tokens = batch.tokens.lengths
-    cols = {name: [batch.column(name)[i] for i in rows]
-            for name in ("trajectory_id", "session_id", "group_id", "request_id", "model_id", "domain", "worker_id",
-                         "consumed")}
-    cols.update({
-        "reason": [r for _, r, _ in rejected],
-        "detail": [d for _, _, d in rejected],
-        "stage": [stage] * len(rejected),
-        "num_output_tokens": [int(num_tokens[i]) for i in rows],
-        "rejected_at": [at] * len(rejected),
-    })
+    cols = {
+        name: [batch.column(name)[i] for i in rows]
+        for name in ("trajectory_id", "session_id", "group_id", "request_id", "model_id", "domain", "worker_id", "consumed")
+    }
+    cols.update(
+        {
+            "reason": [r for _, r, _ in rejected],
+            "detail": [d for _, _, d in rejected],
+            "stage": [stage] * len(rejected),
+            "num_output_tokens": [int(num_tokens[i]) for i in rows],
+            "rejected_at": [at] * len(rejected),
+        }
+    )
     return pa.Table.from_pydict(cols, schema=REJECTION_SCHEMA)

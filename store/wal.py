@@ -77,8 +77,14 @@ class _SegmentFile:
 class WriteAheadLog:
     """Appends commit groups to the current segment; rotates by size."""
 
-    def __init__(self, root: pathlib.Path, *, first_segment: int, segment_bytes: int = 64 << 20,
-                 on_rotate: Callable[[int, int], None] | None = None):
+    def __init__(
+        self,
+        root: pathlib.Path,
+        *,
+        first_segment: int,
+        segment_bytes: int = 64 << 20,
+        on_rotate: Callable[[int, int], None] | None = None,
+    ):
         self.root = root
         self.root.mkdir(parents=True, exist_ok=True)
         self.segment_bytes = segment_bytes

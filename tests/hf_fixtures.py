@@ -48,8 +48,12 @@ def train_bpe(texts: Iterable[str] | None = None, vocab_size: int = 400):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(list(texts if texts is not None else corpus()), trainer=trainer)
     return tok
 
@@ -57,9 +61,14 @@ def train_bpe(texts: Iterable[str] | None = None, vocab_size: int = 400):
 def make_fast_tokenizer(vocab_size: int = 400):
     from transformers import PreTrainedTokenizerFast
 
-    fast = PreTrainedTokenizerFast(tokenizer_object=train_bpe(vocab_size=vocab_size), bos_token=BOS, eos_token=EOS,
-                                   pad_token=PAD, additional_special_tokens=[USER, ASSISTANT],
-                                   clean_up_tokenization_spaces=False)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=train_bpe(vocab_size=vocab_size),
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=PAD,
+        additional_special_tokens=[USER, ASSISTANT],
+        clean_up_tokenization_spaces=False,
+    )
     fast.chat_template = CHAT_TEMPLATE
     return fast
 
@@ -85,7 +94,10 @@ def save_tiny_model_dir(directory: str | pathlib.Path, *, vocab_size: int = 400,
     tok = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
     model = build_tiny_model(TinyModelSpec(vocab_size=len(tok), **spec), seed=seed)
     model.config.bos_token_id, model.config.eos_token_id, model.config.pad_token_id = (
-        tok.bos_token_id, tok.eos_token_id, tok.pad_token_id)
+        tok.bos_token_id,
+        tok.eos_token_id,
+        tok.pad_token_id,
+    )
     model.generation_config.bos_token_id = tok.bos_token_id
     model.generation_config.eos_token_id = tok.eos_token_id
     model.generation_config.pad_token_id = tok.pad_token_id

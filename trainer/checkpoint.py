@@ -35,8 +35,9 @@ class TrainerState:
     consumed_leases: list[str] = field(default_factory=list)  # leases trained since the previous checkpoint (re-acked on restart)
 
 
-def save_checkpoint(run_dir: pathlib.Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: TrainerState,
-                    keep_last: int = 2) -> pathlib.Path:
+def save_checkpoint(
+    run_dir: pathlib.Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: TrainerState, keep_last: int = 2
+) -> pathlib.Path:
     root = run_dir / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{state.step:06d}"
@@ -90,7 +91,7 @@ def _prune(root: pathlib.Path, newest: str, keep_last: int) -> None:
     """Keep ``newest`` and the ``keep_last - 1`` checkpoints before it; a checkpoint of a later step
     (left by a run that was rolled back by hand) is removed, as LATEST no longer leads to it."""
     older = sorted(p for p in root.glob("step-*") if p.name < newest)
-    keep = {newest, *(p.name for p in older[len(older) - (keep_last - 1):] if keep_last > 1)}
+    keep = {newest, *(p.name for p in older[len(older) - (keep_last - 1) :] if keep_last > 1)}
     for p in root.glob("step-*"):
         if p.name not in keep:
             shutil.rmtree(p, ignore_errors=True)

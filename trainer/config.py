@@ -15,30 +15,44 @@ class LossConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     eps_clip: float = Field(0.2, gt=0, lt=1, description="PPO ratio clip (lower side; upper too unless eps_clip_high).")
-    eps_clip_high: float | None = Field(None, gt=0, description="Upper ratio clip (decoupled clip, 'clip-higher'); None = eps_clip.")
+    eps_clip_high: float | None = Field(
+        None, gt=0, description="Upper ratio clip (decoupled clip, 'clip-higher'); None = eps_clip."
+    )
     behavior_weight_cap: float | None = Field(5.0, gt=0, description="Cap on pi_prox/pi_behav; None = uncapped.")
-    behavior_weight_action: Literal["mask", "clamp"] = Field("mask", description="Above the cap: drop the token (mask) or clamp the weight.")
+    behavior_weight_action: Literal["mask", "clamp"] = Field(
+        "mask", description="Above the cap: drop the token (mask) or clamp the weight."
+    )
     dual_clip: float | None = Field(None, gt=1, description="Dual-clip constant c for negative advantages; None = off.")
     proximal: Literal["recompute", "loglinear", "behavior"] = Field(
-        "recompute", description="Proximal log-probs: recomputed with the trainer's weights before the update, or AReaL's "
+        "recompute",
+        description="Proximal log-probs: recomputed with the trainer's weights before the update, or AReaL's "
         "log-linear approximation; 'behavior' turns the decoupling off: the standard PPO ratio against the behavior "
-        "policy (the sampler's log-probs), AReaL's baseline in its staleness ablation.")
+        "policy (the sampler's log-probs), AReaL's baseline in its staleness ablation.",
+    )
     rl_coef: float = Field(1.0, ge=0, description="Weight of the decoupled-PPO loss.")
     distill_coef: float = Field(0.0, ge=0, description="Weight of the MOPD loss (needs teachers).")
     adv_clip: float = Field(5.0, gt=0, description="MOPD: clip of the teacher advantage log pi_T - log pi_theta.")
-    kl_coef: float = Field(0.0, ge=0, description="Weight of the KL penalty to the reference policy (TrainerConfig.reference), "
-                           "added to the loss on the same packed tokens (verl's kl_loss_coef, TRL's beta); 0 = off "
-                           "(no reference is loaded). Reported per step as kl/mean.")
+    kl_coef: float = Field(
+        0.0,
+        ge=0,
+        description="Weight of the KL penalty to the reference policy (TrainerConfig.reference), "
+        "added to the loss on the same packed tokens (verl's kl_loss_coef, TRL's beta); 0 = off "
+        "(no reference is loaded). Reported per step as kl/mean.",
+    )
     kl_estimator: Literal["k1", "k3"] = Field(
-        "k3", description="Per-token KL estimate with r = log pi_theta - log pi_ref: 'k1' = r, 'k3' = exp(-r) - 1 + r "
-        "(never negative; verl's low_var_kl, TRL's GRPO); see docs/design.md, 'The trainer'.")
+        "k3",
+        description="Per-token KL estimate with r = log pi_theta - log pi_ref: 'k1' = r, 'k3' = exp(-r) - 1 + r "
+        "(never negative; verl's low_var_kl, TRL's GRPO); see docs/design.md, 'The trainer'.",
+    )
 
 
 class TeacherConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    path: str = Field(description="Local Hugging Face directory of the teacher (a causal LM with config.json and weights: a "
-                      "model's own, or a run's export RUN_DIR/hf/step-NNNNNN/ or `rollbook export`); same vocabulary as the student.")
+    path: str = Field(
+        description="Local Hugging Face directory of the teacher (a causal LM with config.json and weights: a "
+        "model's own, or a run's export RUN_DIR/hf/step-NNNNNN/ or `rollbook export`); same vocabulary as the student."
+    )
     domain: str | None = Field(None, description="Domain this teacher serves (routing 'domain').")
     weight: float = Field(1.0, gt=0, description="Mixture weight (routing 'mixture').")
 
@@ -49,54 +63,88 @@ class TrainerConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     server: str = Field("127.0.0.1:50551", description="Store address HOST:PORT.")
-    trainer_key: str | None = Field(None, repr=False, exclude=True,  # never in config.json nor a log line
-                                    description="Trainer role key: PullBatch, AckBatch, PublishVersion, ReportTrainStep (env ROLLBOOK_TRAINER_KEY).")
+    trainer_key: str | None = Field(
+        None,
+        repr=False,
+        exclude=True,  # never in config.json nor a log line
+        description="Trainer role key: PullBatch, AckBatch, PublishVersion, ReportTrainStep (env ROLLBOOK_TRAINER_KEY).",
+    )
     trainer_id: str = Field("trainer-0", description="Name recorded in leases and train_steps.")
     model_id: str = Field("tiny", description="Model id in the store's registry.")
     run_dir: str = Field("runs/default", description="Run directory: checkpoints/ and the resolved config go here.")
     model: ModelConfig = Field(default_factory=ModelConfig)
-    tokenizer: str | None = Field(None, description="Local Hugging Face tokenizer directory the run's rollout encodes "
-                                  "with: exported beside the model (RUN_DIR/hf/, `rollbook export`), and for a tiny model "
-                                  "of unset model.vocab_size its vocabulary. None: model.path's tokenizer files, else the "
-                                  "toy tasks' character tokenizer. `rollbook run` sets it from rollout.tokenizer.")
+    tokenizer: str | None = Field(
+        None,
+        description="Local Hugging Face tokenizer directory the run's rollout encodes "
+        "with: exported beside the model (RUN_DIR/hf/, `rollbook export`), and for a tiny model "
+        "of unset model.vocab_size its vocabulary. None: model.path's tokenizer files, else the "
+        "toy tasks' character tokenizer. `rollbook run` sets it from rollout.tokenizer.",
+    )
     loss: LossConfig = Field(default_factory=LossConfig)
     teachers: list[TeacherConfig] = Field(default_factory=list, description="Teachers for MOPD.")
     teacher_routing: Literal["domain", "mixture"] = Field("domain", description="How tokens are routed to teachers.")
     reference: str = Field(
-        "initial", description="Reference policy of the KL penalty (loss.kl_coef > 0): 'initial' = a frozen copy of the "
+        "initial",
+        description="Reference policy of the KL penalty (loss.kl_coef > 0): 'initial' = a frozen copy of the "
         "student as built before any checkpoint is restored (model.path or the warm-started base, so a resumed run keeps "
-        "the same reference), or a local Hugging Face directory with the student's vocabulary.")
+        "the same reference), or a local Hugging Face directory with the student's vocabulary.",
+    )
     weight_server: str | None = Field(
-        None, description="HOST:PORT to serve each published version over gRPC (full copies and deltas) for rollout "
+        None,
+        description="HOST:PORT to serve each published version over gRPC (full copies and deltas) for rollout "
         "workers on other hosts (`rollbook rollout --weights grpc:HOST:PORT`); port 0 picks one (logged). The weight "
-        "stream is read-only and unauthenticated: bind loopback or a private interface. None = off.")
+        "stream is read-only and unauthenticated: bind loopback or a private interface. None = off.",
+    )
     num_steps: int = Field(50, ge=1, description="Optimizer steps (each on one pulled batch) before stopping.")
     num_samples: int = Field(64, ge=1, description="Samples per pulled batch (whole groups, so it may be exceeded by one group).")
     num_minibatches: int = Field(1, ge=1, description="Optimizer updates per batch (the batch split by sequences).")
-    micro_batch_tokens: int = Field(8192, ge=64, description="Largest packed micro-batch (tokens); gradients accumulate across them.")
+    micro_batch_tokens: int = Field(
+        8192, ge=64, description="Largest packed micro-batch (tokens); gradients accumulate across them."
+    )
     lr: float = Field(1e-3, gt=0, description="AdamW learning rate.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     grad_clip: float = Field(1.0, gt=0, description="Gradient-norm clip.")
-    max_staleness: int = Field(1, ge=0, description="eta: serve only samples with version - min(output_versions) <= eta (0 = on-policy).")
+    max_staleness: int = Field(
+        1, ge=0, description="eta: serve only samples with version - min(output_versions) <= eta (0 = on-policy)."
+    )
     lease_seconds: float = Field(120.0, gt=0, description="Lease time; an unacked batch returns to the pool after it.")
     poll_interval_s: float = Field(0.2, gt=0, description="Wait between pulls when no batch is ready.")
     max_wait_s: float = Field(600.0, gt=0, description="Give up when no batch arrives for this long.")
-    checkpoint_every: int = Field(1, ge=1, description="Checkpoint every N steps. A batch is acked only once checkpointed, so the "
-                                  "lease time must cover N steps; versions published between checkpoints are redone after a crash.")
-    keep_last: int = Field(2, ge=1, description="Checkpoints kept in RUN_DIR/checkpoints/ (the newest N; LATEST names the newest).")
+    checkpoint_every: int = Field(
+        1,
+        ge=1,
+        description="Checkpoint every N steps. A batch is acked only once checkpointed, so the "
+        "lease time must cover N steps; versions published between checkpoints are redone after a crash.",
+    )
+    keep_last: int = Field(
+        2, ge=1, description="Checkpoints kept in RUN_DIR/checkpoints/ (the newest N; LATEST names the newest)."
+    )
     export_every: int | None = Field(
-        None, ge=1, description="Also write a Hugging Face directory (model + tokenizer, loadable with from_pretrained) "
-        "every N steps, to RUN_DIR/hf/step-NNNNNN/; None = only after the last step (export_final).")
+        None,
+        ge=1,
+        description="Also write a Hugging Face directory (model + tokenizer, loadable with from_pretrained) "
+        "every N steps, to RUN_DIR/hf/step-NNNNNN/; None = only after the last step (export_final).",
+    )
     export_final: bool = Field(True, description="Write a Hugging Face export after the last step (num_steps).")
     export_keep_last: int = Field(2, ge=1, description="Hugging Face exports kept in RUN_DIR/hf/ (the newest N).")
     seed: int = Field(0, description="Trainer RNG seed.")
-    num_ranks: int = Field(1, ge=1, description="Data-parallel ranks (trainer/distributed.py): one lease per step split "
-                           "across them by whole groups, gradients summed, one checkpoint and one ack (rank 0). "
-                           "`rollbook train` starts ranks 1..N-1 itself; under torchrun the launcher's world size wins.")
-    dist_backend: Literal["auto", "gloo", "nccl"] = Field("auto", description="torch.distributed backend of the ranks "
-                                                          "(auto: gloo, as the trainer keeps its model on the CPU; nccl only for a model on CUDA).")
-    dist_timeout_s: float = Field(120.0, gt=0, description="How long a rank waits in a collective for the others; a dead "
-                                  "rank fails the step after at most this long.")
+    num_ranks: int = Field(
+        1,
+        ge=1,
+        description="Data-parallel ranks (trainer/distributed.py): one lease per step split "
+        "across them by whole groups, gradients summed, one checkpoint and one ack (rank 0). "
+        "`rollbook train` starts ranks 1..N-1 itself; under torchrun the launcher's world size wins.",
+    )
+    dist_backend: Literal["auto", "gloo", "nccl"] = Field(
+        "auto",
+        description="torch.distributed backend of the ranks "
+        "(auto: gloo, as the trainer keeps its model on the CPU; nccl only for a model on CUDA).",
+    )
+    dist_timeout_s: float = Field(
+        120.0,
+        gt=0,
+        description="How long a rank waits in a collective for the others; a dead rank fails the step after at most this long.",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> "TrainerConfig":

@@ -60,14 +60,21 @@ def backend_for(choice: str) -> str:
     return "gloo" if choice == "auto" else choice
 
 
-def init_group(rank: int | None = None, world_size: int | None = None, init_method: str = "env://", *,
-               backend: str = "auto", timeout_s: float = 120.0) -> tuple[int, int]:
+def init_group(
+    rank: int | None = None,
+    world_size: int | None = None,
+    init_method: str = "env://",
+    *,
+    backend: str = "auto",
+    timeout_s: float = 120.0,
+) -> tuple[int, int]:
     """Join the process group (a no-op when already joined); returns (rank, world size). With
     ``init_method='env://'`` (torchrun) rank and world size come from torch's own rendezvous."""
     if not dist.is_initialized():
         kwargs: dict[str, Any] = {} if rank is None else {"rank": rank, "world_size": world_size}
-        dist.init_process_group(backend_for(backend), init_method=init_method,
-                                timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+        dist.init_process_group(
+            backend_for(backend), init_method=init_method, timeout=datetime.timedelta(seconds=timeout_s), **kwargs
+        )
     return dist.get_rank(), dist.get_world_size()
 
 
@@ -75,8 +82,7 @@ def shard_groups(table: pa.Table, rank: int, world_size: int) -> list[int]:
     """Row indices of ``rank``'s share of a pulled batch: whole groups, each given to the rank with
     the fewest output tokens so far (largest groups first, ties by group id), identical on every rank."""
     groups: dict[str, list[int]] = defaultdict(list)
-    for i, g in enumerate(table.column("group_id").to_pylist() if "group_id" in table.column_names
-                          else range(table.num_rows)):
+    for i, g in enumerate(table.column("group_id").to_pylist() if "group_id" in table.column_names else range(table.num_rows)):
         groups[str(g)].append(i)
     lengths = [len(o) for o in table.column("output_token_ids").to_pylist()]
     order = sorted(groups, key=lambda g: (-sum(lengths[i] for i in groups[g]), g))
@@ -109,15 +115,29 @@ class DistributedTrainer(Trainer):
     """``Trainer`` as one rank of a data-parallel group (the group must be initialized). Rank 0 holds
     the store client and the publishers; the other ranks are given ``client=None`` and no publishers."""
 
-    def __init__(self, config: TrainerConfig, client, *, model: torch.nn.Module, teacher=None,
-                 publishers: Sequence[Publisher] = (), on_step: Callable[[dict], None] | None = None):
+    def __init__(
+        self,
+        config: TrainerConfig,
+        client,
+        *,
+        model: torch.nn.Module,
+        teacher=None,
+        publishers: Sequence[Publisher] = (),
+        on_step: Callable[[dict], None] | None = None,
+    ):
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         if self.rank == 0 and client is None:
             raise ValueError("rank 0 needs the store client")
         if self.rank != 0 and publishers:
             raise ValueError("only rank 0 publishes versions")
-        super().__init__(config, _BroadcastingClient(client, self) if self.rank == 0 else None,
-                         model=model, teacher=teacher, publishers=publishers, on_step=on_step)
+        super().__init__(
+            config,
+            _BroadcastingClient(client, self) if self.rank == 0 else None,
+            model=model,
+            teacher=teacher,
+            publishers=publishers,
+            on_step=on_step,
+        )
         self._table: pa.Table | None = None
 
     def start(self) -> TrainerState:
@@ -168,9 +188,14 @@ class DistributedTrainer(Trainer):
                 assert local is not None and proximal is not None
                 for _seqs, idx, packed in self._micro_batches(local, minibatch):
                     logp = packed_logprobs(self.model, packed, local.temperatures[idx])
-                    loss, stats = self._loss(logp, proximal[idx], local.behavior[idx], local.advantages[idx],
-                                             teacher[idx] if teacher is not None else None,
-                                             reference[idx] if reference is not None else None)
+                    loss, stats = self._loss(
+                        logp,
+                        proximal[idx],
+                        local.behavior[idx],
+                        local.advantages[idx],
+                        teacher[idx] if teacher is not None else None,
+                        reference[idx] if reference is not None else None,
+                    )
                     (loss * (len(idx) / total)).backward()
                     for k, v in stats.items():
                         acc[k].append(float(v))
@@ -198,11 +223,16 @@ def _subset(rows: _Rows, seqs: list[int]) -> _Rows:
     tokens = rows.token_slice(seqs)
     lengths = np.array([len(rows.outputs[s]) for s in seqs])
     return _Rows(
-        prompts=[rows.prompts[s] for s in seqs], outputs=[rows.outputs[s] for s in seqs],
-        domains=[rows.domains[s] for s in seqs], behavior=rows.behavior[tokens], versions=rows.versions[tokens],
-        advantages=rows.advantages[tokens], temperatures=rows.temperatures[tokens],
+        prompts=[rows.prompts[s] for s in seqs],
+        outputs=[rows.outputs[s] for s in seqs],
+        domains=[rows.domains[s] for s in seqs],
+        behavior=rows.behavior[tokens],
+        versions=rows.versions[tokens],
+        advantages=rows.advantages[tokens],
+        temperatures=rows.temperatures[tokens],
         seq_of_token=torch.from_numpy(np.repeat(np.arange(len(seqs)), lengths)),
-        offsets=np.concatenate([[0], np.cumsum(lengths)]))
+        offsets=np.concatenate([[0], np.cumsum(lengths)]),
+    )
 
 
 def _broadcast_table(table: pa.Table | None) -> pa.Table | None:
@@ -241,5 +271,5 @@ def _all_reduce_gradients(model: torch.nn.Module) -> None:
     offset = 0
     for p in params:
         n = p.numel()
-        p.grad.copy_(flat[offset:offset + n].view_as(p))  # type: ignore[union-attr]
+        p.grad.copy_(flat[offset : offset + n].view_as(p))  # type: ignore[union-attr]
         offset += n

@@ -32,9 +32,19 @@ from rollbook.models import ModelConfig, quiet_transformers
 log = logging.getLogger("rollbook.trainer")
 
 HF_DIR = "hf"  # RUN_DIR/hf/step-NNNNNN/
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-                   "vocab.json", "merges.txt", "vocab.txt", "tokenizer.model", "spiece.model",
-                   "chat_template.jinja", "chat_template.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "vocab.txt",
+    "tokenizer.model",
+    "spiece.model",
+    "chat_template.jinja",
+    "chat_template.json",
+)
 
 
 def export_due(config, step: int) -> bool:
@@ -43,8 +53,15 @@ def export_due(config, step: int) -> bool:
     return every or (config.export_final and step == config.num_steps)
 
 
-def export_model(run_dir: pathlib.Path, step: int, model: torch.nn.Module, model_config: ModelConfig, *,
-                 keep_last: int = 2, tokenizer_dir: str | os.PathLike | None = None) -> pathlib.Path:
+def export_model(
+    run_dir: pathlib.Path,
+    step: int,
+    model: torch.nn.Module,
+    model_config: ModelConfig,
+    *,
+    keep_last: int = 2,
+    tokenizer_dir: str | os.PathLike | None = None,
+) -> pathlib.Path:
     """Write ``RUN_DIR/hf/step-NNNNNN/`` (model + tokenizer) and keep the newest ``keep_last``.
     ``tokenizer_dir``: the run's tokenizer directory (``TrainerConfig.tokenizer``), see ``export_tokenizer``."""
     root = pathlib.Path(run_dir) / HF_DIR
@@ -55,8 +72,9 @@ def export_model(run_dir: pathlib.Path, step: int, model: torch.nn.Module, model
     return final
 
 
-def write_hf_dir(model: torch.nn.Module, model_config: ModelConfig, out: pathlib.Path, *,
-                 tokenizer_dir: str | os.PathLike | None = None) -> pathlib.Path:
+def write_hf_dir(
+    model: torch.nn.Module, model_config: ModelConfig, out: pathlib.Path, *, tokenizer_dir: str | os.PathLike | None = None
+) -> pathlib.Path:
     """``model`` and the run's tokenizer to ``out`` (replaced if it exists), through a temporary
     sibling renamed into place. ``tokenizer_dir``: the tokenizer directory the run used (``export_tokenizer``)."""
     quiet_transformers()
@@ -118,13 +136,15 @@ def _save_tokenizer(tokenizer, out: pathlib.Path) -> None:
     backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     backend.decoder = decoders.Fuse()
     backend.post_processor = processors.TemplateProcessing(
-        single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, tokenizer.bos_token_id)])
+        single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, tokenizer.bos_token_id)]
+    )
     fast = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=BOS, eos_token=EOS, pad_token=PAD)
     fast.save_pretrained(str(out))
 
 
-def export_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike, *,
-                      tokenizer_dir: str | os.PathLike | None = None) -> pathlib.Path:
+def export_checkpoint(
+    checkpoint: str | os.PathLike, out: str | os.PathLike, *, tokenizer_dir: str | os.PathLike | None = None
+) -> pathlib.Path:
     """Convert a kept rollbook checkpoint into a Hugging Face directory at ``out``.
 
     ``checkpoint``: a checkpoint directory (``RUN_DIR/checkpoints/step-NNNNNN``), or a run directory
@@ -187,11 +207,15 @@ def _checkpoint_model(path: pathlib.Path) -> tuple[torch.nn.Module, ModelConfig]
         try:
             hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
         except Exception as exc:  # noqa: BLE001 - a damaged config.json
-            raise CommandError(f"{path}: corrupt checkpoint: config.json does not load ({' '.join(str(exc).split())[:200]})") from None
+            raise CommandError(
+                f"{path}: corrupt checkpoint: config.json does not load ({' '.join(str(exc).split())[:200]})"
+            ) from None
         return AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32), model_config or ModelConfig()
     if model_config is None:
-        raise CommandError(f"{path}: no config.json in the checkpoint and no run config at {path.parent.parent / 'config.json'}: "
-                           "the model's architecture is unknown")
+        raise CommandError(
+            f"{path}: no config.json in the checkpoint and no run config at {path.parent.parent / 'config.json'}: "
+            "the model's architecture is unknown"
+        )
     return build_student(model_config), model_config
 
 
@@ -259,7 +283,7 @@ def _prune(root: pathlib.Path, newest: str, keep_last: int) -> None:
     """Keep ``newest`` and the ``keep_last - 1`` exports before it (a later one, left by a run rolled
     back by hand, is removed, as in ``trainer.checkpoint``)."""
     older = sorted(p.name for p in root.glob("step-*") if p.name < newest)
-    keep = {newest, *(older[len(older) - (keep_last - 1):] if keep_last > 1 else [])}
+    keep = {newest, *(older[len(older) - (keep_last - 1) :] if keep_last > 1 else [])}
     for p in root.glob("step-*"):
         if p.name not in keep:
             shutil.rmtree(p, ignore_errors=True)

@@ -69,7 +69,9 @@ class _Rows:
         lengths = np.array([len(o) for o in outputs])
         offsets = np.concatenate([[0], np.cumsum(lengths)])
         seq_of_token = torch.from_numpy(np.repeat(np.arange(len(outputs)), lengths))
-        flat = lambda col, dtype: torch.tensor(np.concatenate([np.asarray(x) for x in table.column(col).to_pylist()]), dtype=dtype)
+        flat = lambda col, dtype: torch.tensor(
+            np.concatenate([np.asarray(x) for x in table.column(col).to_pylist()]), dtype=dtype
+        )
         per_seq = lambda col: torch.tensor(table.column(col).to_numpy(zero_copy_only=False), dtype=torch.float32)
         temps = torch.tensor([t if t and t > 0 else 1.0 for t in table.column("temperature").to_pylist()], dtype=torch.float32)
         return cls(
@@ -90,9 +92,17 @@ class _Rows:
 
 
 class Trainer:
-    def __init__(self, config: TrainerConfig, client: TrainerClient, *, model: torch.nn.Module,
-                 teacher: TeacherScorer | None = None, publishers: Sequence[Publisher] = (),
-                 on_step: Callable[[dict], None] | None = None, reference: torch.nn.Module | None = None):
+    def __init__(
+        self,
+        config: TrainerConfig,
+        client: TrainerClient,
+        *,
+        model: torch.nn.Module,
+        teacher: TeacherScorer | None = None,
+        publishers: Sequence[Publisher] = (),
+        on_step: Callable[[dict], None] | None = None,
+        reference: torch.nn.Module | None = None,
+    ):
         if config.loss.distill_coef > 0 and teacher is None:
             from rollbook.errors import ConfigError
 
@@ -105,8 +115,7 @@ class Trainer:
         # checkpoint into the model: reference = "initial" copies the starting student
         self.reference: torch.nn.Module | None = None
         if config.loss.kl_coef > 0:
-            self.reference = (build_reference(config, model) if reference is None
-                              else reference.eval().requires_grad_(False))
+            self.reference = build_reference(config, model) if reference is None else reference.eval().requires_grad_(False)
         self.publishers = list(publishers)
         self.on_step = on_step
         self.run_dir = pathlib.Path(config.run_dir)
@@ -152,8 +161,14 @@ class Trainer:
         cfg = self.config
         started = time.time()
         batch = self.client.pull_batch(
-            trainer_id=cfg.trainer_id, trainer_version=self.state.version, max_staleness=cfg.max_staleness,
-            num_samples=cfg.num_samples, step=self.state.step, model_id=cfg.model_id, lease_seconds=cfg.lease_seconds)
+            trainer_id=cfg.trainer_id,
+            trainer_version=self.state.version,
+            max_staleness=cfg.max_staleness,
+            num_samples=cfg.num_samples,
+            step=self.state.step,
+            model_id=cfg.model_id,
+            lease_seconds=cfg.lease_seconds,
+        )
         if batch.num_rows == 0:
             return None
         rows = _Rows.from_table(batch.table)
@@ -161,8 +176,15 @@ class Trainer:
         stats.update(_batch_stats(batch, rows, self.state.version))
         stats["time/step_s"] = time.time() - started
         stats["perf/tokens_per_s"] = len(rows.behavior) / max(stats["time/step_s"], 1e-9)
-        self.client.report_train_step(step=self.state.step, trainer_id=cfg.trainer_id, version=self.state.version + 1,
-                                      lease_id=batch.lease_id, started_at=started, finished_at=time.time(), stats=stats)
+        self.client.report_train_step(
+            step=self.state.step,
+            trainer_id=cfg.trainer_id,
+            version=self.state.version + 1,
+            lease_id=batch.lease_id,
+            started_at=started,
+            finished_at=time.time(),
+            stats=stats,
+        )
         self._unacked.append(batch.lease_id)
         self.state = TrainerState(step=self.state.step + 1, version=self.state.version + 1, consumed_leases=list(self._unacked))
         if self.state.step % cfg.checkpoint_every == 0 or self.state.step == cfg.num_steps:
@@ -171,12 +193,19 @@ class Trainer:
                 self.client.ack_batch(lease, cfg.trainer_id)
             self._unacked = []
         if export_due(cfg, self.state.step):
-            export_model(self.run_dir, self.state.step, self.model, cfg.model, keep_last=cfg.export_keep_last,
-                         tokenizer_dir=cfg.tokenizer)
+            export_model(
+                self.run_dir, self.state.step, self.model, cfg.model, keep_last=cfg.export_keep_last, tokenizer_dir=cfg.tokenizer
+            )
         self._publish()
         stats["step"] = self.state.step - 1
-        log.info("step %d  reward %.3f  loss %.4f  clip %.3f  tokens/s %.0f", stats["step"], stats["reward/mean"],
-                 stats["loss/total"], stats.get("ppo/clip_frac", 0.0), stats["perf/tokens_per_s"])
+        log.info(
+            "step %d  reward %.3f  loss %.4f  clip %.3f  tokens/s %.0f",
+            stats["step"],
+            stats["reward/mean"],
+            stats["loss/total"],
+            stats.get("ppo/clip_frac", 0.0),
+            stats["perf/tokens_per_s"],
+        )
         if self.on_step:
             self.on_step(stats)
         return stats
@@ -197,9 +226,14 @@ class Trainer:
             total = len(tokens)
             for _seqs, idx, packed in self._micro_batches(rows, minibatch):
                 logp = packed_logprobs(self.model, packed, rows.temperatures[idx])
-                loss, stats = self._loss(logp, proximal[idx], rows.behavior[idx], rows.advantages[idx],
-                                         teacher[idx] if teacher is not None else None,
-                                         reference[idx] if reference is not None else None)
+                loss, stats = self._loss(
+                    logp,
+                    proximal[idx],
+                    rows.behavior[idx],
+                    rows.advantages[idx],
+                    teacher[idx] if teacher is not None else None,
+                    reference[idx] if reference is not None else None,
+                )
                 (loss * (len(idx) / total)).backward()
                 for k, v in stats.items():
                     acc[k].append(float(v))
@@ -224,22 +258,38 @@ class Trainer:
     def _policy_loss(self, logp, prox, behav, adv, teacher_logp, mask):
         cfg = self.config.loss
         rl = losses.decoupled_ppo_loss(
-            logp, prox, behav, adv, mask, eps_clip=cfg.eps_clip, eps_clip_high=cfg.eps_clip_high,
-            behavior_weight_cap=cfg.behavior_weight_cap, behavior_weight_action=cfg.behavior_weight_action,
-            dual_clip=cfg.dual_clip)
+            logp,
+            prox,
+            behav,
+            adv,
+            mask,
+            eps_clip=cfg.eps_clip,
+            eps_clip_high=cfg.eps_clip_high,
+            behavior_weight_cap=cfg.behavior_weight_cap,
+            behavior_weight_action=cfg.behavior_weight_action,
+            dual_clip=cfg.dual_clip,
+        )
         if teacher_logp is None:
             loss, stats = rl
             return loss * cfg.rl_coef, {**stats, "loss/total": float(loss.detach()) * cfg.rl_coef}
-        distill = losses.mopd_loss(logp, prox, behav, teacher_logp, mask, adv_clip=cfg.adv_clip,
-                                   behavior_weight_cap=cfg.behavior_weight_cap,
-                                   behavior_weight_action=cfg.behavior_weight_action)
+        distill = losses.mopd_loss(
+            logp,
+            prox,
+            behav,
+            teacher_logp,
+            mask,
+            adv_clip=cfg.adv_clip,
+            behavior_weight_cap=cfg.behavior_weight_cap,
+            behavior_weight_action=cfg.behavior_weight_action,
+        )
         return losses.combined_loss(rl, distill, rl_coef=cfg.rl_coef, distill_coef=cfg.distill_coef)
 
     def _micro_batches(self, rows: _Rows, seqs: Sequence[int] | np.ndarray):
         """(sequence ids, token indices [T], PackedMicroBatch) per packed micro-batch of ``seqs``."""
         seqs = list(seqs)
-        packs = pack_sequences([rows.prompts[s] for s in seqs], [rows.outputs[s] for s in seqs],
-                               max_tokens=self.config.micro_batch_tokens)
+        packs = pack_sequences(
+            [rows.prompts[s] for s in seqs], [rows.outputs[s] for s in seqs], max_tokens=self.config.micro_batch_tokens
+        )
         for packed in packs:
             members = [seqs[i] for i in packed.sequence_ids.tolist()]
             yield members, rows.token_slice(members), packed
@@ -283,8 +333,13 @@ class Trainer:
         for publish in self.publishers:
             publish(self.state.version, state)
         # every version announces the staleness contract, so separately started workers gate by it
-        self.client.publish_version(self.config.model_id, self.state.version, checksum=state_checksum(state),
-                                    max_staleness=self.config.max_staleness, samples_per_version=self.config.num_samples)
+        self.client.publish_version(
+            self.config.model_id,
+            self.state.version,
+            checksum=state_checksum(state),
+            max_staleness=self.config.max_staleness,
+            samples_per_version=self.config.num_samples,
+        )
 
 
 def state_checksum(state: dict) -> str:

@@ -87,14 +87,10 @@ def decoupled_ppo_loss(
     eps_high = eps_clip if eps_clip_high is None else eps_clip_high
     _check_ppo_options(eps_clip, eps_high, dual_clip)
     _check_cap_options(behavior_weight_cap, behavior_weight_action)
-    mask, (logp, prox, behav, adv) = _prepare(
-        loss_mask, logprobs, proximal_logprobs, behavior_logprobs, advantages
-    )
+    mask, (logp, prox, behav, adv) = _prepare(loss_mask, logprobs, proximal_logprobs, behavior_logprobs, advantages)
     ratio = _exp_clamped(logp - prox)
     raw_weight = _exp_clamped(prox - behav)
-    weight, keep, capped = _cap_behavior_weight(
-        raw_weight, mask, behavior_weight_cap, behavior_weight_action
-    )
+    weight, keep, capped = _cap_behavior_weight(raw_weight, mask, behavior_weight_cap, behavior_weight_action)
     unclipped = -adv * ratio
     clipped = -adv * ratio.clamp(1.0 - eps_clip, 1.0 + eps_high)
     is_clipped = clipped > unclipped
@@ -148,15 +144,11 @@ def mopd_loss(
     """
     _check_positive("adv_clip", adv_clip)
     _check_cap_options(behavior_weight_cap, behavior_weight_action)
-    mask, (logp, prox, behav, teacher) = _prepare(
-        loss_mask, logprobs, proximal_logprobs, behavior_logprobs, teacher_logprobs
-    )
+    mask, (logp, prox, behav, teacher) = _prepare(loss_mask, logprobs, proximal_logprobs, behavior_logprobs, teacher_logprobs)
     gap = _clamp_log_ratio(teacher - logp.detach())
     adv = gap.clamp(-adv_clip, adv_clip)
     raw_weight = _exp_clamped(prox - behav)
-    weight, keep, capped = _cap_behavior_weight(
-        raw_weight, mask, behavior_weight_cap, behavior_weight_action
-    )
+    weight, keep, capped = _cap_behavior_weight(raw_weight, mask, behavior_weight_cap, behavior_weight_action)
     rho = _exp_clamped(logp - prox) * weight
     loss = _token_mean(-rho * adv, keep, mask)
     stats = _shared_stats("mopd", loss, logp, prox, raw_weight, mask, keep, capped)
@@ -165,9 +157,7 @@ def mopd_loss(
     return loss, stats
 
 
-def mix_teacher_logprobs(
-    teacher_logprobs: torch.Tensor, weights: Sequence[float] | torch.Tensor
-) -> torch.Tensor:
+def mix_teacher_logprobs(teacher_logprobs: torch.Tensor, weights: Sequence[float] | torch.Tensor) -> torch.Tensor:
     """Mixture routing: log-probs of the arithmetic mixture ``sum_j w_j * pi_Tj``.
 
     Computes ``logsumexp_j(log pi_Tj + log w_j)`` with the weights normalized to sum to 1.
@@ -254,9 +244,7 @@ def add_kl_penalty(policy: LossOutput, kl: LossOutput, *, kl_coef: float) -> Los
     return loss, {**policy[1], **kl[1], "loss/total": loss.detach()}
 
 
-def combined_loss(
-    rl: LossOutput, distill: LossOutput, *, rl_coef: float, distill_coef: float
-) -> LossOutput:
+def combined_loss(rl: LossOutput, distill: LossOutput, *, rl_coef: float, distill_coef: float) -> LossOutput:
     """``L = rl_coef * L_RL + distill_coef * L_MOPD``, stats merged (AReaL's MOPD example: 0 / 1).
 
     Args:
@@ -272,16 +260,11 @@ def combined_loss(
 # --- private helpers ---------------------------------------------------------------------------
 
 
-def _prepare(
-    loss_mask: torch.Tensor, logprobs: torch.Tensor, *others: torch.Tensor
-) -> tuple[torch.Tensor, list[torch.Tensor]]:
+def _prepare(loss_mask: torch.Tensor, logprobs: torch.Tensor, *others: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Bool mask, and the tensors upcast, masked positions zeroed; only ``logprobs`` keeps grad."""
     for tensor in (logprobs, *others):
         if tensor.shape != loss_mask.shape:
-            raise ValueError(
-                f"every argument must have loss_mask's shape {tuple(loss_mask.shape)}, "
-                f"got {tuple(tensor.shape)}"
-            )
+            raise ValueError(f"every argument must have loss_mask's shape {tuple(loss_mask.shape)}, got {tuple(tensor.shape)}")
     mask = loss_mask.bool()
     dtype = torch.promote_types(logprobs.dtype, torch.float32)
     tensors = [logprobs] + [t.detach() for t in others]

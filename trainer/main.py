@@ -39,8 +39,9 @@ def train(config: TrainerConfig) -> list[dict]:
     return _spawned(config)
 
 
-def train_rank(config: TrainerConfig, *, publishers: list | None = None, on_step=None, build=None,
-               on_weight_port=None) -> list[dict]:
+def train_rank(
+    config: TrainerConfig, *, publishers: list | None = None, on_step=None, build=None, on_weight_port=None
+) -> list[dict]:
     """The trainer (rank 0 of a joined process group, or the only one): store client, weight
     publishers, the loop. ``publishers``, ``on_step``, ``build`` (returns (student, teacher)) and
     ``on_weight_port`` (told the weight server's bound port) let a launcher (rollbook/run_ray.py) add its own."""
@@ -117,8 +118,10 @@ def registered_vocab(student, config: TrainerConfig, tokenizer_vocab: int | None
 
     vocab = model_vocab_size(student)
     if tokenizer_vocab is not None and tokenizer_vocab > vocab:
-        raise ConfigError(f"the tokenizer {config.tokenizer} has {tokenizer_vocab} ids, the model {vocab}: the model "
-                          "cannot read or emit all of its ids (model.vocab_size, model.path)")
+        raise ConfigError(
+            f"the tokenizer {config.tokenizer} has {tokenizer_vocab} ids, the model {vocab}: the model "
+            "cannot read or emit all of its ids (model.vocab_size, model.path)"
+        )
     return vocab
 
 
@@ -156,8 +159,15 @@ def _spawned(config: TrainerConfig) -> list[dict]:
         s.bind(("127.0.0.1", 0))
         init_method = f"tcp://127.0.0.1:{s.getsockname()[1]}"
     ctx = multiprocessing.get_context("spawn")
-    children = [ctx.Process(target=_child, args=(config, rank, init_method, logging.getLogger().level), daemon=True,
-                            name=f"rollbook-trainer-rank{rank}") for rank in range(1, config.num_ranks)]
+    children = [
+        ctx.Process(
+            target=_child,
+            args=(config, rank, init_method, logging.getLogger().level),
+            daemon=True,
+            name=f"rollbook-trainer-rank{rank}",
+        )
+        for rank in range(1, config.num_ranks)
+    ]
     for child in children:
         child.start()
     try:
@@ -205,8 +215,10 @@ def _start(trainer, client, config: TrainerConfig) -> None:
         if reason is not None:
             raise CommandError(reason) from None
         if exc.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION) and "register" in exc.details():
-            raise CommandError(f"{exc.details()} at {config.server}: register it first with `rollbook admin "
-                               f"register-model {config.model_id}` (admin key in ROLLBOOK_ADMIN_KEY)") from None
+            raise CommandError(
+                f"{exc.details()} at {config.server}: register it first with `rollbook admin "
+                f"register-model {config.model_id}` (admin key in ROLLBOOK_ADMIN_KEY)"
+            ) from None
         raise
 
 
@@ -225,12 +237,20 @@ def _run(trainer, config: TrainerConfig) -> list[dict]:
             waited_since = last_said = now
             continue
         if now - waited_since > config.max_wait_s:
-            raise CommandError(f"no batch from the store for {config.max_wait_s:g} s at step {trainer.state.step} "
-                               f"(model {config.model_id!r}, version {trainer.state.version}); is a rollout worker "
-                               "submitting? (max_wait_s)")
+            raise CommandError(
+                f"no batch from the store for {config.max_wait_s:g} s at step {trainer.state.step} "
+                f"(model {config.model_id!r}, version {trainer.state.version}); is a rollout worker "
+                "submitting? (max_wait_s)"
+            )
         if now - last_said >= every:
-            log.info("waiting for a batch: step %d, version %d, %d samples, %.0f s of max_wait_s %g",
-                     trainer.state.step, trainer.state.version, config.num_samples, now - waited_since, config.max_wait_s)
+            log.info(
+                "waiting for a batch: step %d, version %d, %d samples, %.0f s of max_wait_s %g",
+                trainer.state.step,
+                trainer.state.version,
+                config.num_samples,
+                now - waited_since,
+                config.max_wait_s,
+            )
             last_said = now
         time.sleep(config.poll_interval_s)
     return history

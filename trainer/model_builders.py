@@ -30,8 +30,11 @@ def build_models(config: RunConfig) -> tuple[PreTrainedModel, TeacherScorer | No
     m = config.trainer.model
     run_dir = pathlib.Path(config.run_dir)
     ws = config.warm_start
-    tasks = [t for d in build_domains(config.rollout).values()
-             for t in make_tasks(d, "train", config.rollout.num_train_tasks, config.rollout.seed, allow_fewer=True)]
+    tasks = [
+        t
+        for d in build_domains(config.rollout).values()
+        for t in make_tasks(d, "train", config.rollout.num_train_tasks, config.rollout.seed, allow_fewer=True)
+    ]
 
     def fresh(seed: int) -> Callable[[], PreTrainedModel]:
         return lambda: build_student(m, seed=seed)
@@ -39,16 +42,30 @@ def build_models(config: RunConfig) -> tuple[PreTrainedModel, TeacherScorer | No
     if m.path:
         student = load_model(m.path)
     else:
-        student = cached_warm_start(run_dir / "base-student", fresh(m.seed), tasks, steps=ws.student_steps,
-                                    batch_size=ws.batch_size, lr=ws.lr, seed=ws.seed)
+        student = cached_warm_start(
+            run_dir / "base-student",
+            fresh(m.seed),
+            tasks,
+            steps=ws.student_steps,
+            batch_size=ws.batch_size,
+            lr=ws.lr,
+            seed=ws.seed,
+        )
     if config.trainer.loss.distill_coef == 0:
         return student, None
     extra = []
     if ws.teacher_steps and ws.specialist_teachers:
         return student, specialist_teachers(config, fresh(m.seed + 1))
     if ws.teacher_steps:
-        teacher = cached_warm_start(run_dir / "teacher", fresh(m.seed + 1), tasks, steps=ws.teacher_steps,
-                                    batch_size=ws.batch_size, lr=ws.lr, seed=ws.seed + 1)
+        teacher = cached_warm_start(
+            run_dir / "teacher",
+            fresh(m.seed + 1),
+            tasks,
+            steps=ws.teacher_steps,
+            batch_size=ws.batch_size,
+            lr=ws.lr,
+            seed=ws.seed + 1,
+        )
         extra.append(LocalTeacher(teacher))
     return student, build_teachers(config.trainer, extra)
 
@@ -67,8 +84,17 @@ def specialist_teachers(config, build):
         if name in routes:
             continue
         own = make_tasks(domain, "train", config.rollout.num_train_tasks, config.rollout.seed, allow_fewer=True)
-        routes[name] = LocalTeacher(cached_warm_start(run_dir / f"teacher-{name}", build, own, steps=ws.teacher_steps,
-                                                      batch_size=ws.batch_size, lr=ws.lr, seed=ws.seed + 1))
+        routes[name] = LocalTeacher(
+            cached_warm_start(
+                run_dir / f"teacher-{name}",
+                build,
+                own,
+                steps=ws.teacher_steps,
+                batch_size=ws.batch_size,
+                lr=ws.lr,
+                seed=ws.seed + 1,
+            )
+        )
     return DomainRouter(routes)
 
 
@@ -80,7 +106,8 @@ def build_teachers(config: TrainerConfig, extra: Sequence[TeacherScorer] = ()) -
     if config.loss.distill_coef == 0:
         return None
     scorers: list[tuple[TeacherScorer, TeacherConfig | None]] = [
-        (LocalTeacher(load_model(t.path, what="teacher")), t) for t in config.teachers]
+        (LocalTeacher(load_model(t.path, what="teacher")), t) for t in config.teachers
+    ]
     scorers += [(s, None) for s in extra]
     if not scorers:
         return None
@@ -88,8 +115,10 @@ def build_teachers(config: TrainerConfig, extra: Sequence[TeacherScorer] = ()) -
         return scorers[0][0]
     if config.teacher_routing == "mixture":
         return MixtureRouter([s for s, _ in scorers], [t.weight if t else 1.0 for s, t in scorers])
-    return DomainRouter({t.domain: s for s, t in scorers if t and t.domain},
-                        default=next((s for s, t in scorers if t is None or t.domain is None), None))
+    return DomainRouter(
+        {t.domain: s for s, t in scorers if t and t.domain},
+        default=next((s for s, t in scorers if t is None or t.domain is None), None),
+    )
 
 
 def build_reference(config: TrainerConfig, student: torch.nn.Module) -> torch.nn.Module | None:
@@ -106,6 +135,8 @@ def build_reference(config: TrainerConfig, student: torch.nn.Module) -> torch.nn
     else:
         reference = load_model(config.reference, what="reference")
         if model_vocab_size(reference) != model_vocab_size(student):
-            raise ConfigError(f"reference {config.reference!r} has a vocabulary of {model_vocab_size(reference)} ids, the "
-                              f"student {model_vocab_size(student)}: the KL penalty compares log-probs of the same token ids")
+            raise ConfigError(
+                f"reference {config.reference!r} has a vocabulary of {model_vocab_size(reference)} ids, the "
+                f"student {model_vocab_size(student)}: the KL penalty compares log-probs of the same token ids"
+            )
     return reference.eval().requires_grad_(False)

@@ -108,9 +108,9 @@ class PackedMicroBatch:
             cu_seqlens=_cumsum0(torch.tensor([ends[i] - starts[i] for i in sequences])).to(device),
             output_index=self.output_index[out] + torch.cat(shifts).to(device),
             output_token_ids=self.output_token_ids[out],
-            seq_index=torch.repeat_interleave(
-                torch.arange(len(sequences)), torch.tensor([counts[i] for i in sequences])
-            ).to(device),
+            seq_index=torch.repeat_interleave(torch.arange(len(sequences)), torch.tensor([counts[i] for i in sequences])).to(
+                device
+            ),
             sequence_ids=self.sequence_ids[torch.tensor(list(sequences), dtype=torch.long, device=device)],
             **per_token,
         )
@@ -143,14 +143,10 @@ def pack_sequences(
     _check_inputs(prompts, outputs, behavior_logprobs, versions, advantages, temperatures)
     lengths = [len(p) + len(o) for p, o in zip(prompts, outputs)]
     groups = _first_fit_decreasing(lengths, max_tokens)
-    return [
-        _pack_group(g, prompts, outputs, behavior_logprobs, versions, advantages, temperatures) for g in groups
-    ]
+    return [_pack_group(g, prompts, outputs, behavior_logprobs, versions, advantages, temperatures) for g in groups]
 
 
-def packed_logprobs(
-    model: torch.nn.Module, packed: PackedMicroBatch, temperature: float | torch.Tensor = 1.0
-) -> torch.Tensor:
+def packed_logprobs(model: torch.nn.Module, packed: PackedMicroBatch, temperature: float | torch.Tensor = 1.0) -> torch.Tensor:
     """``log_softmax(logits / temperature)`` of each output token, ``[T_out]`` float32, with grad.
 
     One forward pass over the packed row with a block-diagonal causal mask (see the module
@@ -254,9 +250,7 @@ def _pack_group(group, prompts, outputs, behavior_logprobs, versions, advantages
         start += len(seq)
     per_token: dict[str, torch.Tensor] = {}
     if behavior_logprobs is not None:
-        per_token["behavior_logprobs"] = torch.tensor(
-            [x for i in group for x in behavior_logprobs[i]], dtype=torch.float32
-        )
+        per_token["behavior_logprobs"] = torch.tensor([x for i in group for x in behavior_logprobs[i]], dtype=torch.float32)
     if versions is not None:
         per_token["versions"] = torch.tensor([x for i in group for x in versions[i]], dtype=torch.long)
     for name, per_seq in (("advantages", advantages), ("temperature", temperatures)):
@@ -278,8 +272,13 @@ def _pack_group(group, prompts, outputs, behavior_logprobs, versions, advantages
 
 def _check_inputs(prompts, outputs, behavior_logprobs, versions, advantages, temperatures) -> None:
     n = len(prompts)
-    for name, values in (("outputs", outputs), ("behavior_logprobs", behavior_logprobs), ("versions", versions),
-                         ("advantages", advantages), ("temperatures", temperatures)):
+    for name, values in (
+        ("outputs", outputs),
+        ("behavior_logprobs", behavior_logprobs),
+        ("versions", versions),
+        ("advantages", advantages),
+        ("temperatures", temperatures),
+    ):
         if values is not None and len(values) != n:
             raise ValueError(f"{name} has {len(values)} entries for {n} prompts; need one per sequence")
     for i in range(n):
@@ -288,6 +287,5 @@ def _check_inputs(prompts, outputs, behavior_logprobs, versions, advantages, tem
         for name, per_token in (("behavior_logprobs", behavior_logprobs), ("versions", versions)):
             if per_token is not None and len(per_token[i]) != len(outputs[i]):
                 raise ValueError(
-                    f"{name}[{i}] has {len(per_token[i])} values for {len(outputs[i])} output tokens; "
-                    "need one per output token"
+                    f"{name}[{i}] has {len(per_token[i])} values for {len(outputs[i])} output tokens; need one per output token"
                 )

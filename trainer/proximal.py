@@ -45,9 +45,7 @@ def loglinear_proximal_logprobs(
     return behav + alpha * (current_logprobs.detach() - behav)
 
 
-def loglinear_alpha(
-    behavior_versions: torch.Tensor, proximal_version: int, current_version: int
-) -> torch.Tensor:
+def loglinear_alpha(behavior_versions: torch.Tensor, proximal_version: int, current_version: int) -> torch.Tensor:
     """Per-token interpolation weight ``(v_prox - v_behav) / (v_current - v_behav)``.
 
     Args:

@@ -93,9 +93,7 @@ class MixtureRouter:
 
     def __init__(self, teachers: Sequence[TeacherScorer], weights: Sequence[float]) -> None:
         if len(teachers) != len(weights) or not teachers:
-            raise ValueError(
-                f"need one weight per teacher and at least one: {len(teachers)} teachers, {len(weights)} weights"
-            )
+            raise ValueError(f"need one weight per teacher and at least one: {len(teachers)} teachers, {len(weights)} weights")
         if not all(w > 0 and w < float("inf") for w in weights):
             raise ValueError(f"mixture weights must be positive and finite, got {list(weights)}")
         self.teachers = list(teachers)

@@ -29,8 +29,17 @@ PROGRESS_EVERY = 20  # warm-start steps between progress lines (at least)
 PROGRESS_LINES = 10  # a long warm start (a teacher) prints about this many lines
 
 
-def supervised_steps(model: torch.nn.Module, tasks: list[Task], *, steps: int, batch_size: int, lr: float, seed: int,
-                     on_progress=None, progress_every: int = PROGRESS_EVERY) -> list[float]:
+def supervised_steps(
+    model: torch.nn.Module,
+    tasks: list[Task],
+    *,
+    steps: int,
+    batch_size: int,
+    lr: float,
+    seed: int,
+    on_progress=None,
+    progress_every: int = PROGRESS_EVERY,
+) -> list[float]:
     """Cross-entropy on the answer tokens (prompt tokens are context only); returns the losses.
     ``on_progress(step_done, loss)`` is called every ``progress_every`` steps and after the last."""
     rng = random.Random(seed)
@@ -78,11 +87,18 @@ def cached_warm_start(path: pathlib.Path, build, tasks: list[Task], *, steps: in
     if steps:
         print(f"warm start {path.name}: {steps} supervised steps (cached in {path})", flush=True)
         started = time.perf_counter()
-        losses = supervised_steps(model, tasks, steps=steps, batch_size=batch_size, lr=lr, seed=seed,
-                                  progress_every=max(PROGRESS_EVERY, steps // PROGRESS_LINES),
-                                  on_progress=lambda done, loss: print(f"warm start {path.name}: step {done}/{steps}  "
-                                                                       f"loss {loss:.3f}  {time.perf_counter() - started:.0f} s",
-                                                                       flush=True))
+        losses = supervised_steps(
+            model,
+            tasks,
+            steps=steps,
+            batch_size=batch_size,
+            lr=lr,
+            seed=seed,
+            progress_every=max(PROGRESS_EVERY, steps // PROGRESS_LINES),
+            on_progress=lambda done, loss: print(
+                f"warm start {path.name}: step {done}/{steps}  loss {loss:.3f}  {time.perf_counter() - started:.0f} s", flush=True
+            ),
+        )
         log.info("warm start %s: %d steps, loss %.3f -> %.3f", path.name, steps, losses[0], losses[-1])
     model.save_pretrained(path)
     return model

@@ -41,9 +41,10 @@ class ValidatorConfig(BaseModel):
         "drop: reject a group as soon as all its present members are rewarded but it is short of group_size. "
         "keep: after group_timeout_s serve the group with its true size (members still unrewarded then are INCOMPLETE_GROUP).",
     )
-    group_timeout_s: float = Field(600.0, gt=0, description="How long a group may wait for members (wait / keep), from its first member's arrival.")
+    group_timeout_s: float = Field(
+        600.0, gt=0, description="How long a group may wait for members (wait / keep), from its first member's arrival."
+    )
     lease_seconds: float = Field(300.0, gt=0, description="Default lease time; unacked leases expire and their rows return.")
-
 
 
 def one_row(result: duckdb.DuckDBPyConnection) -> tuple[Any, ...]:
@@ -55,8 +56,9 @@ def one_row(result: duckdb.DuckDBPyConnection) -> tuple[Any, ...]:
     return row
 
 
-def reject_rows(con: duckdb.DuckDBPyConnection, select_sql: str, reason: Reason, stage: str, now: float,
-                params: list | None = None) -> int:
+def reject_rows(
+    con: duckdb.DuckDBPyConnection, select_sql: str, reason: Reason, stage: str, now: float, params: list | None = None
+) -> int:
     """Move rows out of ``trajectories`` into ``rejections``. ``select_sql`` yields
     ``(trajectory_id, detail)``."""
     con.execute(f"CREATE OR REPLACE TEMP TABLE _reject AS {select_sql}", params or [])
@@ -96,10 +98,14 @@ CALL_KEY = "model_id, session_id, request_id"
 
 
 def _ready_attempt_of_a_rejected_consumed_call(con: duckdb.DuckDBPyConnection) -> bool:
-    return con.execute(
-        """SELECT 1 FROM rejections r WHERE r.consumed AND r.request_id <> '' AND EXISTS (
+    return (
+        con.execute(
+            """SELECT 1 FROM rejections r WHERE r.consumed AND r.request_id <> '' AND EXISTS (
              SELECT 1 FROM trajectories t WHERE t.status = 'ready' AND NOT t.consumed AND t.model_id = r.model_id
-               AND t.session_id = r.session_id AND t.request_id = r.request_id) LIMIT 1""").fetchone() is not None
+               AND t.session_id = r.session_id AND t.request_id = r.request_id) LIMIT 1"""
+        ).fetchone()
+        is not None
+    )
 
 
 def _retry_orphans(con: duckdb.DuckDBPyConnection, now: float) -> int:
@@ -170,7 +176,9 @@ def _incomplete_groups(con: duckdb.DuckDBPyConnection, config: ValidatorConfig, 
                 FROM trajectories t JOIN g ON g.gkey = {_t_key()}
                 WHERE g.has_pending AND t.status = 'pending' AND t.original_reward IS NULL
                   AND g.first_at < {now - config.group_timeout_s!r}""",
-            Reason.INCOMPLETE_GROUP, "group", now,
+            Reason.INCOMPLETE_GROUP,
+            "group",
+            now,
         )
     return reject_rows(
         con,
@@ -178,7 +186,9 @@ def _incomplete_groups(con: duckdb.DuckDBPyConnection, config: ValidatorConfig, 
             SELECT t.trajectory_id, {detail} AS detail
             FROM trajectories t JOIN g ON g.gkey = {_t_key()}
             WHERE g.has_pending AND t.status = 'pending' AND {condition}""",
-        Reason.INCOMPLETE_GROUP, "group", now,
+        Reason.INCOMPLETE_GROUP,
+        "group",
+        now,
     )
 
 
@@ -191,10 +201,12 @@ def _promote_ready(con: duckdb.DuckDBPyConnection, config: ValidatorConfig, now:
             WITH g AS ({_GROUP_STATE})
             SELECT gkey, expected, members FROM g WHERE has_pending AND rewarded = members AND {complete}"""
     )
-    (n,) = one_row(con.execute(
-        f"""UPDATE trajectories SET status = 'ready'
+    (n,) = one_row(
+        con.execute(
+            f"""UPDATE trajectories SET status = 'ready'
             WHERE status = 'pending' AND {GROUP_KEY} IN (SELECT gkey FROM _ready)"""
-    ))
+        )
+    )
     con.execute(
         """INSERT OR REPLACE INTO groups
            SELECT gkey, expected, members, members, 'ready', ?, NULL FROM _ready""",
@@ -206,21 +218,26 @@ def _promote_ready(con: duckdb.DuckDBPyConnection, config: ValidatorConfig, now:
 
 def expire_leases(con: duckdb.DuckDBPyConnection, now: float) -> int:
     """Unacked leases past ``expires_at`` are expired; their rows return to ``ready``."""
-    (expired,) = one_row(con.execute(
-        "UPDATE leases SET expired_at = ? WHERE acked_at IS NULL AND expired_at IS NULL AND expires_at < ?", [now, now]
-    ))
+    (expired,) = one_row(
+        con.execute(
+            "UPDATE leases SET expired_at = ? WHERE acked_at IS NULL AND expired_at IS NULL AND expires_at < ?", [now, now]
+        )
+    )
     if expired == 0:
         return 0
-    (n,) = one_row(con.execute(
-        """UPDATE trajectories SET status = 'ready'
+    (n,) = one_row(
+        con.execute(
+            """UPDATE trajectories SET status = 'ready'
            WHERE status = 'leased' AND trajectory_id NOT IN (
              SELECT trajectory_id FROM leases WHERE acked_at IS NULL AND expired_at IS NULL)"""
-    ))
+        )
+    )
     return int(n)
 
 
-def reject_stale(con: duckdb.DuckDBPyConnection, model_id: str, trainer_version: int, max_staleness: int, now: float,
-                 *, policy: str = "wait") -> int:
+def reject_stale(
+    con: duckdb.DuckDBPyConnection, model_id: str, trainer_version: int, max_staleness: int, now: float, *, policy: str = "wait"
+) -> int:
     """Reject as ``STALE`` the waiting rows of ``model_id`` this trainer can no longer use; returns
     their number. Under the ``wait`` and ``drop`` policies a group that lost a member this way can
     never be whole again, and a group is never served short of its size: its other waiting members
@@ -247,7 +264,9 @@ def reject_stale(con: duckdb.DuckDBPyConnection, model_id: str, trainer_version:
                 JOIN (SELECT gkey, count(*) AS n, min(trajectory_id) AS example FROM _stale GROUP BY gkey) s
                   ON s.gkey = {_t_key()}
                 WHERE t.status IN ('pending', 'ready')""",
-            Reason.INCOMPLETE_GROUP, "pull", now,
+            Reason.INCOMPLETE_GROUP,
+            "pull",
+            now,
         )
     con.execute("DROP TABLE _stale")
     return n

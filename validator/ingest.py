@@ -31,14 +31,25 @@ class IngestConfig(BaseModel):
     max_output_tokens: int = Field(262_144, ge=1, description="Longest accepted output (tokens); longer is OVERSIZED.")
     max_prompt_tokens: int = Field(262_144, ge=0, description="Longest accepted prompt (tokens); longer is OVERSIZED.")
     max_id_length: int = Field(
-        256, ge=8, description="Longest accepted string field, in characters: every id (trajectory, session, group, "
-        "request, task, model, worker), domain and finish_reason; longer is OVERSIZED.")
+        256,
+        ge=8,
+        description="Longest accepted string field, in characters: every id (trajectory, session, group, "
+        "request, task, model, worker), domain and finish_reason; longer is OVERSIZED.",
+    )
     max_abs_reward: float = Field(
-        1e6, gt=0, le=1e150, description="Largest accepted |reward| (at ingest: REWARD_OUT_OF_RANGE; SetReward: "
-        "INVALID_ARGUMENT). Group normalization squares reward differences, so the bound keeps it finite and exact.")
+        1e6,
+        gt=0,
+        le=1e150,
+        description="Largest accepted |reward| (at ingest: REWARD_OUT_OF_RANGE; SetReward: "
+        "INVALID_ARGUMENT). Group normalization squares reward differences, so the bound keeps it finite and exact.",
+    )
     max_group_size: int = Field(
-        65_536, ge=1, le=2**32 - 1, description="Largest accepted group_size; larger is INVALID_GROUP_SIZE (a group "
-        "that size never completes, and a uint64 sent for the uint32 field arrives wrapped to its low 32 bits).")
+        65_536,
+        ge=1,
+        le=2**32 - 1,
+        description="Largest accepted group_size; larger is INVALID_GROUP_SIZE (a group "
+        "that size never completes, and a uint64 sent for the uint32 field arrives wrapped to its low 32 bits).",
+    )
     positive_logprob_tolerance: float = Field(
         1e-4, ge=0, description="A log-prob above this is POSITIVE_LOGPROB (log-softmax rounding can give tiny positives)."
     )
@@ -79,8 +90,17 @@ class _RowLike(Protocol):
 
 
 # every string field of a Trajectory, each limited to ``max_id_length`` characters (OVERSIZED)
-STRING_FIELDS = ("trajectory_id", "session_id", "group_id", "request_id", "task_id", "domain", "model_id",
-                 "worker_id", "finish_reason")
+STRING_FIELDS = (
+    "trajectory_id",
+    "session_id",
+    "group_id",
+    "request_id",
+    "task_id",
+    "domain",
+    "model_id",
+    "worker_id",
+    "finish_reason",
+)
 
 
 def check(row: _RowLike, registry: Registry, config: IngestConfig) -> Verdict:
@@ -202,10 +222,16 @@ def _evidence(row: _RowLike, config: IngestConfig) -> Verdict:
     for sentinel in config.sentinel_logprobs:
         hits = np.flatnonzero(lp == np.float32(sentinel))
         if len(hits):
-            return Reason.SENTINEL_LOGPROB, f"output_logprobs[{hits[0]}] = {sentinel} is an engine sentinel, not a log-prob ({len(hits)} tokens)"
+            return (
+                Reason.SENTINEL_LOGPROB,
+                f"output_logprobs[{hits[0]}] = {sentinel} is an engine sentinel, not a log-prob ({len(hits)} tokens)",
+            )
     if (lp > config.positive_logprob_tolerance).any():
         i = int(np.argmax(lp))
-        return Reason.POSITIVE_LOGPROB, f"output_logprobs[{i}] = {lp[i]:.6g} > {config.positive_logprob_tolerance} (a probability above 1)"
+        return (
+            Reason.POSITIVE_LOGPROB,
+            f"output_logprobs[{i}] = {lp[i]:.6g} > {config.positive_logprob_tolerance} (a probability above 1)",
+        )
     v = row.versions
     if (v < 0).any():
         return Reason.UNPUBLISHED_VERSION, f"output_versions has negative version {int(v.min())} (prompt tokens carry no version)"

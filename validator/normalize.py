@@ -80,9 +80,7 @@ class NormResult:
         }
 
 
-def normalize_rewards(
-    rewards: np.ndarray, group_ids: Sequence[str] | np.ndarray, config: NormConfig
-) -> NormResult:
+def normalize_rewards(rewards: np.ndarray, group_ids: Sequence[str] | np.ndarray, config: NormConfig) -> NormResult:
     """Normalize `rewards` [N] within the groups named by `group_ids` [N]; the input is never modified.
 
     Rewards must be finite (the validator rejects others as NONFINITE_REWARD first) and small enough
@@ -93,8 +91,7 @@ def normalize_rewards(
     ids = np.asarray(group_ids)
     if original.ndim != 1 or ids.shape != original.shape:
         raise ValueError(
-            "rewards and group_ids must be 1-D with one group id per reward; "
-            f"got shapes {original.shape} and {ids.shape}"
+            f"rewards and group_ids must be 1-D with one group id per reward; got shapes {original.shape} and {ids.shape}"
         )
     bad = np.flatnonzero(~np.isfinite(original))
     if bad.size:

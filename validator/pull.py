@@ -25,8 +25,20 @@ from rollbook.validator.reasons import Reason
 # Columns served to the trainer (docs/schema.md describes them; `advantage` is the normalized
 # sequence-level reward, broadcast over the output tokens by the trainer).
 BATCH_COLUMNS = [
-    "trajectory_id", "group_id", "task_id", "domain", "model_id", "prompt_token_ids", "output_token_ids",
-    "output_logprobs", "output_versions", "min_version", "temperature", "top_p", "top_k", "original_reward",
+    "trajectory_id",
+    "group_id",
+    "task_id",
+    "domain",
+    "model_id",
+    "prompt_token_ids",
+    "output_token_ids",
+    "output_logprobs",
+    "output_versions",
+    "min_version",
+    "temperature",
+    "top_p",
+    "top_k",
+    "original_reward",
 ]
 
 
@@ -82,8 +94,9 @@ def lease_batch(con: duckdb.DuckDBPyConnection, req: pb.PullBatchRequest, config
     check_request(req)
     events = {"expired_rows": expire_leases(con, now)}
     events.update(settle(con, config, now))
-    events["stale"] = reject_stale(con, req.model_id, req.trainer_version, req.max_staleness, now,
-                                   policy=config.incomplete_group_policy)
+    events["stale"] = reject_stale(
+        con, req.model_id, req.trainer_version, req.max_staleness, now, policy=config.incomplete_group_policy
+    )
     rows = _pick_groups(con, req)
     if rows.num_rows == 0:
         return LeasedBatch("", rows, {"events": events, "num_samples": 0})
@@ -94,8 +107,12 @@ def lease_batch(con: duckdb.DuckDBPyConnection, req: pb.PullBatchRequest, config
         dropped = pa.table({"trajectory_id": rows.column("trajectory_id").filter(pa.array(norm.dropped))})
         con.register("_dropped", dropped)
         events["singletons_dropped"] = reject_rows(
-            con, "SELECT trajectory_id, 'group of one; singleton_policy drop' AS detail FROM _dropped",
-            Reason.SINGLETON_DROPPED, "pull", now)
+            con,
+            "SELECT trajectory_id, 'group of one; singleton_policy drop' AS detail FROM _dropped",
+            Reason.SINGLETON_DROPPED,
+            "pull",
+            now,
+        )
         con.unregister("_dropped")
         keep = pa.array(~norm.dropped)
         rows, norm_values, raw = rows.filter(keep), norm.normalized[~norm.dropped], raw[~norm.dropped]
@@ -133,8 +150,9 @@ def _pick_groups(con: duckdb.DuckDBPyConnection, req: pb.PullBatchRequest) -> pa
         params=params,
     ).to_arrow_table()
     con.register("_picked", picked)
-    rows = con.sql(f"SELECT rowid AS row_id, {', '.join(BATCH_COLUMNS)} FROM trajectories "
-                   "WHERE rowid IN (SELECT row_id FROM _picked)").to_arrow_table()
+    rows = con.sql(
+        f"SELECT rowid AS row_id, {', '.join(BATCH_COLUMNS)} FROM trajectories WHERE rowid IN (SELECT row_id FROM _picked)"
+    ).to_arrow_table()
     con.unregister("_picked")
     # back into the picked order (groups together, oldest first)
     position = {r: i for i, r in enumerate(picked.column("row_id").to_pylist())}
@@ -143,8 +161,9 @@ def _pick_groups(con: duckdb.DuckDBPyConnection, req: pb.PullBatchRequest) -> pa
 
 
 def _record_lease(con: duckdb.DuckDBPyConnection, table: pa.Table, lease_id: str, req: pb.PullBatchRequest, now: float) -> None:
-    leased = pa.table({"row_id": table.column("row_id"), "trajectory_id": table.column("trajectory_id"),
-                       "reward": table.column("reward")})
+    leased = pa.table(
+        {"row_id": table.column("row_id"), "trajectory_id": table.column("trajectory_id"), "reward": table.column("reward")}
+    )
     con.register("_leased", leased)
     con.execute(
         """INSERT INTO leases SELECT ?, trajectory_id, ?, ?, ?, ?, ?, NULL, NULL FROM _leased""",
@@ -157,7 +176,14 @@ def _record_lease(con: duckdb.DuckDBPyConnection, table: pa.Table, lease_id: str
     con.unregister("_leased")
 
 
-def _batch_stats(con: duckdb.DuckDBPyConnection, table: pa.Table, raw: np.ndarray, normalized: np.ndarray, req: pb.PullBatchRequest, events: dict) -> dict:
+def _batch_stats(
+    con: duckdb.DuckDBPyConnection,
+    table: pa.Table,
+    raw: np.ndarray,
+    normalized: np.ndarray,
+    req: pb.PullBatchRequest,
+    events: dict,
+) -> dict:
     tokens = int(pc.sum(pc.list_value_length(table.column("output_token_ids"))).as_py() or 0)
     staleness = req.trainer_version - table.column("min_version").to_numpy()
     hist = {str(int(k)): int(v) for k, v in zip(*np.unique(staleness, return_counts=True))}
@@ -176,8 +202,7 @@ def _batch_stats(con: duckdb.DuckDBPyConnection, table: pa.Table, raw: np.ndarra
 def ledger_token_stats(con: duckdb.DuckDBPyConnection) -> dict:
     """Rejection-aware token counts over the whole ledger."""
     (valid,) = one_row(con.execute("SELECT coalesce(sum(num_output_tokens), 0) FROM trajectories"))
-    by_reason = dict(con.execute(
-        "SELECT reason, coalesce(sum(num_output_tokens), 0) FROM rejections GROUP BY reason").fetchall())
+    by_reason = dict(con.execute("SELECT reason, coalesce(sum(num_output_tokens), 0) FROM rejections GROUP BY reason").fetchall())
     rejected = int(sum(by_reason.values()))
     total = int(valid) + rejected
     return {
@@ -194,9 +219,12 @@ def ack_lease(con: duckdb.DuckDBPyConnection, lease_id: str, now: float, trainer
     nor rejected since (e.g. ``STALE``) is still accepted (the trainer checkpointed it), otherwise
     ``LeaseError``. With ``trainer_id`` (the store always passes it) the lease must have been issued
     to that trainer, else ``NotLeaseOwner``."""
-    total, acked, expired, owner = one_row(con.execute(
-        "SELECT count(*), count(acked_at), count(expired_at), any_value(trainer_id) FROM leases WHERE lease_id = ?",
-        [lease_id]))
+    total, acked, expired, owner = one_row(
+        con.execute(
+            "SELECT count(*), count(acked_at), count(expired_at), any_value(trainer_id) FROM leases WHERE lease_id = ?",
+            [lease_id],
+        )
+    )
     if total == 0:
         raise UnknownLease(f"unknown lease {lease_id!r}")
     if trainer_id is not None and trainer_id != owner:
@@ -204,20 +232,32 @@ def ack_lease(con: duckdb.DuckDBPyConnection, lease_id: str, now: float, trainer
     if acked == total:
         return total
     if expired:
-        (taken,) = one_row(con.execute(
-            """SELECT count(*) FROM leases a JOIN leases b USING (trajectory_id)
-               WHERE a.lease_id = ? AND b.lease_id <> ? AND b.issued_at > a.issued_at""", [lease_id, lease_id]))
-        trained = one_row(con.execute(
-            """SELECT count(*) FROM trajectories WHERE status IN ('trained') AND trajectory_id IN
-               (SELECT trajectory_id FROM leases WHERE lease_id = ?)""", [lease_id]))[0]
-        (gone,) = one_row(con.execute(  # rejected since it expired (e.g. STALE): such a row never also trains
-            """SELECT count(*) FROM leases WHERE lease_id = ? AND trajectory_id NOT IN
-               (SELECT trajectory_id FROM trajectories)""", [lease_id]))
+        (taken,) = one_row(
+            con.execute(
+                """SELECT count(*) FROM leases a JOIN leases b USING (trajectory_id)
+               WHERE a.lease_id = ? AND b.lease_id <> ? AND b.issued_at > a.issued_at""",
+                [lease_id, lease_id],
+            )
+        )
+        trained = one_row(
+            con.execute(
+                """SELECT count(*) FROM trajectories WHERE status IN ('trained') AND trajectory_id IN
+               (SELECT trajectory_id FROM leases WHERE lease_id = ?)""",
+                [lease_id],
+            )
+        )[0]
+        (gone,) = one_row(
+            con.execute(  # rejected since it expired (e.g. STALE): such a row never also trains
+                """SELECT count(*) FROM leases WHERE lease_id = ? AND trajectory_id NOT IN
+               (SELECT trajectory_id FROM trajectories)""",
+                [lease_id],
+            )
+        )
         if taken or trained or gone:
-            raise LeaseError(f"lease {lease_id} expired and its rows went to another lease or to rejections; "
-                             "do not train on it")
+            raise LeaseError(f"lease {lease_id} expired and its rows went to another lease or to rejections; do not train on it")
     con.execute("UPDATE leases SET acked_at = ?, expired_at = NULL WHERE lease_id = ?", [now, lease_id])
     con.execute(
         "UPDATE trajectories SET status = 'trained' WHERE trajectory_id IN (SELECT trajectory_id FROM leases WHERE lease_id = ?)",
-        [lease_id])
+        [lease_id],
+    )
     return total

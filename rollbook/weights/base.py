@@ -106,10 +106,7 @@ class Layout:
         for spec in self.tensors:
             t = state_dict[spec.name]
             if str(t.dtype).removeprefix("torch.") != spec.dtype or tuple(t.shape) != spec.shape:
-                raise ValueError(
-                    f"{spec.name}: got {t.dtype} {tuple(t.shape)}, the channel layout has "
-                    f"{spec.dtype} {spec.shape}"
-                )
+                raise ValueError(f"{spec.name}: got {t.dtype} {tuple(t.shape)}, the channel layout has {spec.dtype} {spec.shape}")
 
 
 @dataclass(frozen=True)
@@ -204,8 +201,10 @@ def pack_into(layout: Layout, state_dict: Mapping[str, "torch.Tensor"], views: M
                 written[spec.offset] = src.data_ptr()
                 views[spec.name].copy_(src)
             elif written[spec.offset] != src.data_ptr() and not _same_bits(views[spec.name], src):
-                raise ValueError(f"{spec.name} is tied to an earlier tensor in the channel layout but now "
-                                 f"holds other values; untie it in the model the channel was created for")
+                raise ValueError(
+                    f"{spec.name} is tied to an earlier tensor in the channel layout but now "
+                    f"holds other values; untie it in the model the channel was created for"
+                )
 
 
 def _same_bits(a: "torch.Tensor", b: "torch.Tensor") -> bool:

@@ -66,8 +66,9 @@ def apply_delta(base: np.ndarray, delta: Delta, *, out: np.ndarray | None = None
     return out
 
 
-def delta_from_bytes(payload: bytes | memoryview, *, num_changed: int, index_bytes: int,
-                     base_version: int, version: int) -> Delta:
+def delta_from_bytes(
+    payload: bytes | memoryview, *, num_changed: int, index_bytes: int, base_version: int, version: int
+) -> Delta:
     """Inverse of ``Delta.to_bytes``; ValueError when the payload size disagrees with the counts."""
     if index_bytes not in (4, 8):
         raise ValueError(f"index_bytes must be 4 or 8, got {index_bytes}")

@@ -56,10 +56,12 @@ MAX_MESSAGE_BYTES = 8 << 20  # both ends; a header lists every tensor, a chunk i
 class WeightStreamConfig(BaseModel):
     """How the publisher cuts and schedules updates."""
 
-    chunk_bytes: int = Field(1 << 20, ge=4096, le=3 << 20,
-                             description="payload bytes per streamed message (gRPC's default limit is 4 MiB)")
-    anchor_every: int = Field(20, ge=1, description="every this-many-th publish is a full anchor (no delta is "
-                                                    "offered for it); 1 disables deltas")
+    chunk_bytes: int = Field(
+        1 << 20, ge=4096, le=3 << 20, description="payload bytes per streamed message (gRPC's default limit is 4 MiB)"
+    )
+    anchor_every: int = Field(
+        20, ge=1, description="every this-many-th publish is a full anchor (no delta is offered for it); 1 disables deltas"
+    )
 
 
 @dataclass(frozen=True)
@@ -148,25 +150,29 @@ class WeightServicer(weights_pb2_grpc.WeightServiceServicer):
         try:
             latest = -1 if published is None else published.version
             if request.have_version > latest:
-                context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                              f"have_version {request.have_version} is newer than the latest published "
-                              f"{latest}; was the trainer restored from an older checkpoint?")
-            yield from stream_update(published, request.have_version, request.full,
-                                     self._publisher.config.chunk_bytes)
+                context.abort(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"have_version {request.have_version} is newer than the latest published "
+                    f"{latest}; was the trainer restored from an older checkpoint?",
+                )
+            yield from stream_update(published, request.have_version, request.full, self._publisher.config.chunk_bytes)
         finally:
             if published is not None:
                 self._publisher.release(published)
 
 
-def create_weight_server(publisher: NetworkPublisher, host: str = "127.0.0.1", port: int = 0, *,
-                         num_workers: int = 8, tls: "ServerTLS | None" = None) -> tuple[grpc.Server, int]:
+def create_weight_server(
+    publisher: NetworkPublisher, host: str = "127.0.0.1", port: int = 0, *, num_workers: int = 8, tls: "ServerTLS | None" = None
+) -> tuple[grpc.Server, int]:
     """A server (not started) serving ``publisher``, and the port it bound (``port=0`` picks one);
     TLS (and client certificates, with ``tls.client_ca``) when ``tls`` is given."""
     from rollbook.tls import add_port
 
-    options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-               ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-               ("grpc.so_reuseport", 0)]
+    options = [
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.so_reuseport", 0),
+    ]
     server = grpc.server(ThreadPoolExecutor(max_workers=num_workers), options=options)
     weights_pb2_grpc.add_WeightServiceServicer_to_server(WeightServicer(publisher), server)
     bound = add_port(server, f"[{host}]:{port}" if ":" in host else f"{host}:{port}", tls)
@@ -175,8 +181,7 @@ def create_weight_server(publisher: NetworkPublisher, host: str = "127.0.0.1", p
     return server, bound
 
 
-def stream_update(published: Published | None, have_version: int, full: bool,
-                  chunk_bytes: int) -> Iterator[pb.WeightChunk]:
+def stream_update(published: Published | None, have_version: int, full: bool, chunk_bytes: int) -> Iterator[pb.WeightChunk]:
     """The messages answering a caller that holds ``have_version`` (see the module docstring)."""
     if published is None or have_version == published.version:
         version = -1 if published is None else published.version
@@ -195,7 +200,7 @@ def stream_update(published: Published | None, have_version: int, full: bool,
     for part in parts:
         view = memoryview(part)  # type: ignore[arg-type]  # numpy arrays are buffers
         for start in range(0, len(view), chunk_bytes):
-            yield pb.WeightChunk(data=bytes(view[start:start + chunk_bytes]))
+            yield pb.WeightChunk(data=bytes(view[start : start + chunk_bytes]))
 
 
 class NetworkReceiver:
@@ -253,13 +258,16 @@ class NetworkReceiver:
         out = self._buffer(spare, layout.nbytes)
         digest = self._apply_delta(header, stream, out) if is_delta else self._receive_full(header, layout, stream, out)
         if digest != header.checksum:
-            raise ChecksumMismatch(f"version {header.version} ({'delta' if is_delta else 'full'}) does not "
-                                   f"match its checksum; kept version {self._version}")
+            raise ChecksumMismatch(
+                f"version {header.version} ({'delta' if is_delta else 'full'}) does not "
+                f"match its checksum; kept version {self._version}"
+            )
         self._current, self._version, self._layout = spare, header.version, layout
         self.last_kind, self.last_payload_bytes = ("delta" if is_delta else "full"), header.payload_bytes
         epochs, epoch = self._epochs, self._epochs[spare]
-        return WeightSnapshot(header.version, tensor_views(layout, out), header.checksum,
-                              still_valid=lambda: epochs[spare] == epoch)
+        return WeightSnapshot(
+            header.version, tensor_views(layout, out), header.checksum, still_valid=lambda: epochs[spare] == epoch
+        )
 
     def _receive_full(self, header: pb.WeightHeader, layout: Layout, stream, out: np.ndarray) -> bytes:
         """Chunks straight into ``out``, hashed as they arrive (overlapping the transfer)."""
@@ -273,11 +281,16 @@ class NetworkReceiver:
         """The current buffer with the delta applied, written into ``out``; returns its checksum."""
         if len(self._scratch) < header.payload_bytes:
             self._scratch = bytearray(header.payload_bytes)
-        payload = memoryview(self._scratch)[:header.payload_bytes]
+        payload = memoryview(self._scratch)[: header.payload_bytes]
         _receive(stream, payload)
         try:
-            delta = delta_from_bytes(payload, num_changed=header.num_changed, index_bytes=header.index_bytes,
-                                     base_version=header.base_version, version=header.version)
+            delta = delta_from_bytes(
+                payload,
+                num_changed=header.num_changed,
+                index_bytes=header.index_bytes,
+                base_version=header.base_version,
+                version=header.version,
+            )
             apply_delta(self._bufs[self._current], delta, out=out)
         except ValueError as e:
             raise ChecksumMismatch(f"version {header.version}: corrupt delta payload: {e}") from e
@@ -290,10 +303,15 @@ class NetworkReceiver:
 
 
 def _header(published: Published, kind: "pb.WeightUpdateKind", payload_bytes: int) -> pb.WeightHeader:
-    specs = [pb.WeightTensorSpec(name=s.name, dtype=s.dtype, shape=s.shape, offset=s.offset)
-             for s in published.layout.tensors]
-    return pb.WeightHeader(kind=kind, version=published.version, checksum=published.checksum, layout=specs,
-                           flat_bytes=published.layout.nbytes, payload_bytes=payload_bytes)
+    specs = [pb.WeightTensorSpec(name=s.name, dtype=s.dtype, shape=s.shape, offset=s.offset) for s in published.layout.tensors]
+    return pb.WeightHeader(
+        kind=kind,
+        version=published.version,
+        checksum=published.checksum,
+        layout=specs,
+        flat_bytes=published.layout.nbytes,
+        payload_bytes=payload_bytes,
+    )
 
 
 def _layout_from_proto(header: pb.WeightHeader) -> Layout:
@@ -308,7 +326,7 @@ def _receive(stream: Iterator[pb.WeightChunk], out: memoryview, hasher=None) -> 
         n = len(chunk.data)
         if chunk.WhichOneof("body") != "data" or filled + n > len(out):
             raise ChecksumMismatch(f"stream sent a second header or more than {len(out)} payload bytes")
-        out[filled:filled + n] = chunk.data
+        out[filled : filled + n] = chunk.data
         if hasher is not None:
             hasher.update(chunk.data)
         filled += n

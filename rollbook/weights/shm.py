@@ -69,8 +69,9 @@ class _Ctrl:
 class SharedMemoryPublisher:
     """Trainer end. Creates ``/dev/shm/<name>`` sized for ``template`` (a state dict of the model)."""
 
-    def __init__(self, name: str, template: Mapping[str, "torch.Tensor"], *, checksum: bool = False,
-                 shm_dir: str = SHM_DIR) -> None:
+    def __init__(
+        self, name: str, template: Mapping[str, "torch.Tensor"], *, checksum: bool = False, shm_dir: str = SHM_DIR
+    ) -> None:
         """``checksum=True`` hashes every version (blake2b, several times a memcpy) so receivers can
         verify it; off by default because same-host memory has no transport to corrupt it and the
         seqlock already rules out torn reads."""
@@ -92,7 +93,7 @@ class SharedMemoryPublisher:
         if self._checksum:
             digest = checksum(self.layout, self._bufs[i])
             at = _Ctrl.CHECKSUM_AT + i * CHECKSUM_BYTES
-            self._mm[at:at + CHECKSUM_BYTES] = digest
+            self._mm[at : at + CHECKSUM_BYTES] = digest
         self._ctrl[_Ctrl.VERSION[i]] = version
         self._ctrl[_Ctrl.SEQ[i]] = seq + 2
         self._ctrl[_Ctrl.LATEST] = i
@@ -153,13 +154,12 @@ class SharedMemoryReceiver:
         digest = b""
         if self._ctrl[_Ctrl.HAS_CHECKSUM]:
             at = _Ctrl.CHECKSUM_AT + i * CHECKSUM_BYTES
-            digest = bytes(self._mm[at:at + CHECKSUM_BYTES])
+            digest = bytes(self._mm[at : at + CHECKSUM_BYTES])
             if self._verify and checksum(self.layout, self._bufs[i]) != digest:
                 if int(self._ctrl[_Ctrl.SEQ[i]]) == seq:
                     raise ChecksumMismatch(f"{self.path}: version {version} does not match its checksum")
         ctrl = self._ctrl
-        return WeightSnapshot(version, dict(self._slots[i]), digest,
-                              still_valid=lambda: int(ctrl[_Ctrl.SEQ[i]]) == seq)
+        return WeightSnapshot(version, dict(self._slots[i]), digest, still_valid=lambda: int(ctrl[_Ctrl.SEQ[i]]) == seq)
 
 
 def _path(shm_dir: str, name: str) -> str:
@@ -176,7 +176,7 @@ def _offsets(layout: Layout) -> tuple[int, int]:
 
 def _slot_buffers(mm: mmap.mmap, layout: Layout) -> list[memoryview]:
     first, stride = _offsets(layout)
-    return [memoryview(mm)[first + i * stride: first + i * stride + layout.nbytes] for i in (0, 1)]
+    return [memoryview(mm)[first + i * stride : first + i * stride + layout.nbytes] for i in (0, 1)]
 
 
 def _create(path: str, layout: Layout, has_checksum: bool) -> tuple[mmap.mmap, np.ndarray]:
@@ -191,7 +191,7 @@ def _create(path: str, layout: Layout, has_checksum: bool) -> tuple[mmap.mmap, n
     finally:
         os.close(fd)
     ctrl = np.ndarray((PAGE // 8,), dtype=np.int64, buffer=mm)
-    mm[PAGE:PAGE + len(text)] = text
+    mm[PAGE : PAGE + len(text)] = text
     ctrl[_Ctrl.LAYOUT_BYTES], ctrl[_Ctrl.LATEST] = len(text), 0
     ctrl[_Ctrl.HAS_CHECKSUM] = int(has_checksum)
     ctrl[list(_Ctrl.VERSION)] = -1
@@ -213,4 +213,4 @@ def _attach(path: str) -> tuple[mmap.mmap, np.ndarray, Layout]:
     if ctrl[_Ctrl.MAGIC] != MAGIC:
         raise ValueError(f"{path} is not a rollbook weight buffer of this format (magic {int(ctrl[0]):#x})")
     n = int(ctrl[_Ctrl.LAYOUT_BYTES])
-    return mm, ctrl, Layout.from_json(mm[PAGE:PAGE + n])
+    return mm, ctrl, Layout.from_json(mm[PAGE : PAGE + n])

@@ -43,9 +43,19 @@ class StoreProcess:
     """One ``rollbook serve`` child. ``address`` is HOST:PORT from its first stdout line; stderr goes
     to ``LOG`` beside the database so a failing test can show it."""
 
-    def __init__(self, db: pathlib.Path, *, port: int = 0, env: dict[str, str] | None = None,
-                 admin_key: str | None = None, trainer_key: str | None = None, worker_key: str | None = None,
-                 reader_key: str | None = None, args: tuple[str, ...] = (), client_tls: Any = None):
+    def __init__(
+        self,
+        db: pathlib.Path,
+        *,
+        port: int = 0,
+        env: dict[str, str] | None = None,
+        admin_key: str | None = None,
+        trainer_key: str | None = None,
+        worker_key: str | None = None,
+        reader_key: str | None = None,
+        args: tuple[str, ...] = (),
+        client_tls: Any = None,
+    ):
         self.db = pathlib.Path(db)
         self.admin_key, self.trainer_key = admin_key, trainer_key
         self.keys = {"worker_key": worker_key, "trainer_key": trainer_key, "reader_key": reader_key, "admin_key": admin_key}
@@ -55,9 +65,24 @@ class StoreProcess:
         self.log_path = self.db.with_name(self.db.name + f".serve-{time.monotonic_ns()}.log")
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "rollbook.cli", "serve", "--db", str(db), "--port", str(port),
-                 "--log-level", "WARNING", *args],
-                stdout=subprocess.PIPE, stderr=log, text=True, env=env)
+                [
+                    sys.executable,
+                    "-m",
+                    "rollbook.cli",
+                    "serve",
+                    "--db",
+                    str(db),
+                    "--port",
+                    str(port),
+                    "--log-level",
+                    "WARNING",
+                    *args,
+                ],
+                stdout=subprocess.PIPE,
+                stderr=log,
+                text=True,
+                env=env,
+            )
         line = _readline(self.proc, START_TIMEOUT_S)
         if not line.startswith("listening on "):
             self.kill()
@@ -174,8 +199,13 @@ def count(client: StoreClient, table: str, where: str = "TRUE") -> int:
 
 def rollbook_cli(*args: str, timeout: float = 120.0, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """``rollbook ARGS`` as its own process (``python -m rollbook.cli``)."""
-    return subprocess.run([sys.executable, "-m", "rollbook.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env if env is not None else clean_env())
+    return subprocess.run(
+        [sys.executable, "-m", "rollbook.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env if env is not None else clean_env(),
+    )
 
 
 def query_file(db: pathlib.Path, sql: str) -> list[dict]:

@@ -42,8 +42,9 @@ class InProcessStore:
     """``create_server(StoreConfig(...))`` on port 0 in this process (a real gRPC server and ledger)."""
 
     def __init__(self, db: pathlib.Path, **config: Any):
-        self.server, port, self.ledger = create_server(StoreConfig(db=db, port=0, admin_key=ADMIN_KEY,
-                                                                   trainer_key=TRAINER_KEY, **config))
+        self.server, port, self.ledger = create_server(
+            StoreConfig(db=db, port=0, admin_key=ADMIN_KEY, trainer_key=TRAINER_KEY, **config)
+        )
         self.server.start()
         self.address = f"127.0.0.1:{port}"
 
@@ -55,8 +56,7 @@ class InProcessStore:
         self.ledger.close()
 
 
-def trajectory(tid: str, *, model_id: str, n: int = 4, version: int = 0, reward: float | None = 1.0,
-               **fields: Any) -> dict:
+def trajectory(tid: str, *, model_id: str, n: int = 4, version: int = 0, reward: float | None = 1.0, **fields: Any) -> dict:
     """A minimal valid trajectory as a dict (``StoreClient.submit`` takes dicts); ``fields`` override."""
     t = {
         "trajectory_id": tid,

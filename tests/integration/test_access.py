@@ -21,12 +21,21 @@ from rollbook.v1 import rollbook_pb2 as pb
 from rollbook.v1 import rollbook_pb2_grpc as pb_grpc
 from tests.integration.conftest import MODEL, VOCAB, count, rollbook_cli, rpc_error, start_store, traj
 
-KEYS = {role: f"{role}-k3y-{'0123456789abcdef'[i * 3:i * 3 + 5]}-Zq9x" for i, role in enumerate(("worker", "trainer", "reader", "admin"))}
+KEYS = {
+    role: f"{role}-k3y-{'0123456789abcdef'[i * 3 : i * 3 + 5]}-Zq9x"
+    for i, role in enumerate(("worker", "trainer", "reader", "admin"))
+}
 ROLE_OF_RPC = {
-    "Submit": "worker", "SetReward": "worker",
-    "PullBatch": "trainer", "AckBatch": "trainer", "PublishVersion": "trainer", "ReportTrainStep": "trainer",
-    "Query": "reader", "GetStats": "reader",
-    "RegisterModel": "admin", "GetModel": "worker",
+    "Submit": "worker",
+    "SetReward": "worker",
+    "PullBatch": "trainer",
+    "AckBatch": "trainer",
+    "PublishVersion": "trainer",
+    "ReportTrainStep": "trainer",
+    "Query": "reader",
+    "GetStats": "reader",
+    "RegisterModel": "admin",
+    "GetModel": "worker",
 }
 DENIED = {grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED}
 
@@ -59,15 +68,17 @@ def _call(stub: pb_grpc.TrajectoryStoreStub, rpc: str, metadata) -> None:
     elif rpc == "SetReward":
         stub.SetReward(pb.SetRewardRequest(trajectory_id="no-such-row", reward=0.5), **kw)
     elif rpc == "PullBatch":
-        stub.PullBatch(pb.PullBatchRequest(trainer_id="t", trainer_version=0, max_staleness=1, num_samples=1,
-                                           model_id="no-such-model"), **kw)
+        stub.PullBatch(
+            pb.PullBatchRequest(trainer_id="t", trainer_version=0, max_staleness=1, num_samples=1, model_id="no-such-model"), **kw
+        )
     elif rpc == "AckBatch":
         stub.AckBatch(pb.AckBatchRequest(lease_id="no-such-lease", trainer_id="t"), **kw)
     elif rpc == "PublishVersion":
         stub.PublishVersion(pb.PublishVersionRequest(model_id=MODEL, version=1, checksum="c1"), **kw)
     elif rpc == "ReportTrainStep":
-        stub.ReportTrainStep(pb.ReportTrainStepRequest(step=1, trainer_id="t", version=1, started_at=1.0,
-                                                       finished_at=2.0, stats_json="{}"), **kw)
+        stub.ReportTrainStep(
+            pb.ReportTrainStepRequest(step=1, trainer_id="t", version=1, started_at=1.0, finished_at=2.0, stats_json="{}"), **kw
+        )
     elif rpc == "GetStats":
         stub.GetStats(pb.GetStatsRequest(), **kw)
     elif rpc == "RegisterModel":
@@ -152,15 +163,27 @@ def test_a_reader_cannot_ack_a_lease_it_read_from_the_leases_table(store):
 
 
 BAD_FIELDS = [
-    ("PullBatch", "lease_seconds", math.nan), ("PullBatch", "lease_seconds", math.inf),
-    ("PullBatch", "lease_seconds", -1.0), ("PullBatch", "lease_seconds", 1e300),
-    ("PullBatch", "num_samples", 4_000_000_000), ("PullBatch", "num_groups", 4_000_000_000),
-    ("PullBatch", "max_staleness", -1), ("PullBatch", "trainer_version", -5), ("PullBatch", "step", -1),
-    ("SetReward", "reward", math.nan), ("SetReward", "reward", 1e300), ("SetReward", "reward", -math.inf),
-    ("Query", "timeout_seconds", -1.0), ("Query", "timeout_seconds", math.nan), ("Query", "timeout_seconds", 1e300),
-    ("PublishVersion", "version", -1), ("PublishVersion", "version", 1 << 62),
-    ("ReportTrainStep", "started_at", math.nan), ("ReportTrainStep", "finished_at", math.inf),
-    ("ReportTrainStep", "step", -3), ("RegisterModel", "vocab_size", 4_000_000_000),
+    ("PullBatch", "lease_seconds", math.nan),
+    ("PullBatch", "lease_seconds", math.inf),
+    ("PullBatch", "lease_seconds", -1.0),
+    ("PullBatch", "lease_seconds", 1e300),
+    ("PullBatch", "num_samples", 4_000_000_000),
+    ("PullBatch", "num_groups", 4_000_000_000),
+    ("PullBatch", "max_staleness", -1),
+    ("PullBatch", "trainer_version", -5),
+    ("PullBatch", "step", -1),
+    ("SetReward", "reward", math.nan),
+    ("SetReward", "reward", 1e300),
+    ("SetReward", "reward", -math.inf),
+    ("Query", "timeout_seconds", -1.0),
+    ("Query", "timeout_seconds", math.nan),
+    ("Query", "timeout_seconds", 1e300),
+    ("PublishVersion", "version", -1),
+    ("PublishVersion", "version", 1 << 62),
+    ("ReportTrainStep", "started_at", math.nan),
+    ("ReportTrainStep", "finished_at", math.inf),
+    ("ReportTrainStep", "step", -3),
+    ("RegisterModel", "vocab_size", 4_000_000_000),
 ]
 
 
@@ -170,8 +193,9 @@ def test_an_out_of_range_numeric_field_is_invalid_argument_and_changes_nothing(s
         assert client.submit([traj(f"fields-{rpc}-{field}-{value}", reward=1.0)]).accepted == 1
         before = client.query("SELECT status, count(*) AS n FROM trajectories GROUP BY ALL ORDER BY ALL").to_pylist()
     base = {
-        "PullBatch": pb.PullBatchRequest(trainer_id="fields", trainer_version=0, max_staleness=1, num_samples=1000,
-                                         model_id=MODEL),
+        "PullBatch": pb.PullBatchRequest(
+            trainer_id="fields", trainer_version=0, max_staleness=1, num_samples=1000, model_id=MODEL
+        ),
         "SetReward": pb.SetRewardRequest(trajectory_id=f"fields-{rpc}-{field}-{value}", reward=0.0),
         "Query": pb.QueryRequest(sql="SELECT 1"),
         "PublishVersion": pb.PublishVersionRequest(model_id=MODEL, version=0, checksum="c0"),
@@ -181,8 +205,11 @@ def test_an_out_of_range_numeric_field_is_invalid_argument_and_changes_nothing(s
     setattr(base, field, value)
     with grpc.insecure_channel(store.address) as channel:
         method = getattr(pb_grpc.TrajectoryStoreStub(channel), rpc)
-        call = (lambda: list(method(base, metadata=_bearer(KEYS["admin"]), timeout=30))) if rpc == "Query" else (
-            lambda: method(base, metadata=_bearer(KEYS["admin"]), timeout=30))
+        call = (
+            (lambda: list(method(base, metadata=_bearer(KEYS["admin"]), timeout=30)))
+            if rpc == "Query"
+            else (lambda: method(base, metadata=_bearer(KEYS["admin"]), timeout=30))
+        )
         err = rpc_error(call)
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err.details()
     assert field in err.details()
@@ -218,21 +245,35 @@ TRIVIAL = {
 def test_serve_off_loopback_refuses_trivial_or_missing_keys_in_one_line(tmp_path, name):
     from tests.integration.conftest import clean_env
 
-    done = rollbook_cli("serve", "--db", str(tmp_path / "rollbook.duckdb"), "--host", "0.0.0.0", "--port", "0",
-                        "--insecure", timeout=60, env=clean_env(**TRIVIAL[name]))
+    done = rollbook_cli(
+        "serve",
+        "--db",
+        str(tmp_path / "rollbook.duckdb"),
+        "--host",
+        "0.0.0.0",
+        "--port",
+        "0",
+        "--insecure",
+        timeout=60,
+        env=clean_env(**TRIVIAL[name]),
+    )
     assert done.returncode == 2, done.stdout + done.stderr
     assert "listening" not in done.stdout
     lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("rollbook serve: error: ROLLBOOK_") or \
-        lines[0].startswith("rollbook serve: error: a non-loopback store needs"), lines
+    assert (
+        len(lines) == 1
+        and lines[0].startswith("rollbook serve: error: ROLLBOOK_")
+        or lines[0].startswith("rollbook serve: error: a non-loopback store needs")
+    ), lines
     assert not any(k in done.stderr for k in KEYS.values() if len(k) > 1)
 
 
 def test_serve_off_loopback_refuses_plaintext_without_insecure(tmp_path):
     from tests.integration.conftest import clean_env
 
-    done = rollbook_cli("serve", "--db", str(tmp_path / "rollbook.duckdb"), "--host", "0.0.0.0", "--port", "0",
-                        timeout=60, env=clean_env(**GOOD))
+    done = rollbook_cli(
+        "serve", "--db", str(tmp_path / "rollbook.duckdb"), "--host", "0.0.0.0", "--port", "0", timeout=60, env=clean_env(**GOOD)
+    )
     assert done.returncode == 2
     assert "without TLS" in done.stderr and "--insecure" in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1

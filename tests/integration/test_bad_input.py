@@ -47,7 +47,10 @@ def assert_alive_and_clean(store, bad_ids: list[str], rejected: dict[str, str] |
         assert count(client, "trajectories", f"trajectory_id = '{probe}'") == 1
         quoted = ", ".join(f"'{t}'" for t in bad_ids)
         assert count(client, "trajectories", f"trajectory_id IN ({quoted})") == 0
-        got = {r["trajectory_id"]: r["reason"] for r in rows(client, f"SELECT trajectory_id, reason FROM rejections WHERE trajectory_id IN ({quoted})")}
+        got = {
+            r["trajectory_id"]: r["reason"]
+            for r in rows(client, f"SELECT trajectory_id, reason FROM rejections WHERE trajectory_id IN ({quoted})")
+        }
     assert got == (rejected or {})
 
 
@@ -80,8 +83,11 @@ def _valid_bytes(tid: str, **drop: bool) -> bytes:
 # ---- does not parse -----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("payload", [b"\xff\xff\xff", b"\x0a\x05ab", b"\x0a" + b"\xff" * 10, b"\x07"],
-                         ids=["garbage", "truncated-length", "overlong-varint", "bad-tag"])
+@pytest.mark.parametrize(
+    "payload",
+    [b"\xff\xff\xff", b"\x0a\x05ab", b"\x0a" + b"\xff" * 10, b"\x07"],
+    ids=["garbage", "truncated-length", "overlong-varint", "bad-tag"],
+)
 def test_bytes_that_do_not_parse_are_invalid_argument(store, channel, payload):
     with pytest.raises(grpc.RpcError) as err:
         _raw_submit(channel, payload)
@@ -92,11 +98,11 @@ def test_bytes_that_do_not_parse_are_invalid_argument(store, channel, payload):
 
 WRONG_WIRE_TYPES = {
     # (tag bytes = field_number << 3 | wire_type, then a value of that wire type)
-    "reward-as-varint": ("reward", b"\x98\x01" + b"\x05"),                 # field 19 is a double (I64)
-    "tokens-as-fixed32": ("output_token_ids", b"\x65" + b"\x01\x00\x00\x00"),   # 12 is int32: VARINT or packed LEN
-    "logprobs-as-varint": ("output_logprobs", b"\x68" + b"\x01"),          # 13 is float: I32 or packed LEN
-    "trajectory-id-as-varint": ("trajectory_id", b"\x08\x07"),              # 1 is a string
-    "temperature-as-fixed64": ("temperature", b"\x79" + b"\x00" * 8),       # 15 is a float (I32)
+    "reward-as-varint": ("reward", b"\x98\x01" + b"\x05"),  # field 19 is a double (I64)
+    "tokens-as-fixed32": ("output_token_ids", b"\x65" + b"\x01\x00\x00\x00"),  # 12 is int32: VARINT or packed LEN
+    "logprobs-as-varint": ("output_logprobs", b"\x68" + b"\x01"),  # 13 is float: I32 or packed LEN
+    "trajectory-id-as-varint": ("trajectory_id", b"\x08\x07"),  # 1 is a string
+    "temperature-as-fixed64": ("temperature", b"\x79" + b"\x00" * 8),  # 15 is a float (I32)
 }
 
 
@@ -133,8 +139,9 @@ def test_unknown_field_numbers_stay_legal_for_newer_clients(store, channel):
 
 def test_unary_rpcs_answer_garbage_with_invalid_argument(store, channel):
     for method in ("GetStats", "RegisterModel", "PublishVersion", "Query", "GetModel"):
-        call = channel.unary_unary(f"/rollbook.v1.TrajectoryStore/{method}",
-                                   request_serializer=lambda b: b, response_deserializer=lambda b: b)
+        call = channel.unary_unary(
+            f"/rollbook.v1.TrajectoryStore/{method}", request_serializer=lambda b: b, response_deserializer=lambda b: b
+        )
         with pytest.raises(grpc.RpcError) as err:
             call(b"\xff\xff\xff", timeout=30)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, method
@@ -149,8 +156,10 @@ def test_empty_ids_are_missing_id_and_recorded(store, channel):
     marker = "empty-id-session"
     [verdicts] = submit_raw(stub, [traj("", session_id=marker), traj("", session_id=marker), traj("empty-id-neighbour")])
     assert [(v.trajectory_id, v.status, v.reason) for v in verdicts] == [
-        ("", pb.Verdict.REJECTED, "MISSING_ID"), ("", pb.Verdict.REJECTED, "MISSING_ID"),
-        ("empty-id-neighbour", pb.Verdict.ACCEPTED, "")]
+        ("", pb.Verdict.REJECTED, "MISSING_ID"),
+        ("", pb.Verdict.REJECTED, "MISSING_ID"),
+        ("empty-id-neighbour", pb.Verdict.ACCEPTED, ""),
+    ]
     with store.client() as client:
         assert count(client, "rejections", f"session_id = '{marker}' AND reason = 'MISSING_ID'") == 2
         assert count(client, "trajectories", "trajectory_id = ''") == 0
@@ -160,14 +169,18 @@ def test_empty_ids_are_missing_id_and_recorded(store, channel):
 def test_a_million_token_output_is_oversized(store, channel):
     n = 1_000_000
     big = traj("million-tokens", n=1)
-    big.update(output_token_ids=np.arange(n, dtype=np.int32) % 500, output_logprobs=np.full(n, -0.5, np.float32),
-               output_versions=np.zeros(n, np.int64))
+    big.update(
+        output_token_ids=np.arange(n, dtype=np.int32) % 500,
+        output_logprobs=np.full(n, -0.5, np.float32),
+        output_versions=np.zeros(n, np.int64),
+    )
     [[verdict]] = submit_raw(pb_grpc.TrajectoryStoreStub(channel), [big])
     assert (verdict.status, verdict.reason) == (pb.Verdict.REJECTED, "OVERSIZED")
     assert str(n) in verdict.detail
     with store.client() as client:
         assert rows(client, "SELECT num_output_tokens FROM rejections WHERE trajectory_id = 'million-tokens'") == [
-            {"num_output_tokens": n}]
+            {"num_output_tokens": n}
+        ]
     assert_alive_and_clean(store, ["million-tokens"], {"million-tokens": "OVERSIZED"})
 
 
@@ -206,11 +219,23 @@ def test_mismatched_lengths_are_length_mismatch(store, channel, field, length):
 
 
 def test_bad_rows_in_a_batch_do_not_hold_back_or_corrupt_the_good_ones(store, channel):
-    batch = [traj("mixed-good-0"), traj("mixed-nan", output_logprobs=[float("nan")] * 16), traj("mixed-good-1"),
-             traj("mixed-short", output_versions=[0]), traj("mixed-good-2")]
+    batch = [
+        traj("mixed-good-0"),
+        traj("mixed-nan", output_logprobs=[float("nan")] * 16),
+        traj("mixed-good-1"),
+        traj("mixed-short", output_versions=[0]),
+        traj("mixed-good-2"),
+    ]
     [verdicts] = submit_raw(pb_grpc.TrajectoryStoreStub(channel), batch)
-    assert [v.status for v in verdicts] == [pb.Verdict.ACCEPTED, pb.Verdict.REJECTED, pb.Verdict.ACCEPTED,
-                                            pb.Verdict.REJECTED, pb.Verdict.ACCEPTED]
+    assert [v.status for v in verdicts] == [
+        pb.Verdict.ACCEPTED,
+        pb.Verdict.REJECTED,
+        pb.Verdict.ACCEPTED,
+        pb.Verdict.REJECTED,
+        pb.Verdict.ACCEPTED,
+    ]
     with store.client() as client:
         assert count(client, "trajectories", "trajectory_id LIKE 'mixed-good-%' AND num_output_tokens = 16") == 3
-    assert_alive_and_clean(store, ["mixed-nan", "mixed-short"], {"mixed-nan": "NONFINITE_LOGPROB", "mixed-short": "LENGTH_MISMATCH"})
+    assert_alive_and_clean(
+        store, ["mixed-nan", "mixed-short"], {"mixed-nan": "NONFINITE_LOGPROB", "mixed-short": "LENGTH_MISMATCH"}
+    )

@@ -17,9 +17,27 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 def test_the_ingest_bench_prints_one_json_line_with_its_ratios(tmp_path):
     done = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "ingest.py"), "--json", "--systems", "rollbook,rollbook_novalidate,arrow_ipc_fsync",
-         "--num-trajectories", "96", "--num-tokens", "40", "--batch-size", "16", "--repeats", "1", "--work-dir", str(tmp_path)],
-        capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            str(ROOT / "bench" / "ingest.py"),
+            "--json",
+            "--systems",
+            "rollbook,rollbook_novalidate,arrow_ipc_fsync",
+            "--num-trajectories",
+            "96",
+            "--num-tokens",
+            "40",
+            "--batch-size",
+            "16",
+            "--repeats",
+            "1",
+            "--work-dir",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     [line] = done.stdout.strip().splitlines()
     report = json.loads(line)

@@ -18,11 +18,40 @@ pytestmark = pytest.mark.slow
 
 def test_the_placement_bench_runs_every_placement_and_prints_json_and_a_table(tmp_path):
     done = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "placement.py"), "--json", "--steps", "2", "--samples", "16",
-         "--warm-steps", "5", "--ray-workers", "2", "--ranks", "2", "--work-dir", str(tmp_path), "--",
-         "--rollout.group_size", "4", "--rollout.num_prompts", "2", "--rollout.num_eval_tasks", "4",
-         "--rollout.num_eval_samples", "1", "--trainer.model.hidden_size", "64", "--trainer.model.intermediate_size", "128"],
-        capture_output=True, text=True, timeout=900)
+        [
+            sys.executable,
+            str(ROOT / "bench" / "placement.py"),
+            "--json",
+            "--steps",
+            "2",
+            "--samples",
+            "16",
+            "--warm-steps",
+            "5",
+            "--ray-workers",
+            "2",
+            "--ranks",
+            "2",
+            "--work-dir",
+            str(tmp_path),
+            "--",
+            "--rollout.group_size",
+            "4",
+            "--rollout.num_prompts",
+            "2",
+            "--rollout.num_eval_tasks",
+            "4",
+            "--rollout.num_eval_samples",
+            "1",
+            "--trainer.model.hidden_size",
+            "64",
+            "--trainer.model.intermediate_size",
+            "128",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     [line] = done.stdout.strip().splitlines()
     rows = {r["placement"]: r for r in json.loads(line)["placements"]}
@@ -30,5 +59,7 @@ def test_the_placement_bench_runs_every_placement_and_prints_json_and_a_table(tm
     for name, row in rows.items():
         assert row["trained_tokens"] > 0 and row["trained_tok_s"] > 0, name
         assert row["heldout_final"] is not None and row["peak_rss_mib_largest_process"] > 0, name
-    assert rows["ray"]["workers"] >= 1 and rows["colocated"]["workers"] == 1  # two steps: the second actor may not have submitted yet
+    assert (
+        rows["ray"]["workers"] >= 1 and rows["colocated"]["workers"] == 1
+    )  # two steps: the second actor may not have submitted yet
     assert "| placement |" in done.stderr

@@ -26,14 +26,23 @@ from tests.integration.conftest import query_file, rollbook_cli
 MATH = [
     {"id": "m1", "question": "Tom has 3 apples and buys 4 more. How many apples does he have?", "answer": "7"},
     {"id": "m2", "question": "What is 6 times 7?", "answer": "42"},
-    {"id": "m3", "messages": [{"role": "user", "content": "Tom has 12 apples and buys 5 more. How many apples?"}],
-     "answer": "17"},
-    {"id": "m4", "messages": [{"role": "system", "content": "Answer with a number."},
-                              {"role": "user", "content": "What is 2 times 3?"}], "answer": "6"},
+    {
+        "id": "m3",
+        "messages": [{"role": "user", "content": "Tom has 12 apples and buys 5 more. How many apples?"}],
+        "answer": "17",
+    },
+    {
+        "id": "m4",
+        "messages": [{"role": "system", "content": "Answer with a number."}, {"role": "user", "content": "What is 2 times 3?"}],
+        "answer": "6",
+    },
 ]
 CODE = [
-    {"id": "c1", "messages": [{"role": "user", "content": "Write a function solve(x) that returns x times 3."}],
-     "tests": ["assert solve(2) == 6", "assert solve(5) == 15"]},
+    {
+        "id": "c1",
+        "messages": [{"role": "user", "content": "Write a function solve(x) that returns x times 3."}],
+        "tests": ["assert solve(2) == 6", "assert solve(5) == 15"],
+    },
     {"id": "c2", "question": "def solve(x):\n    return x *", "tests": ["assert solve(1) == 2", "assert solve(4) == 8"]},
 ]
 HELDOUT = [{"id": "h1", "question": "What is 3 times 3?", "answer": "9"}]
@@ -51,7 +60,7 @@ def _config(tmp_path: pathlib.Path, model: pathlib.Path, **extra: str) -> pathli
         _jsonl(tmp_path / f"{domain}.jsonl", [{**r, "domain": domain} for r in rows])
     _jsonl(tmp_path / "heldout.jsonl", [{**r, "domain": "math"} for r in HELDOUT])
     text = f"""
-run_dir = "{tmp_path / 'run'}"
+run_dir = "{tmp_path / "run"}"
 placement = "colocated"
 num_steps = {STEPS}
 eval_every = {STEPS}
@@ -76,8 +85,8 @@ reward_workers = 1
 chunk_prompts = 1
 
 [rollout.dataset]
-train_files = ["{tmp_path / 'math.jsonl'}", "{tmp_path / 'code.jsonl'}"]
-heldout_files = ["{tmp_path / 'heldout.jsonl'}"]
+train_files = ["{tmp_path / "math.jsonl"}", "{tmp_path / "code.jsonl"}"]
+heldout_files = ["{tmp_path / "heldout.jsonl"}"]
 epochs = 1
 seed = 3
 
@@ -116,8 +125,9 @@ def test_stored_token_ids_decode_to_the_prompts_and_rewards_are_the_verifiers_ve
     assert vocab == len(hf) > 50  # the BPE vocabulary, not the toy tasks' characters
     assert query_file(db, "SELECT model_id, vocab_size FROM models") == [{"model_id": "byod", "vocab_size": vocab}]
     assert query_file(db, "SELECT count(*) AS n FROM rejections")[0]["n"] == 0
-    stored = query_file(db, "SELECT task_id, domain, prompt_token_ids, output_token_ids, original_reward "
-                            "FROM trajectories ORDER BY task_id")
+    stored = query_file(
+        db, "SELECT task_id, domain, prompt_token_ids, output_token_ids, original_reward FROM trajectories ORDER BY task_id"
+    )
     # one epoch: every training row once, group_size samples each; the held-out row never trains
     assert sorted(r["task_id"] for r in stored) == sorted(r["id"] for r in MATH + CODE for _ in range(GROUP))
     assert query_file(db, "SELECT count(*) AS n FROM train_steps")[0]["n"] == STEPS
@@ -137,7 +147,7 @@ def test_stored_token_ids_decode_to_the_prompts_and_rewards_are_the_verifiers_ve
             assert prompt == src["question"]
         out = row["output_token_ids"]
         assert out and max(out) < vocab and max(row["prompt_token_ids"]) < vocab
-        text = hf.decode(out[:out.index(hf.eos_token_id)] if hf.eos_token_id in out else out, skip_special_tokens=True)
+        text = hf.decode(out[: out.index(hf.eos_token_id)] if hf.eos_token_id in out else out, skip_special_tokens=True)
         completion = text.split("</answer>")[0]  # what was scored: up to eos, cut before the stop string
         check = score_row(verifiers[domain], completion, {"answer": src.get("answer"), "tests": src.get("tests")})
         assert check.outcome.status == "ok", check
@@ -179,7 +189,7 @@ def test_the_export_holds_the_runs_tokenizer_and_generates(byod_run):
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
     generated = loaded.generate(**ids, max_new_tokens=6, do_sample=False)
     assert generated.shape[1] > ids["input_ids"].shape[1]
-    assert isinstance(tokenizer.decode(generated[0, ids["input_ids"].shape[1]:], skip_special_tokens=True), str)
+    assert isinstance(tokenizer.decode(generated[0, ids["input_ids"].shape[1] :], skip_special_tokens=True), str)
     # `rollbook export` of the kept checkpoint writes the same tokenizer (the run config names it)
     done = rollbook_cli("export", str(run_dir), "--to", str(run_dir.parent / "exported"))
     assert done.returncode == 0, done.stderr
@@ -190,16 +200,21 @@ def test_the_export_holds_the_runs_tokenizer_and_generates(byod_run):
 def test_a_missing_input_is_one_line_before_the_store_starts(tmp_path, what):
     model = save_tiny_model_dir(tmp_path / "model")
     config = _config(tmp_path, model)
-    args = {"dataset": ["--rollout.dataset.heldout_files", json.dumps([str(tmp_path / "nope.jsonl")])],
-            "tokenizer": ["--rollout.tokenizer", str(tmp_path / "no-tokenizer")],
-            "model": ["--trainer.model.path", str(tmp_path / "no-model")]}[what]
+    args = {
+        "dataset": ["--rollout.dataset.heldout_files", json.dumps([str(tmp_path / "nope.jsonl")])],
+        "tokenizer": ["--rollout.tokenizer", str(tmp_path / "no-tokenizer")],
+        "model": ["--trainer.model.path", str(tmp_path / "no-model")],
+    }[what]
     done = rollbook_cli("run", "--config", str(config), *args, timeout=300)
     assert done.returncode == 2, done.stdout + done.stderr
     assert "Traceback" not in done.stderr and "store:" not in done.stdout
     last = done.stderr.strip().splitlines()
     assert len(last) == 1 and last[0].startswith("rollbook run: error: "), done.stderr
-    assert {"dataset": "nope.jsonl does not exist", "tokenizer": "no-tokenizer does not exist",
-            "model": "no-model': no such directory"}[what] in last[0]
+    assert {
+        "dataset": "nope.jsonl does not exist",
+        "tokenizer": "no-tokenizer does not exist",
+        "model": "no-model': no such directory",
+    }[what] in last[0]
     assert not (tmp_path / "run" / "rollbook.duckdb").exists()  # no store was started, no ledger made
 
 
@@ -225,7 +240,7 @@ def test_the_readmes_own_model_commands_run_as_written(tmp_path):
 
     repo = pathlib.Path(__file__).resolve().parents[2]
     readme = (repo / "README.md").read_text()
-    section = readme[readme.index("## Your own model and data"):]
+    section = readme[readme.index("## Your own model and data") :]
     block = next(b for b in re.findall(r"```bash\n(.*?)```", section, flags=re.S) if "make_tiny_hf_model.py" in b)
     commands = [line.strip() for line in block.replace("\\\n", " ").splitlines() if line.strip()]
     assert [c.split()[0] for c in commands] == ["python", "rollbook"], commands
@@ -266,10 +281,30 @@ def test_rollbook_train_alone_registers_the_vocabulary_of_its_tokenizers_student
     store = StoreProcess(tmp_path / "rollbook.duckdb", **keys)
     try:
         env = clean_env(ROLLBOOK_ADMIN_KEY=keys["admin_key"], ROLLBOOK_TRAINER_KEY=keys["trainer_key"])
-        done = subprocess.run([sys.executable, "-m", "rollbook.cli", "train", "--server", store.address, "--run_dir",
-                               str(tmp_path / "trainer"), "--tokenizer", str(tok), "--num_samples", "4",
-                               "--max_wait_s", "2", "--poll_interval_s", "0.5"],
-                              capture_output=True, text=True, timeout=300, env=env)
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "rollbook.cli",
+                "train",
+                "--server",
+                store.address,
+                "--run_dir",
+                str(tmp_path / "trainer"),
+                "--tokenizer",
+                str(tok),
+                "--num_samples",
+                "4",
+                "--max_wait_s",
+                "2",
+                "--poll_interval_s",
+                "0.5",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=env,
+        )
         # no worker submits: it gives up after max_wait_s, in one line, having registered and published
         assert done.returncode != 0 and "no batch from the store" in done.stderr.strip().splitlines()[-1], done.stderr
         with store.client() as client:

@@ -23,17 +23,28 @@ from rollbook.run import StoreProcess
 from tests.hf_fixtures import save_bpe_tokenizer
 
 CODE = RewardConfig(kind="code", timeout_s=10, cpu_s=2, memory_mb=256)
-KEYS = {"admin_key": "admin-test-key", "trainer_key": "trainer-test-key", "worker_key": "worker-test-key",
-        "reader_key": "reader-test-key"}
+KEYS = {
+    "admin_key": "admin-test-key",
+    "trainer_key": "trainer-test-key",
+    "worker_key": "worker-test-key",
+    "reader_key": "reader-test-key",
+}
 GOOD = [
     {"id": "m1", "q": "Tom has 3 apples and buys 4 more. How many apples does he have?", "a": "7"},
     {"id": "m2", "q": "What is 6 times 7?", "a": 42},
     {"id": "m3", "messages": [{"role": "user", "content": "Tom has 12 apples and buys 5 more. How many?"}], "a": "17"},
-    {"id": "m4", "messages": [{"role": "system", "content": "Answer with a number."},
-                              {"role": "user", "content": "What is 2 times 3?"}], "a": "6"},
+    {
+        "id": "m4",
+        "messages": [{"role": "system", "content": "Answer with a number."}, {"role": "user", "content": "What is 2 times 3?"}],
+        "a": "6",
+    },
     {"id": "m5", "q": "What is half of one? Give a fraction.", "a": "\\frac{1}{2}"},
-    {"id": "c1", "domain": "code", "messages": [{"role": "user", "content": "Write a function solve(x) that returns x times 3."}],
-     "tests": ["assert solve(2) == 6", "assert solve(5) == 15"]},
+    {
+        "id": "c1",
+        "domain": "code",
+        "messages": [{"role": "user", "content": "Write a function solve(x) that returns x times 3."}],
+        "tests": ["assert solve(2) == 6", "assert solve(5) == 15"],
+    },
     {"id": "c2", "domain": "code", "q": "def solve(x):\n    return x *", "tests": ["assert solve(1) == 2"]},
 ]
 
@@ -46,13 +57,18 @@ def store(tmp_path):
 
 
 def _write_dataset(path) -> dict[int, str]:
-    lines = [json.dumps(GOOD[0]), json.dumps(GOOD[1]),
-             '{"id": "bad1", "q": "What is 1+1?", "a": ',                  # line 3: invalid JSON
-             json.dumps(GOOD[2]),
-             json.dumps({"id": "bad2", "q": "What is 9 times 9?"}),         # line 5: no answer
-             json.dumps(GOOD[3]),
-             json.dumps({"id": "bad3", "q": ["not", "text"], "a": "1"}),   # line 7: prompt not text
-             json.dumps(GOOD[4]), json.dumps(GOOD[5]), json.dumps(GOOD[6])]
+    lines = [
+        json.dumps(GOOD[0]),
+        json.dumps(GOOD[1]),
+        '{"id": "bad1", "q": "What is 1+1?", "a": ',  # line 3: invalid JSON
+        json.dumps(GOOD[2]),
+        json.dumps({"id": "bad2", "q": "What is 9 times 9?"}),  # line 5: no answer
+        json.dumps(GOOD[3]),
+        json.dumps({"id": "bad3", "q": ["not", "text"], "a": "1"}),  # line 7: prompt not text
+        json.dumps(GOOD[4]),
+        json.dumps(GOOD[5]),
+        json.dumps(GOOD[6]),
+    ]
     path.write_text("\n".join(lines) + "\n")
     return {3: "invalid JSON", 5: "missing field 'a'", 7: "must be text"}
 
@@ -64,17 +80,34 @@ def test_a_dataset_runs_to_the_end_through_the_store_with_real_token_ids_and_mat
     expected_bad = _write_dataset(data)
     group = 3
     config = RolloutConfig(
-        dataset=DatasetConfig(train_files=[str(data)], fields=FieldMap(prompt="q", answer="a", task_id="id"),
-                              default_domain="math", heldout_fraction=0.0, epochs=1, seed=1),
-        rewards={"math": RewardConfig(kind="math"), "code": CODE}, tokenizer=str(tok_dir), stop_strings=["\n\n"],
-        group_size=group, num_prompts=2, max_new_tokens=12, reward_workers=1, chunk_prompts=1, num_eval_samples=0)
+        dataset=DatasetConfig(
+            train_files=[str(data)],
+            fields=FieldMap(prompt="q", answer="a", task_id="id"),
+            default_domain="math",
+            heldout_fraction=0.0,
+            epochs=1,
+            seed=1,
+        ),
+        rewards={"math": RewardConfig(kind="math"), "code": CODE},
+        tokenizer=str(tok_dir),
+        stop_strings=["\n\n"],
+        group_size=group,
+        num_prompts=2,
+        max_new_tokens=12,
+        reward_workers=1,
+        chunk_prompts=1,
+        num_eval_samples=0,
+    )
     vocab = registered_vocab_size(config, ModelConfig())
     assert vocab == len(hf) > 50  # the BPE vocabulary, not the toy tasks' 50 characters
     torch.manual_seed(0)
     engine = NativeEngine(build_tiny_model(TinyModelSpec(vocab_size=vocab)), version=0, seed=0)
     submitted = 0
-    with caplog.at_level(logging.WARNING, logger="rollbook.datasets"), \
-            RolloutWorker(engine, config, model_id="tiny") as worker, StoreClient(store.address, **KEYS) as client:
+    with (
+        caplog.at_level(logging.WARNING, logger="rollbook.datasets"),
+        RolloutWorker(engine, config, model_id="tiny") as worker,
+        StoreClient(store.address, **KEYS) as client,
+    ):
         client.register_model("tiny", vocab)
         client.publish_version("tiny", 0)
         rounds = 0
@@ -87,8 +120,10 @@ def test_a_dataset_runs_to_the_end_through_the_store_with_real_token_ids_and_mat
             assert rounds < 10
         assert worker.produce() == []  # the epoch is done: nothing more
         stats = worker.stats.metrics()
-        stored = client.query("SELECT task_id, domain, prompt_token_ids, output_token_ids, finish_reason, original_reward "
-                              "FROM trajectories ORDER BY task_id").to_pylist()
+        stored = client.query(
+            "SELECT task_id, domain, prompt_token_ids, output_token_ids, finish_reason, original_reward "
+            "FROM trajectories ORDER BY task_id"
+        ).to_pylist()
 
     # every good row once per epoch, group_size samples each; each bad row reported with file:line
     assert submitted == len(stored) == len(GOOD) * group
@@ -111,7 +146,7 @@ def test_a_dataset_runs_to_the_end_through_the_store_with_real_token_ids_and_mat
             assert prompt_text == source["q"]
         assert max(row["prompt_token_ids"]) < vocab and max(row["output_token_ids"]) < vocab
         out = row["output_token_ids"]
-        text = hf.decode(out[:out.index(hf.eos_token_id)] if hf.eos_token_id in out else out, skip_special_tokens=True)
+        text = hf.decode(out[: out.index(hf.eos_token_id)] if hf.eos_token_id in out else out, skip_special_tokens=True)
         completion = text.split("\n\n")[0]  # what was scored: up to eos, cut before the stop string
         assert completion == worker.tokenizer.completion_text(out)
         if row["finish_reason"] == "stop":  # stopped on eos or on the stop string, nothing after it

@@ -38,8 +38,13 @@ def _client_main(address: str, index: int, out_dir: str) -> None:
     lines = "".join(f"{tid}\t{STATUS_NAMES[v.status]}\n" for tid, v in result.verdicts.items())
     (out / f"verdicts-{index}.tmp").write_text(lines)
     (out / f"verdicts-{index}.tmp").rename(out / f"verdicts-{index}.tsv")
-    summary = {"accepted": result.accepted, "duplicates": result.duplicates, "rejected": result.rejected,
-               "reconnects": result.reconnects, "resent_batches": result.resent_batches}
+    summary = {
+        "accepted": result.accepted,
+        "duplicates": result.duplicates,
+        "rejected": result.rejected,
+        "reconnects": result.reconnects,
+        "resent_batches": result.resent_batches,
+    }
     (out / f"summary-{index}.json").write_text(json.dumps(summary))
 
 
@@ -70,8 +75,7 @@ def test_sigkill_twice_under_four_clients_loses_and_duplicates_nothing(tmp_path,
         register(client)
 
     ctx = multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=_client_main, args=(store.address, i, str(tmp_path)), daemon=True)
-             for i in range(NUM_CLIENTS)]
+    procs = [ctx.Process(target=_client_main, args=(store.address, i, str(tmp_path)), daemon=True) for i in range(NUM_CLIENTS)]
     for p in procs:
         p.start()
     try:
@@ -116,8 +120,11 @@ def test_sigkill_twice_under_four_clients_loses_and_duplicates_nothing(tmp_path,
         ids = client.query("SELECT trajectory_id FROM trajectories").column("trajectory_id").to_pylist()
         check(ids, totals)
         assert rows(client, "SELECT count(*) AS n FROM rejections") == [{"n": 0}]
-        assert rows(client, "SELECT count(*) AS n FROM trajectories WHERE num_output_tokens != len(output_logprobs) "
-                            "OR num_output_tokens != len(output_versions) OR num_output_tokens NOT BETWEEN 16 AND 32") == [{"n": 0}]
+        assert rows(
+            client,
+            "SELECT count(*) AS n FROM trajectories WHERE num_output_tokens != len(output_logprobs) "
+            "OR num_output_tokens != len(output_versions) OR num_output_tokens NOT BETWEEN 16 AND 32",
+        ) == [{"n": 0}]
     # ... and through the file after shutdown
     assert store.terminate() == 0
     totals = query_file(db, "SELECT count(*) AS n, count(DISTINCT trajectory_id) AS d FROM trajectories")[0]

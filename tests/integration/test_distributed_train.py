@@ -39,19 +39,63 @@ def test_two_rank_train_takes_one_lease_and_one_ack_per_step(tmp_path: pathlib.P
     try:
         with StoreClient(store.address, **KEYS) as client:
             client.register_model("tiny", TOKENIZER.vocab_size)
-        train = ["train", "--server", store.address, "--run_dir", str(tmp_path / "trainer"), "--weight_server",
-                 f"127.0.0.1:{port}", "--num_steps", str(STEPS), "--num_samples", "16", "--max_staleness", "1",
-                 "--max_wait_s", "240", "--log-level", "INFO"]
+        train = [
+            "train",
+            "--server",
+            store.address,
+            "--run_dir",
+            str(tmp_path / "trainer"),
+            "--weight_server",
+            f"127.0.0.1:{port}",
+            "--num_steps",
+            str(STEPS),
+            "--num_samples",
+            "16",
+            "--max_staleness",
+            "1",
+            "--max_wait_s",
+            "240",
+            "--log-level",
+            "INFO",
+        ]
         if launcher == "torchrun":  # env:// rendezvous; every rank runs the same command
-            launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                      str(_free_port()), "-m", "rollbook.cli"]
+            launch = [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nproc_per_node",
+                "2",
+                "--master_port",
+                str(_free_port()),
+                "-m",
+                "rollbook.cli",
+            ]
             trainer = subprocess.Popen(launch + train, env=env, stderr=subprocess.PIPE, text=True)
         else:
             trainer = subprocess.Popen(cli + train + ["--num_ranks", "2"], env=env, stderr=subprocess.PIPE, text=True)
-        worker = subprocess.Popen(cli + ["rollout", "--server", store.address, "--weights", f"grpc:127.0.0.1:{port}",
-                                         "--batch_size", "16", "--rollout.group_size", "4", "--rollout.num_prompts", "4",
-                                         "--rollout.max_staleness", "1", "--spool_dir", str(tmp_path / "spool")],
-                                  env=env, stderr=subprocess.PIPE, text=True)
+        worker = subprocess.Popen(
+            cli
+            + [
+                "rollout",
+                "--server",
+                store.address,
+                "--weights",
+                f"grpc:127.0.0.1:{port}",
+                "--batch_size",
+                "16",
+                "--rollout.group_size",
+                "4",
+                "--rollout.num_prompts",
+                "4",
+                "--rollout.max_staleness",
+                "1",
+                "--spool_dir",
+                str(tmp_path / "spool"),
+            ],
+            env=env,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         try:
             _, trainer_log = trainer.communicate(timeout=600)
         finally:
@@ -65,11 +109,15 @@ def test_two_rank_train_takes_one_lease_and_one_ack_per_step(tmp_path: pathlib.P
     assert [s for s, _ in steps] == list(range(STEPS))
     assert all(json.loads(stats)["dist/world_size"] == 2 for _, stats in steps)
     # one lease per step, acked once; every trained row in exactly one acked lease
-    per_step = con.execute("SELECT step, count(DISTINCT lease_id), count(*) FILTER (WHERE acked_at IS NOT NULL) "
-                           "FROM leases GROUP BY step ORDER BY step").fetchall()
+    per_step = con.execute(
+        "SELECT step, count(DISTINCT lease_id), count(*) FILTER (WHERE acked_at IS NOT NULL) "
+        "FROM leases GROUP BY step ORDER BY step"
+    ).fetchall()
     assert [(s, n) for s, n, _ in per_step] == [(s, 1) for s in range(STEPS)]
-    (twice,) = con.execute("SELECT count(*) FROM (SELECT trajectory_id FROM leases WHERE acked_at IS NOT NULL "
-                           "GROUP BY trajectory_id HAVING count(*) > 1)").fetchone()
+    (twice,) = con.execute(
+        "SELECT count(*) FROM (SELECT trajectory_id FROM leases WHERE acked_at IS NOT NULL "
+        "GROUP BY trajectory_id HAVING count(*) > 1)"
+    ).fetchone()
     assert twice == 0
     (newest,) = con.execute("SELECT max(max_version) FROM trajectories").fetchone()
     assert newest >= 1  # rank 0 published over the network and the worker used it

@@ -43,8 +43,9 @@ def _own_model(client, model_id: str, versions=(0,)) -> None:
 
 
 def _pull(client, model_id: str, *, trainer_id: str = "hard", trainer_version: int = 0, max_staleness: int = 100):
-    return client.pull_batch(trainer_id=trainer_id, trainer_version=trainer_version, max_staleness=max_staleness,
-                             num_samples=1000, model_id=model_id)
+    return client.pull_batch(
+        trainer_id=trainer_id, trainer_version=trainer_version, max_staleness=max_staleness, num_samples=1000, model_id=model_id
+    )
 
 
 def _served(batch) -> dict[str, float]:
@@ -52,8 +53,10 @@ def _served(batch) -> dict[str, float]:
 
 
 def _rejections(client, model_id: str) -> dict[str, tuple[str, str]]:
-    return {r["trajectory_id"]: (r["reason"], r["detail"]) for r in rows(
-        client, f"SELECT trajectory_id, reason, detail FROM rejections WHERE model_id = '{model_id}'")}
+    return {
+        r["trajectory_id"]: (r["reason"], r["detail"])
+        for r in rows(client, f"SELECT trajectory_id, reason, detail FROM rejections WHERE model_id = '{model_id}'")
+    }
 
 
 def _raw_submit(client, payload: bytes) -> list[pb.SubmitResponse]:
@@ -69,10 +72,25 @@ def test_consumed_attempt_rejected_at_ingest_orphans_the_unconsumed_ones(store, 
     model = f"consumed-rej-{order}"
     _own_model(store, model)
     t0 = time.time()
-    unconsumed = trajectory(f"{order}-a0", model_id=model, request_id=f"call-{order}", session_id=f"s-{order}", attempt=0,
-                            consumed=False, created_at=t0)
-    bad = trajectory(f"{order}-a1", model_id=model, request_id=f"call-{order}", session_id=f"s-{order}", attempt=1,
-                     consumed=True, created_at=t0 + 1, output_logprobs=[-0.5, math.nan, -0.5, -0.5])
+    unconsumed = trajectory(
+        f"{order}-a0",
+        model_id=model,
+        request_id=f"call-{order}",
+        session_id=f"s-{order}",
+        attempt=0,
+        consumed=False,
+        created_at=t0,
+    )
+    bad = trajectory(
+        f"{order}-a1",
+        model_id=model,
+        request_id=f"call-{order}",
+        session_id=f"s-{order}",
+        attempt=1,
+        consumed=True,
+        created_at=t0 + 1,
+        output_logprobs=[-0.5, math.nan, -0.5, -0.5],
+    )
     if order == "same-batch":
         verdicts = store.submit([unconsumed, bad]).verdicts
     else:  # the unconsumed attempt is already rewarded and its group of one ready when the consumed one arrives
@@ -96,15 +114,36 @@ def test_session_reward_goes_to_the_latest_consumed_or_only_attempt(store):
     _own_model(store, model)
     t0 = time.time()
     session = "sess-latest"
-    call_1 = [trajectory(f"r1-a{k}", model_id=model, session_id=session, request_id="r1", attempt=k,
-                         consumed=(k == 1), created_at=t0 + k, reward=None) for k in range(2)]
-    call_2 = [trajectory("r2-a0", model_id=model, session_id=session, request_id="r2", attempt=0, consumed=False,
-                         created_at=t0 + 10, reward=None)]
+    call_1 = [
+        trajectory(
+            f"r1-a{k}",
+            model_id=model,
+            session_id=session,
+            request_id="r1",
+            attempt=k,
+            consumed=(k == 1),
+            created_at=t0 + k,
+            reward=None,
+        )
+        for k in range(2)
+    ]
+    call_2 = [
+        trajectory(
+            "r2-a0",
+            model_id=model,
+            session_id=session,
+            request_id="r2",
+            attempt=0,
+            consumed=False,
+            created_at=t0 + 10,
+            reward=None,
+        )
+    ]
     assert store.submit(call_1 + call_2).accepted == 3
     assert store.set_reward(0.75, session_id=session) == "r2-a0"
-    assert rows(store, f"SELECT trajectory_id, original_reward FROM trajectories WHERE model_id = '{model}' "
-                       "ORDER BY trajectory_id") == [{"trajectory_id": "r1-a1", "original_reward": None},
-                                                     {"trajectory_id": "r2-a0", "original_reward": 0.75}]
+    assert rows(
+        store, f"SELECT trajectory_id, original_reward FROM trajectories WHERE model_id = '{model}' ORDER BY trajectory_id"
+    ) == [{"trajectory_id": "r1-a1", "original_reward": None}, {"trajectory_id": "r2-a0", "original_reward": 0.75}]
 
 
 # ---- 3. a group with members stale for this pull is never served short -----------------------------
@@ -113,14 +152,20 @@ def test_session_reward_goes_to_the_latest_consumed_or_only_attempt(store):
 def test_group_with_stale_members_is_not_served_partially_under_wait(store):
     model = "stale-group"
     _own_model(store, model, versions=(0, 1, 2))
-    members = [trajectory(f"sg-{i}", model_id=model, group_id="sg", group_size=4, version=0 if i < 2 else 2,
-                          reward=float(i)) for i in range(4)]
+    members = [
+        trajectory(f"sg-{i}", model_id=model, group_id="sg", group_size=4, version=0 if i < 2 else 2, reward=float(i))
+        for i in range(4)
+    ]
     assert store.submit(members).accepted == 4
     batch = _pull(store, model, trainer_version=2, max_staleness=1)
     assert batch.num_rows == 0, _served(batch)
     rejected = _rejections(store, model)
     assert {t: r for t, (r, _) in rejected.items()} == {
-        "sg-0": "STALE", "sg-1": "STALE", "sg-2": "INCOMPLETE_GROUP", "sg-3": "INCOMPLETE_GROUP"}
+        "sg-0": "STALE",
+        "sg-1": "STALE",
+        "sg-2": "INCOMPLETE_GROUP",
+        "sg-3": "INCOMPLETE_GROUP",
+    }
     assert "STALE" in rejected["sg-2"][1] and "wait" in rejected["sg-2"][1]
     assert _pull(store, model, trainer_version=2, max_staleness=1).num_rows == 0
 
@@ -128,8 +173,7 @@ def test_group_with_stale_members_is_not_served_partially_under_wait(store):
 def test_whole_fresh_group_beside_it_is_still_served_normalized_over_all_members(store):
     model = "stale-group-fresh"
     _own_model(store, model, versions=(0, 1, 2))
-    fresh = [trajectory(f"fg-{i}", model_id=model, group_id="fg", group_size=4, version=2, reward=float(i))
-             for i in range(4)]
+    fresh = [trajectory(f"fg-{i}", model_id=model, group_id="fg", group_size=4, version=2, reward=float(i)) for i in range(4)]
     store.submit(fresh + [trajectory("old-solo", model_id=model, group_id="", version=0)])
     served = _served(_pull(store, model, trainer_version=2, max_staleness=1))
     assert sorted(served) == ["fg-0", "fg-1", "fg-2", "fg-3"]
@@ -158,7 +202,8 @@ def test_set_reward_out_of_range_is_invalid_argument(store):
     for reward in (1e200, -1e7):
         assert rpc_code(lambda: store.set_reward(reward, trajectory_id="later-huge")) == grpc.StatusCode.INVALID_ARGUMENT
     assert rows(store, "SELECT original_reward FROM trajectories WHERE trajectory_id = 'later-huge'") == [
-        {"original_reward": None}]
+        {"original_reward": None}
+    ]
 
 
 # ---- 5. pulls name their model; a lease is acked by its own trainer --------------------------------
@@ -168,8 +213,9 @@ def test_pull_without_model_id_is_refused_and_stales_nothing(store):
     model = "any-model-victim"
     _own_model(store, model, versions=(0,))
     store.submit([trajectory(f"victim-{i}", model_id=model, reward=None) for i in range(3)])
-    call = lambda: store.pull_batch(trainer_id="other", trainer_version=100, max_staleness=0, num_samples=10,
-                                    model_id="")  # the proto default, once "any model"
+    call = lambda: store.pull_batch(
+        trainer_id="other", trainer_version=100, max_staleness=0, num_samples=10, model_id=""
+    )  # the proto default, once "any model"
     assert rpc_code(call) == grpc.StatusCode.INVALID_ARGUMENT
     assert rows(store, f"SELECT count(*) AS n FROM rejections WHERE model_id = '{model}'") == [{"n": 0}]
     assert len(ids_in(store, "trajectories", f"model_id = '{model}'")) == 3
@@ -194,8 +240,17 @@ def test_pull_without_trainer_id_is_refused(store):
 
 # ---- 6. limits and documented behaviour -----------------------------------------------------------
 
-STRING_FIELDS = ["trajectory_id", "session_id", "group_id", "request_id", "task_id", "domain", "model_id",
-                 "worker_id", "finish_reason"]
+STRING_FIELDS = [
+    "trajectory_id",
+    "session_id",
+    "group_id",
+    "request_id",
+    "task_id",
+    "domain",
+    "model_id",
+    "worker_id",
+    "finish_reason",
+]
 
 
 @pytest.mark.parametrize("name", STRING_FIELDS)
@@ -209,8 +264,12 @@ def test_every_string_field_over_256_chars_is_oversized(store, name):
 
 
 def test_a_1_mib_task_id_is_oversized_and_256_chars_are_fine(store):
-    verdicts = store.submit([trajectory("mib-task", model_id=MODEL, task_id="t" * (1 << 20)),
-                             trajectory("ok-task", model_id=MODEL, task_id="t" * 256, worker_id="w" * 256)]).verdicts
+    verdicts = store.submit(
+        [
+            trajectory("mib-task", model_id=MODEL, task_id="t" * (1 << 20)),
+            trajectory("ok-task", model_id=MODEL, task_id="t" * 256, worker_id="w" * 256),
+        ]
+    ).verdicts
     assert verdicts["mib-task"].reason == "OVERSIZED"
     assert verdicts["ok-task"].status == pb.Verdict.ACCEPTED
 
@@ -218,8 +277,9 @@ def test_a_1_mib_task_id_is_oversized_and_256_chars_are_fine(store):
 def test_request_ids_are_scoped_per_session_and_model(store):
     model = "scoped-requests"
     _own_model(store, model)
-    same_call_name = [trajectory(f"turn0-{s}", model_id=model, session_id=s, request_id="turn-0", consumed=False)
-                      for s in ("sess-a", "sess-b")]
+    same_call_name = [
+        trajectory(f"turn0-{s}", model_id=model, session_id=s, request_id="turn-0", consumed=False) for s in ("sess-a", "sess-b")
+    ]
     assert store.submit(same_call_name).accepted == 2
     assert sorted(_served(_pull(store, model))) == ["turn0-sess-a", "turn0-sess-b"]
     assert _rejections(store, model) == {}
@@ -283,12 +343,14 @@ def _packed(number: int, payload: bytes) -> bytes:
 
 SPLIT_RECORDS = {
     # one varint (0x85 0x00 = 5) cut across two packed records: protobuf refuses the first record
-    "tokens": (_packed(12, b"\x85") + _packed(12, b"\x00") + _packed(13, struct.pack("<f", -0.5))
-               + _packed(14, b"\x00")),
-    "versions": (_packed(12, b"\x05") + _packed(13, struct.pack("<f", -0.5)) + _packed(14, b"\x80")
-                 + _packed(14, b"\x00")),
-    "logprobs": (_packed(12, b"\x05") + _packed(13, struct.pack("<f", -0.5)[:3]) + _packed(13, struct.pack("<f", -0.5)[3:])
-                 + _packed(14, b"\x00")),
+    "tokens": (_packed(12, b"\x85") + _packed(12, b"\x00") + _packed(13, struct.pack("<f", -0.5)) + _packed(14, b"\x00")),
+    "versions": (_packed(12, b"\x05") + _packed(13, struct.pack("<f", -0.5)) + _packed(14, b"\x80") + _packed(14, b"\x00")),
+    "logprobs": (
+        _packed(12, b"\x05")
+        + _packed(13, struct.pack("<f", -0.5)[:3])
+        + _packed(13, struct.pack("<f", -0.5)[3:])
+        + _packed(14, b"\x00")
+    ),
 }
 
 
@@ -302,20 +364,28 @@ def test_a_value_split_across_packed_records_is_invalid_argument(store, name):
     with pytest.raises(grpc.RpcError) as err:
         _raw_submit(store, varint_bytes(1 << 3 | 2) + varint_bytes(len(wire)) + wire)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert ids_in(store, "trajectories", f"trajectory_id = '{tid}'") | ids_in(
-        store, "rejections", f"trajectory_id = '{tid}'") == set()
+    assert (
+        ids_in(store, "trajectories", f"trajectory_id = '{tid}'") | ids_in(store, "rejections", f"trajectory_id = '{tid}'")
+        == set()
+    )
 
 
 def test_the_same_values_in_whole_packed_records_are_accepted(store):
     scalars = trajectory("split-whole", model_id=MODEL)
     for array in ("output_token_ids", "output_logprobs", "output_versions"):
         scalars[array] = []
-    wire = (trajectory_from_dict(scalars).SerializeToString() + _packed(12, b"\x85\x00") + _packed(12, b"")
-            + _packed(13, struct.pack("<f", -0.5)) + _packed(14, b"\x00"))
+    wire = (
+        trajectory_from_dict(scalars).SerializeToString()
+        + _packed(12, b"\x85\x00")
+        + _packed(12, b"")
+        + _packed(13, struct.pack("<f", -0.5))
+        + _packed(14, b"\x00")
+    )
     (response,) = _raw_submit(store, varint_bytes(1 << 3 | 2) + varint_bytes(len(wire)) + wire)
     assert response.verdicts[0].status == pb.Verdict.ACCEPTED, response.verdicts[0].detail
     assert rows(store, "SELECT output_token_ids FROM trajectories WHERE trajectory_id = 'split-whole'") == [
-        {"output_token_ids": [5]}]
+        {"output_token_ids": [5]}
+    ]
 
 
 # ---- the same rules with the other incomplete-group policies (in-process server) ------------------
@@ -339,8 +409,12 @@ def configured_store(tmp_path):
 
 def test_group_with_stale_members_under_keep_is_served_with_its_true_size(configured_store):
     client = configured_store(incomplete_group_policy="keep")
-    client.submit([trajectory(f"kg-{i}", model_id=MODEL, group_id="kg", group_size=4, version=0 if i < 2 else 2,
-                              reward=float(i)) for i in range(4)])
+    client.submit(
+        [
+            trajectory(f"kg-{i}", model_id=MODEL, group_id="kg", group_size=4, version=0 if i < 2 else 2, reward=float(i))
+            for i in range(4)
+        ]
+    )
     served = _served(_pull(client, MODEL, trainer_version=2, max_staleness=1))
     assert sorted(served) == ["kg-2", "kg-3"]  # keep: the true size, as documented
     assert served["kg-2"] == pytest.approx(-1.0, abs=1e-3) and served["kg-3"] == pytest.approx(1.0, abs=1e-3)
@@ -348,8 +422,16 @@ def test_group_with_stale_members_under_keep_is_served_with_its_true_size(config
 
 def test_group_with_stale_members_under_drop_is_rejected_whole(configured_store):
     client = configured_store(incomplete_group_policy="drop")
-    client.submit([trajectory(f"dg-{i}", model_id=MODEL, group_id="dg", group_size=4, version=0 if i < 2 else 2,
-                              reward=float(i)) for i in range(4)])
+    client.submit(
+        [
+            trajectory(f"dg-{i}", model_id=MODEL, group_id="dg", group_size=4, version=0 if i < 2 else 2, reward=float(i))
+            for i in range(4)
+        ]
+    )
     assert _pull(client, MODEL, trainer_version=2, max_staleness=1).num_rows == 0
     assert {t: r for t, (r, _) in _rejections(client, MODEL).items()} == {
-        "dg-0": "STALE", "dg-1": "STALE", "dg-2": "INCOMPLETE_GROUP", "dg-3": "INCOMPLETE_GROUP"}
+        "dg-0": "STALE",
+        "dg-1": "STALE",
+        "dg-2": "INCOMPLETE_GROUP",
+        "dg-3": "INCOMPLETE_GROUP",
+    }

@@ -25,9 +25,16 @@ VOCAB = TOKENIZER.vocab_size
 def _save_tiny_qwen2(path: pathlib.Path, seed: int, *, tokenizer: bool = True) -> pathlib.Path:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    config = Qwen2Config(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                         num_key_value_heads=1, intermediate_size=64, max_position_embeddings=128,
-                         tie_word_embeddings=True)
+    config = Qwen2Config(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        intermediate_size=64,
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
+    )
     torch.manual_seed(seed)
     Qwen2ForCausalLM(config).save_pretrained(path)
     if tokenizer:
@@ -153,7 +160,8 @@ def test_a_teacher_path_that_is_not_a_model_directory_is_one_line(tmp_path):
     assert done.returncode == 2
     assert "Traceback" not in done.stderr
     assert done.stderr.strip().splitlines()[-1] == (
-        f"rollbook run: error: teacher {str(tmp_path / 'empty')!r}: not a Hugging Face model directory (no config.json)")
+        f"rollbook run: error: teacher {str(tmp_path / 'empty')!r}: not a Hugging Face model directory (no config.json)"
+    )
 
 
 def test_the_vocabulary_registered_for_a_model_directory_is_its_config_json(tmp_path):
@@ -170,8 +178,9 @@ def test_the_vocabulary_registered_for_a_model_directory_is_its_config_json(tmp_
 def test_separated_placement_the_worker_process_loads_the_same_directory(tmp_path):
     student = _save_tiny_qwen2(tmp_path / "student", seed=0)
     config = _config(tmp_path, student, _save_tiny_qwen2(tmp_path / "teacher", seed=1, tokenizer=False))
-    done = rollbook_cli("run", "--config", str(config), "--placement", "separated", "--num_steps", "2",
-                        "--trainer.export_every", "1", timeout=600)
+    done = rollbook_cli(
+        "run", "--config", str(config), "--placement", "separated", "--num_steps", "2", "--trainer.export_every", "1", timeout=600
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     run_dir = tmp_path / "run"
     assert json.loads((run_dir / "worker.json").read_text())["model"]["path"] == str(student)

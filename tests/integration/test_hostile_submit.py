@@ -34,8 +34,12 @@ from tests.integration.conftest import VOCAB, register, rows, start_store, traj
 from tests.integration.test_access import ROLE_OF_RPC, _call
 
 SEED = 20261130
-KEYS = {"worker_key": "hostile-worker-7c1f0e9d3b2a", "trainer_key": "hostile-trainer-4e8d2c6a1f09",
-        "reader_key": "hostile-reader-b5a3917e2d4c", "admin_key": "hostile-admin-0f2e4d6c8b1a"}
+KEYS = {
+    "worker_key": "hostile-worker-7c1f0e9d3b2a",
+    "trainer_key": "hostile-trainer-4e8d2c6a1f09",
+    "reader_key": "hostile-reader-b5a3917e2d4c",
+    "admin_key": "hostile-admin-0f2e4d6c8b1a",
+}
 NUM_GOOD = 6000
 NUM_HOSTILE_ROWS = 9000  # rule-breaking trajectories inside mixed batches
 NUM_WIRE = 800  # mutated or random wire payloads, one stream each
@@ -54,11 +58,17 @@ WORKER = _bearer(KEYS["worker_key"])
 
 # ---- the generator -------------------------------------------------------------------------------
 
+
 def _good(i: int, rng: np.random.Generator) -> dict:
     n = int(rng.integers(1, 48))
-    return traj(f"g-{i}", n=n, version=int(rng.integers(0, 2)), reward=float(rng.integers(0, 2)),
-                output_token_ids=[int(x) for x in rng.integers(0, VOCAB, n)],
-                output_logprobs=[float(x) for x in -rng.exponential(1.0, n)])
+    return traj(
+        f"g-{i}",
+        n=n,
+        version=int(rng.integers(0, 2)),
+        reward=float(rng.integers(0, 2)),
+        output_token_ids=[int(x) for x in rng.integers(0, VOCAB, n)],
+        output_logprobs=[float(x) for x in -rng.exponential(1.0, n)],
+    )
 
 
 def _break(t: dict, kind: str, rng: np.random.Generator) -> dict:
@@ -83,8 +93,12 @@ def _break(t: dict, kind: str, rng: np.random.Generator) -> dict:
         tok[j] = int(rng.integers(VOCAB, 2**31 - 1))
         t["output_token_ids"] = tok
     elif kind in ("nan_logprob", "inf_logprob", "neg_inf_logprob", "positive_logprob"):
-        lp[j] = {"nan_logprob": math.nan, "inf_logprob": math.inf, "neg_inf_logprob": -math.inf,
-                 "positive_logprob": float(rng.uniform(0.5, 1e30))}[kind]
+        lp[j] = {
+            "nan_logprob": math.nan,
+            "inf_logprob": math.inf,
+            "neg_inf_logprob": -math.inf,
+            "positive_logprob": float(rng.uniform(0.5, 1e30)),
+        }[kind]
         t["output_logprobs"] = lp
     elif kind == "decreasing_versions":
         t["output_versions"] = [1] * j + [0] * (n - j) if j > 0 else [1] + [0] * max(n - 1, 1)
@@ -110,10 +124,28 @@ def _break(t: dict, kind: str, rng: np.random.Generator) -> dict:
     return t
 
 
-BREAKS = ("empty_output", "missing_logprobs", "short_logprobs", "long_versions", "negative_token",
-          "negative_prompt_token", "token_out_of_vocab", "nan_logprob", "inf_logprob", "neg_inf_logprob",
-          "positive_logprob", "decreasing_versions", "negative_version", "future_version", "unregistered_model",
-          "nan_reward", "inf_reward", "oversized_id", "oversized_session", "missing_id")
+BREAKS = (
+    "empty_output",
+    "missing_logprobs",
+    "short_logprobs",
+    "long_versions",
+    "negative_token",
+    "negative_prompt_token",
+    "token_out_of_vocab",
+    "nan_logprob",
+    "inf_logprob",
+    "neg_inf_logprob",
+    "positive_logprob",
+    "decreasing_versions",
+    "negative_version",
+    "future_version",
+    "unregistered_model",
+    "nan_reward",
+    "inf_reward",
+    "oversized_id",
+    "oversized_session",
+    "missing_id",
+)
 
 
 def _mixed_batches(rng: np.random.Generator, good: list[pb.Trajectory]):
@@ -129,7 +161,7 @@ def _mixed_batches(rng: np.random.Generator, good: list[pb.Trajectory]):
         items.append((kind, trajectory_from_dict(t), "REJECTED"))
     order = rng.permutation(len(items))
     items = [items[k] for k in order]
-    return [items[k:k + BATCH] for k in range(0, len(items), BATCH)], kinds
+    return [items[k : k + BATCH] for k in range(0, len(items), BATCH)], kinds
 
 
 def _wire_payloads(rng: np.random.Generator, good_bytes: bytes) -> list[tuple[str, bytes]]:
@@ -147,9 +179,9 @@ def _wire_payloads(rng: np.random.Generator, good_bytes: bytes) -> list[tuple[st
             data[k:k] = rng.bytes(int(rng.integers(1, 16)))
         elif kind == "delete":
             k = int(rng.integers(0, len(data) - 1))
-            del data[k:k + int(rng.integers(1, 8))]
+            del data[k : k + int(rng.integers(1, 8))]
         elif kind == "truncate":
-            data = data[:int(rng.integers(1, len(data)))]
+            data = data[: int(rng.integers(1, len(data)))]
         elif kind == "length":  # the outer length prefix claims far more (or less) than is there
             data[1:2] = bytes([0xFF, 0xFF, 0xFF, 0xFF, 0x0F]) if i % 2 else bytes([0x01])
         else:
@@ -159,6 +191,7 @@ def _wire_payloads(rng: np.random.Generator, good_bytes: bytes) -> list[tuple[st
 
 
 # ---- the suite -----------------------------------------------------------------------------------
+
 
 def _rss_mb(pid: int) -> float:
     with open(f"/proc/{pid}/status") as f:
@@ -195,8 +228,10 @@ def test_hostile_submit_suite(store, capsys):
     counts.update({f"rule:{k}": v for k, v in kinds.items()})
     template = encode_submit_request([trajectory_from_dict(traj("m-template", n=8))])
     wire = _wire_payloads(rng, template)
-    unauthorized = [(who, trajectory_from_dict(traj(f"u-{i}")))
-                    for i, who in zip(range(NUM_UNAUTHORIZED), itertools.cycle(("none", "wrong", "reader", "trainer")))]
+    unauthorized = [
+        (who, trajectory_from_dict(traj(f"u-{i}")))
+        for i, who in zip(range(NUM_UNAUTHORIZED), itertools.cycle(("none", "wrong", "reader", "trainer")))
+    ]
 
     options = [("grpc.max_send_message_length", 128 << 20), ("grpc.use_local_subchannel_pool", 1)]
     channels = [grpc.insecure_channel(store.address, options=options) for _ in range(STREAMS)]
@@ -246,7 +281,7 @@ def test_hostile_submit_suite(store, capsys):
 
     # replays of good trajectories, in batches with fresh rule breakers: DUPLICATE, never stored twice
     replays = [good[int(k)] for k in rng.choice(NUM_GOOD, 500, replace=False)]
-    responses = _stream(channels[0], [encode_submit_request(replays[k:k + BATCH]) for k in range(0, 500, BATCH)], WORKER)
+    responses = _stream(channels[0], [encode_submit_request(replays[k : k + BATCH]) for k in range(0, 500, BATCH)], WORKER)
     assert [v.status for r in responses for v in r.verdicts] == [pb.Verdict.DUPLICATE] * 500
     counts["replay:DUPLICATE"] = 500
     for ch in channels:
@@ -267,21 +302,27 @@ def test_hostile_submit_suite(store, capsys):
                 assert exc.code() in (grpc.StatusCode.NOT_FOUND,), (rpc, exc.code(), exc.details())
 
     with store.client() as client:
-        stored = rows(client, "SELECT count(*) AS n, count(DISTINCT trajectory_id) AS d, "
-                              "count(*) FILTER (WHERE trajectory_id LIKE 'g-%') AS good, "
-                              "count(*) FILTER (WHERE trajectory_id LIKE 'h-%' OR trajectory_id LIKE 'u-%') AS bad "
-                              "FROM trajectories")[0]
+        stored = rows(
+            client,
+            "SELECT count(*) AS n, count(DISTINCT trajectory_id) AS d, "
+            "count(*) FILTER (WHERE trajectory_id LIKE 'g-%') AS good, "
+            "count(*) FILTER (WHERE trajectory_id LIKE 'h-%' OR trajectory_id LIKE 'u-%') AS bad "
+            "FROM trajectories",
+        )[0]
         assert stored["n"] == stored["d"]  # nothing stored twice
         assert stored["good"] == NUM_GOOD
         assert stored["bad"] == 0
-        broken = rows(client, """
+        broken = rows(
+            client,
+            """
             SELECT trajectory_id FROM trajectories
              WHERE len(output_token_ids) = 0 OR len(output_logprobs) <> len(output_token_ids)
                 OR len(output_versions) <> len(output_token_ids)
                 OR list_bool_or(list_transform(output_logprobs, lambda x: isnan(x) OR isinf(x) OR x > 1e-3))
                 OR list_bool_or(list_transform(output_token_ids, lambda x: x < 0 OR x >= 512))
                 OR list_bool_or(list_transform(output_versions, lambda x: x < 0 OR x > 1))
-             LIMIT 5""")
+             LIMIT 5""",
+        )
         assert broken == []
         rejected = rows(client, "SELECT count(*) AS n FROM rejections WHERE trajectory_id LIKE 'h-%'")[0]["n"]
         mutated_stored = rows(client, "SELECT count(*) AS n FROM trajectories WHERE trajectory_id LIKE 'm-%'")[0]["n"]
@@ -291,10 +332,14 @@ def test_hostile_submit_suite(store, capsys):
     elapsed = time.monotonic() - t_start
     with capsys.disabled():  # the counts show in .ci/run's output, passing or not
         print(f"\nhostile Submit suite (seed {SEED}) in {elapsed:.1f} s on {os.cpu_count()} CPUs:")
-        print(f"  hostile payloads: {hostile_total} = {NUM_HOSTILE_ROWS} rule-breaking trajectories in mixed batches "
-              f"+ {NUM_WIRE} mutated/random wire payloads + {NUM_UNAUTHORIZED} unauthorized streams + 500 replays")
-        print(f"  good trajectories: {NUM_GOOD}, stored exactly once: {stored['good']}; rule breakers stored: {stored['bad']}, "
-              f"recorded in rejections: {rejected}; mutated wire payloads that still parsed as valid and were stored: {mutated_stored}")
+        print(
+            f"  hostile payloads: {hostile_total} = {NUM_HOSTILE_ROWS} rule-breaking trajectories in mixed batches "
+            f"+ {NUM_WIRE} mutated/random wire payloads + {NUM_UNAUTHORIZED} unauthorized streams + 500 replays"
+        )
+        print(
+            f"  good trajectories: {NUM_GOOD}, stored exactly once: {stored['good']}; rule breakers stored: {stored['bad']}, "
+            f"recorded in rejections: {rejected}; mutated wire payloads that still parsed as valid and were stored: {mutated_stored}"
+        )
         for key in sorted(counts):
             print(f"    {key:40s} {counts[key]}")
         print(f"  server RSS: {rss_start:.0f} MB at start, {rss_end:.0f} MB after")

@@ -34,9 +34,27 @@ pytestmark = pytest.mark.slow
 
 
 def _run(run_dir: pathlib.Path, seed: int, *overrides: str) -> list[dict]:
-    cmd = [sys.executable, "-m", "rollbook.cli", "run", "--config", "configs/quickstart.toml", "--run_dir", str(run_dir),
-           "--num_steps", "30", "--eval_every", "30", "--warm_start.seed", str(seed), "--trainer.model.seed", str(seed),
-           "--rollout.seed", str(seed), *overrides]
+    cmd = [
+        sys.executable,
+        "-m",
+        "rollbook.cli",
+        "run",
+        "--config",
+        "configs/quickstart.toml",
+        "--run_dir",
+        str(run_dir),
+        "--num_steps",
+        "30",
+        "--eval_every",
+        "30",
+        "--warm_start.seed",
+        str(seed),
+        "--trainer.model.seed",
+        str(seed),
+        "--rollout.seed",
+        str(seed),
+        *overrides,
+    ]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1500)
     assert done.returncode == 0, done.stderr[-3000:]
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -70,10 +88,25 @@ def test_mopd_toward_a_better_teacher_shrinks_the_gap(tmp_path):
     (docs/RESULTS.md)."""
     report = []
     for seed in SEEDS:
-        metrics = _run(tmp_path / f"mopd-{seed}", seed, "--trainer.loss.rl_coef", "0", "--trainer.loss.distill_coef", "1",
-                       "--warm_start.teacher_steps", "400", "--warm_start.student_steps", "60", "--trainer.lr", "1e-4")
-        gaps = [np.mean([v for k, v in m.items() if k.startswith("teacher_gap/")]) for m in metrics
-                if any(k.startswith("teacher_gap/") for k in m)]
+        metrics = _run(
+            tmp_path / f"mopd-{seed}",
+            seed,
+            "--trainer.loss.rl_coef",
+            "0",
+            "--trainer.loss.distill_coef",
+            "1",
+            "--warm_start.teacher_steps",
+            "400",
+            "--warm_start.student_steps",
+            "60",
+            "--trainer.lr",
+            "1e-4",
+        )
+        gaps = [
+            np.mean([v for k, v in m.items() if k.startswith("teacher_gap/")])
+            for m in metrics
+            if any(k.startswith("teacher_gap/") for k in m)
+        ]
         early, late = float(np.mean(gaps[:5])), float(np.mean(gaps[-10:]))
         report.append((seed, round(early, 3), round(late, 3), _evals(metrics, "eval/sampled_reward")))
         # the gap is log pi_teacher - log pi_student on the student's own tokens: negative, heading to 0

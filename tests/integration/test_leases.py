@@ -39,13 +39,17 @@ def client(tmp_path):
 def groups(num: int) -> list[dict]:
     """``num`` rewarded groups of two; even groups sampled at version 0, odd ones at version 1.
     Served oldest first, then by group id, so every pull gets both kinds."""
-    return [trajectory(f"g{g:02d}-{i}", model_id=MODEL, version=g % 2, group_id=f"g{g:02d}", group_size=2,
-                       reward=float(i)) for g in range(num) for i in range(2)]
+    return [
+        trajectory(f"g{g:02d}-{i}", model_id=MODEL, version=g % 2, group_id=f"g{g:02d}", group_size=2, reward=float(i))
+        for g in range(num)
+        for i in range(2)
+    ]
 
 
 def pull(client, trainer: str, version: int, n: int):
-    return client.pull_batch(trainer_id=trainer, trainer_version=version, max_staleness=ETA, num_samples=n,
-                             model_id=MODEL, lease_seconds=LEASE_S)
+    return client.pull_batch(
+        trainer_id=trainer, trainer_version=version, max_staleness=ETA, num_samples=n, model_id=MODEL, lease_seconds=LEASE_S
+    )
 
 
 def served(batch) -> set[str]:
@@ -76,24 +80,33 @@ def test_dead_trainers_rows_return_once_and_stale_ones_go_to_rejections(client):
     assert client.ack_batch(later.lease_id, "trainer-B") == later.num_rows
 
     # one query over `leases`: every trajectory that trained has exactly one acked lease
-    trained = rows(client, """
+    trained = rows(
+        client,
+        """
         SELECT t.trajectory_id, t.status, count(l.acked_at) AS acked, count(l.lease_id) AS leased
-        FROM trajectories t LEFT JOIN leases l USING (trajectory_id) GROUP BY ALL ORDER BY 1""")
+        FROM trajectories t LEFT JOIN leases l USING (trajectory_id) GROUP BY ALL ORDER BY 1""",
+    )
     assert {r["trajectory_id"] for r in trained} == served(alive) | served(later)
     assert all(r["acked"] == 1 and r["status"] == "trained" for r in trained), trained
     assert {r["trajectory_id"] for r in trained if r["leased"] == 2} == returned  # A's lease, then B's
 
     # the version-0 rows of the eight unserved groups went stale, A's among them; none ever acked
-    stale = rows(client, """
+    stale = rows(
+        client,
+        """
         SELECT r.trajectory_id, r.reason, r.stage, count(l.acked_at) AS acked
-        FROM rejections r LEFT JOIN leases l USING (trajectory_id) GROUP BY ALL""")
+        FROM rejections r LEFT JOIN leases l USING (trajectory_id) GROUP BY ALL""",
+    )
     assert {r["trajectory_id"] for r in stale} == every_id - served(alive) - odd
     assert {(r["reason"], r["stage"], r["acked"]) for r in stale} == {("STALE", "pull", 0)}
     assert ids_in(client, "trajectories") | ids_in(client, "rejections") == every_id  # nothing lost
 
     # trainer A's lease: expired, never acked, and its late ack is refused
-    assert rows(client, f"""SELECT count(*) AS n, count(acked_at) AS acked, count(expired_at) AS expired
-                            FROM leases WHERE lease_id = '{dead.lease_id}'""") == [{"n": 8, "acked": 0, "expired": 8}]
+    assert rows(
+        client,
+        f"""SELECT count(*) AS n, count(acked_at) AS acked, count(expired_at) AS expired
+                            FROM leases WHERE lease_id = '{dead.lease_id}'""",
+    ) == [{"n": 8, "acked": 0, "expired": 8}]
     assert rpc_code(lambda: client.ack_batch(dead.lease_id, "trainer-A")) == grpc.StatusCode.FAILED_PRECONDITION
 
 

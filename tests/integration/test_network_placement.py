@@ -36,14 +36,52 @@ def test_trainer_and_rollout_worker_exchange_weights_over_grpc(tmp_path: pathlib
     try:
         with StoreClient(store.address, **KEYS) as client:
             client.register_model("tiny", TOKENIZER.vocab_size)
-        trainer = subprocess.Popen(cli + ["train", "--server", store.address, "--run_dir", str(tmp_path / "trainer"),
-                                          "--weight_server", f"127.0.0.1:{port}", "--num_steps", "3", "--num_samples", "16",
-                                          "--max_staleness", "1", "--max_wait_s", "240"],
-                                   env=env, stderr=subprocess.PIPE, text=True)
-        worker = subprocess.Popen(cli + ["rollout", "--server", store.address, "--weights", f"grpc:127.0.0.1:{port}",
-                                         "--batch_size", "16", "--rollout.group_size", "4", "--rollout.num_prompts", "4",
-                                         "--rollout.max_staleness", "1", "--spool_dir", str(tmp_path / "spool")],
-                                  env=env, stderr=subprocess.PIPE, text=True)
+        trainer = subprocess.Popen(
+            cli
+            + [
+                "train",
+                "--server",
+                store.address,
+                "--run_dir",
+                str(tmp_path / "trainer"),
+                "--weight_server",
+                f"127.0.0.1:{port}",
+                "--num_steps",
+                "3",
+                "--num_samples",
+                "16",
+                "--max_staleness",
+                "1",
+                "--max_wait_s",
+                "240",
+            ],
+            env=env,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        worker = subprocess.Popen(
+            cli
+            + [
+                "rollout",
+                "--server",
+                store.address,
+                "--weights",
+                f"grpc:127.0.0.1:{port}",
+                "--batch_size",
+                "16",
+                "--rollout.group_size",
+                "4",
+                "--rollout.num_prompts",
+                "4",
+                "--rollout.max_staleness",
+                "1",
+                "--spool_dir",
+                str(tmp_path / "spool"),
+            ],
+            env=env,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         try:
             _, trainer_log = trainer.communicate(timeout=600)
         finally:
@@ -58,6 +96,8 @@ def test_trainer_and_rollout_worker_exchange_weights_over_grpc(tmp_path: pathlib
     # the worker generated under versions it could only have received over the network
     (newest,) = con.execute("SELECT max(max_version) FROM trajectories").fetchone()
     assert newest >= 1
-    (worst,) = con.execute("SELECT max(l.trainer_version - t.min_version) FROM leases l JOIN trajectories t "
-                           "USING (trajectory_id) WHERE l.acked_at IS NOT NULL").fetchone()
+    (worst,) = con.execute(
+        "SELECT max(l.trainer_version - t.min_version) FROM leases l JOIN trajectories t "
+        "USING (trajectory_id) WHERE l.acked_at IS NOT NULL"
+    ).fetchone()
     assert worst <= 1

@@ -30,8 +30,23 @@ SEEDS = (0, 1, 2)
 
 
 def _run(run_dir: pathlib.Path, seed: int, *overrides: str, timeout: float = 1500) -> list[dict]:
-    cmd = [sys.executable, "-m", "rollbook.cli", "run", "--config", "configs/online.toml", "--run_dir", str(run_dir),
-           "--warm_start.seed", str(seed), "--trainer.model.seed", str(seed), "--rollout.seed", str(seed), *overrides]
+    cmd = [
+        sys.executable,
+        "-m",
+        "rollbook.cli",
+        "run",
+        "--config",
+        "configs/online.toml",
+        "--run_dir",
+        str(run_dir),
+        "--warm_start.seed",
+        str(seed),
+        "--trainer.model.seed",
+        str(seed),
+        "--rollout.seed",
+        str(seed),
+        *overrides,
+    ]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-3000:])
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -39,8 +54,19 @@ def _run(run_dir: pathlib.Path, seed: int, *overrides: str, timeout: float = 150
 
 def test_online_run_trains_on_the_agents_sessions(tmp_path):
     run_dir = tmp_path / "online"
-    metrics = _run(run_dir, 0, "--num_steps", "3", "--eval_every", "3", "--online.eval_samples", "1",
-                   "--online.num_eval_problems", "5", timeout=900)
+    metrics = _run(
+        run_dir,
+        0,
+        "--num_steps",
+        "3",
+        "--eval_every",
+        "3",
+        "--online.eval_samples",
+        "1",
+        "--online.num_eval_problems",
+        "5",
+        timeout=900,
+    )
     evals = [m for m in metrics if "eval/sampled_reward" in m]
     assert [m["step"] for m in evals] == [0, 2], metrics  # before the first step and after the last
     assert all(0.0 <= m["eval/reward"] <= 1.0 and "eval/turn1" in m for m in evals)
@@ -49,7 +75,8 @@ def test_online_run_trains_on_the_agents_sessions(tmp_path):
         trained = con.execute(
             "SELECT t.worker_id, t.session_id, split_part(t.request_id, '.', 1) AS turn, t.group_id, t.consumed, "
             "t.original_reward, t.output_versions, (SELECT max(version) FROM policy_versions) AS published "
-            "FROM leases l JOIN trajectories t USING (trajectory_id) WHERE l.acked_at IS NOT NULL").fetchall()
+            "FROM leases l JOIN trajectories t USING (trajectory_id) WHERE l.acked_at IS NOT NULL"
+        ).fetchall()
         steps = con.execute("SELECT count(*) FROM train_steps").fetchone()
     finally:
         con.close()

@@ -58,11 +58,22 @@ def make_sessions(seed: int = 0) -> tuple[list[dict], dict[str, str], dict[str, 
         for k in range(num_attempts):
             tid = f"{session}-a{k}"
             n = rng.randint(3, 12)
-            attempts.append(trajectory(
-                tid, model_id=MODEL, n=n, reward=None, session_id=session, request_id=f"{session}-call",
-                attempt=k, consumed=(k == kept), created_at=t0 + i + 0.5 * k,
-                output_token_ids=[rng.randrange(64) for _ in range(n)],
-                output_logprobs=[-rng.uniform(0.01, 5.0) for _ in range(n)], **group))
+            attempts.append(
+                trajectory(
+                    tid,
+                    model_id=MODEL,
+                    n=n,
+                    reward=None,
+                    session_id=session,
+                    request_id=f"{session}-call",
+                    attempt=k,
+                    consumed=(k == kept),
+                    created_at=t0 + i + 0.5 * k,
+                    output_token_ids=[rng.randrange(64) for _ in range(n)],
+                    output_logprobs=[-rng.uniform(0.01, 5.0) for _ in range(n)],
+                    **group,
+                )
+            )
             if k == kept:
                 consumed[session] = tid
         rewards[session] = round(rng.uniform(-1.0, 1.0), 4)
@@ -78,7 +89,7 @@ def submit_concurrently(proc: ServeProcess, items: list[dict], num_clients: int 
         try:
             with proc.client() as client:
                 for start in range(0, len(part), 7):  # small batches, like an SDK flushing often
-                    result = client.submit(part[start:start + 7])
+                    result = client.submit(part[start : start + 7])
                     with lock:
                         verdicts.update(result.verdicts)
         except BaseException as exc:
@@ -114,8 +125,9 @@ def test_served_rows_are_exactly_the_consumed_completions_with_their_session_rew
 
     served: dict[str, dict] = {}
     for step in range(20):
-        batch = client.pull_batch(trainer_id="online", trainer_version=0, max_staleness=4, num_samples=16, step=step,
-                                  model_id=MODEL, lease_seconds=60)
+        batch = client.pull_batch(
+            trainer_id="online", trainer_version=0, max_staleness=4, num_samples=16, step=step, model_id=MODEL, lease_seconds=60
+        )
         if batch.num_rows == 0:
             break
         for row in batch.table.to_pylist():
@@ -127,7 +139,8 @@ def test_served_rows_are_exactly_the_consumed_completions_with_their_session_rew
     by_tid = {tid: session for session, tid in consumed.items()}
     assert set(served) == set(consumed.values())
     assert {tid: row["original_reward"] for tid, row in served.items()} == {
-        tid: rewards[session] for tid, session in by_tid.items()}
+        tid: rewards[session] for tid, session in by_tid.items()
+    }
     for tid, row in served.items():  # singletons keep their raw reward (singleton_policy keep_raw)
         if int(by_tid[tid].split("-")[1]) >= 40:
             assert row["reward"] == row["original_reward"]
@@ -141,11 +154,15 @@ def test_served_rows_are_exactly_the_consumed_completions_with_their_session_rew
     assert len(rejected) == len(orphans)
     assert {(r["reason"], r["stage"]) for r in rejected} == {("RETRY_ORPHAN", "group")}
     # the ledger agrees: every consumed completion trained exactly once, under an acked lease
-    trained = rows(client, """
+    trained = rows(
+        client,
+        """
         SELECT t.trajectory_id, t.session_id, t.original_reward, count(l.acked_at) AS acked
-        FROM trajectories t LEFT JOIN leases l USING (trajectory_id) GROUP BY ALL""")
+        FROM trajectories t LEFT JOIN leases l USING (trajectory_id) GROUP BY ALL""",
+    )
     assert {r["trajectory_id"] for r in trained} == set(consumed.values())
     assert all(r["acked"] == 1 and r["original_reward"] == rewards[r["session_id"]] for r in trained)
     assert rows(client, "SELECT count(*) AS n, count(DISTINCT trajectory_id) AS d FROM rewards WHERE source = 'session'") == [
-        {"n": NUM_SESSIONS, "d": NUM_SESSIONS}]
+        {"n": NUM_SESSIONS, "d": NUM_SESSIONS}
+    ]
     client.close()

@@ -47,9 +47,27 @@ class ProxyProcess:
         env = clean_env(ROLLBOOK_ADMIN_KEY=ADMIN, ROLLBOOK_WORKER_KEY=WORKER)
         self.log_path = log_dir / f"proxy-{time.monotonic_ns()}.log"
         with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "rollbook.cli", "proxy", "--port", "0", "--server", store_address,
-                                          "--model_id", MODEL, "--log-level", "WARNING", *args],
-                                         stdout=subprocess.PIPE, stderr=log, text=True, env=env)
+            self.proc = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "rollbook.cli",
+                    "proxy",
+                    "--port",
+                    "0",
+                    "--server",
+                    store_address,
+                    "--model_id",
+                    MODEL,
+                    "--log-level",
+                    "WARNING",
+                    *args,
+                ],
+                stdout=subprocess.PIPE,
+                stderr=log,
+                text=True,
+                env=env,
+            )
         line = _readline(self.proc, 120)
         if not line.startswith("listening on "):
             self.kill()
@@ -77,13 +95,23 @@ class ProxyProcess:
         self.proc.wait(30)
 
 
-def http(url: str, method: str = "GET", body: Any = None, key: str | None = None, raw: bytes | None = None,
-         headers: dict | None = None, timeout: float = 60) -> tuple[int, Any]:
+def http(
+    url: str,
+    method: str = "GET",
+    body: Any = None,
+    key: str | None = None,
+    raw: bytes | None = None,
+    headers: dict | None = None,
+    timeout: float = 60,
+) -> tuple[int, Any]:
     """(status, parsed JSON body) of one request; HTTP errors are returned, not raised."""
     data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
-    request = urllib.request.Request(url, data=data, method=method,
-                                     headers={"content-type": "application/json", **(headers or {}),
-                                              **({"authorization": f"Bearer {key}"} if key else {})})
+    request = urllib.request.Request(
+        url,
+        data=data,
+        method=method,
+        headers={"content-type": "application/json", **(headers or {}), **({"authorization": f"Bearer {key}"} if key else {})},
+    )
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
             return response.status, json.loads(response.read() or b"null")
@@ -134,13 +162,21 @@ def test_the_example_agent_s_turns_tokens_versions_and_rewards_are_in_the_store(
     episodes = []
     for g, (a, b, stream) in enumerate([(12, 34, False), (5, 7, True)]):
         for _ in range(2):
-            episodes.append((a, b, play(proxy.url, a, b, group_id=f"g{g}", group_size=2, turns=2, stream=stream,
-                                        start_key=WORKER, max_tokens=4)))
+            episodes.append(
+                (
+                    a,
+                    b,
+                    play(proxy.url, a, b, group_id=f"g{g}", group_size=2, turns=2, stream=stream, start_key=WORKER, max_tokens=4),
+                )
+            )
     ids = ", ".join(f"'{ep.session_id}'" for _, _, ep in episodes)
-    got = sql(store, f"""
+    got = sql(
+        store,
+        f"""
         SELECT session_id, request_id, attempt, consumed, group_id, group_size, task_id, domain, prompt_token_ids,
                output_token_ids, output_versions, output_logprobs, temperature, top_p, original_reward, finish_reason
-        FROM trajectories WHERE session_id IN ({ids}) ORDER BY session_id, request_id""")
+        FROM trajectories WHERE session_id IN ({ids}) ORDER BY session_id, request_id""",
+    )
     assert len(got) == 4 * 2  # exactly the agent's turns: nothing more, nothing lost
     by_key = {(r["session_id"], r["request_id"]): r for r in got}
     for a, b, ep in episodes:
@@ -195,8 +231,19 @@ def test_served_rows_are_exactly_the_completions_the_agent_received_despite_time
     def agent(i: int) -> None:
         a, b, group, size = plan[i]
         try:
-            episodes[i] = play(proxy.url, a, b, group_id=group, group_size=size, turns=2, stream=bool(i % 2), start_key=WORKER,
-                               max_tokens=4, client_kwargs={"timeout": 0.4, "max_retries": 12}, reward_after_end=True)
+            episodes[i] = play(
+                proxy.url,
+                a,
+                b,
+                group_id=group,
+                group_size=size,
+                turns=2,
+                stream=bool(i % 2),
+                start_key=WORKER,
+                max_tokens=4,
+                client_kwargs={"timeout": 0.4, "max_retries": 12},
+                reward_after_end=True,
+            )
         except BaseException as exc:
             errors.append(exc)
 
@@ -208,8 +255,11 @@ def test_served_rows_are_exactly_the_completions_the_agent_received_despite_time
         assert http(proxy.url + "/rollbook/admin/pause", "POST", {}, key=ADMIN)[0] == 200
         pauses += 1
         held_from, deadline = time.monotonic(), time.monotonic() + 3.0
-        while (status(proxy)["waiting"] < 1 or time.monotonic() - held_from < 0.7) and time.monotonic() < deadline \
-                and any(t.is_alive() for t in agents):
+        while (
+            (status(proxy)["waiting"] < 1 or time.monotonic() - held_from < 0.7)
+            and time.monotonic() < deadline
+            and any(t.is_alive() for t in agents)
+        ):
             time.sleep(0.05)
         assert http(proxy.url + "/rollbook/admin/resume", "POST", {}, key=ADMIN)[0] == 200
         time.sleep(0.3)
@@ -233,8 +283,9 @@ def test_served_rows_are_exactly_the_completions_the_agent_received_despite_time
     served: dict[str, dict] = {}
     with store.client() as client:
         for step in range(20):
-            batch = client.pull_batch(trainer_id="t", trainer_version=0, max_staleness=4, num_samples=64, step=step,
-                                      model_id=MODEL, lease_seconds=60)
+            batch = client.pull_batch(
+                trainer_id="t", trainer_version=0, max_staleness=4, num_samples=64, step=step, model_id=MODEL, lease_seconds=60
+            )
             if batch.num_rows == 0:
                 break
             for row in batch.table.to_pylist():
@@ -247,7 +298,8 @@ def test_served_rows_are_exactly_the_completions_the_agent_received_despite_time
         if group in ("solo", ""):  # singletons keep their reward (not centered to 0)
             assert served[tid]["reward"] == reward
     assert {r["trajectory_id"]: r["consumed"] for r in sql(store, "SELECT trajectory_id, consumed FROM trajectories")} == {
-        tid: True for tid in received}
+        tid: True for tid in received
+    }
     rejected = sql(store, "SELECT trajectory_id, reason, consumed FROM rejections")
     assert {r["trajectory_id"] for r in rejected} == every_attempt - set(received)
     assert {(r["reason"], r["consumed"]) for r in rejected} == {("RETRY_ORPHAN", False)}  # abandoned: not consumed
@@ -280,10 +332,14 @@ def test_calls_during_a_weight_update_wait_and_carry_the_new_version(store, prox
         try:
             session_id, key = start_session(proxy, task_id=name)
             client = openai.OpenAI(base_url=proxy.url + "/v1", api_key=key, max_retries=0, timeout=120)
-            completion = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "1+2="}],
-                                                        max_tokens=max_tokens, temperature=1.0)
-            results[name] = {"session_id": session_id, "versions": completion.model_extra["rollbook"]["output_versions"][0],
-                             "done_at": time.monotonic()}
+            completion = client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "1+2="}], max_tokens=max_tokens, temperature=1.0
+            )
+            results[name] = {
+                "session_id": session_id,
+                "versions": completion.model_extra["rollbook"]["output_versions"][0],
+                "done_at": time.monotonic(),
+            }
             assert http(proxy.url + f"/rollbook/sessions/{session_id}/end", "POST", {}, key=key)[0] == 200
         except BaseException as exc:
             errors.append(exc)
@@ -303,8 +359,9 @@ def test_calls_during_a_weight_update_wait_and_carry_the_new_version(store, prox
     while status(proxy)["waiting"] < 4:  # all four are held at admission, none failed
         assert time.monotonic() < deadline and not errors, errors
         time.sleep(0.02)
-    code, body = http(proxy.url + "/rollbook/admin/load_weights", "POST", {"path": str(weights), "version": 1, "publish": True},
-                      key=ADMIN)
+    code, body = http(
+        proxy.url + "/rollbook/admin/load_weights", "POST", {"path": str(weights), "version": 1, "publish": True}, key=ADMIN
+    )
     assert code == 200, body
     assert body["version"] == 1
     assert http(proxy.url + "/rollbook/admin/resume", "POST", {}, key=ADMIN)[0] == 200
@@ -319,8 +376,10 @@ def test_calls_during_a_weight_update_wait_and_carry_the_new_version(store, prox
     assert set(results["warm-up"]["versions"]) == {0}
     wait_idle(proxy)
     ids = ", ".join(f"'{r['session_id']}'" for r in results.values())
-    stored = {r["session_id"]: r["output_versions"] for r in sql(store, f"SELECT session_id, output_versions FROM trajectories "
-                                                                         f"WHERE session_id IN ({ids})")}
+    stored = {
+        r["session_id"]: r["output_versions"]
+        for r in sql(store, f"SELECT session_id, output_versions FROM trajectories WHERE session_id IN ({ids})")
+    }
     assert stored == {r["session_id"]: r["versions"] for r in results.values()}
     assert not sql(store, "SELECT * FROM rejections")
 
@@ -329,8 +388,14 @@ def test_calls_during_a_weight_update_wait_and_carry_the_new_version(store, prox
 
 
 def is_openai_error(body) -> bool:
-    return (isinstance(body, dict) and set(body) == {"error"} and isinstance(body["error"].get("message"), str)
-            and isinstance(body["error"].get("type"), str) and "code" in body["error"] and "param" in body["error"])
+    return (
+        isinstance(body, dict)
+        and set(body) == {"error"}
+        and isinstance(body["error"].get("message"), str)
+        and isinstance(body["error"].get("type"), str)
+        and "code" in body["error"]
+        and "param" in body["error"]
+    )
 
 
 def test_control_calls_need_the_admin_key_and_a_session_key_touches_only_its_own_session(store, proxy):
@@ -338,8 +403,13 @@ def test_control_calls_need_the_admin_key_and_a_session_key_touches_only_its_own
 
     a_id, a_key = start_session(proxy, task_id="a", group_id="ga", group_size=1)
     b_id, b_key = start_session(proxy, task_id="b", group_id="gb", group_size=1)
-    for path, method in [("/rollbook/admin/version", "GET"), ("/rollbook/admin/pause", "POST"), ("/rollbook/admin/resume", "POST"),
-                         ("/rollbook/admin/load_weights", "POST"), ("/rollbook/admin/register_model", "POST")]:
+    for path, method in [
+        ("/rollbook/admin/version", "GET"),
+        ("/rollbook/admin/pause", "POST"),
+        ("/rollbook/admin/resume", "POST"),
+        ("/rollbook/admin/load_weights", "POST"),
+        ("/rollbook/admin/register_model", "POST"),
+    ]:
         for key in (None, "wrong-key-wrong-key-wrong", a_key, WORKER):
             code, body = http(proxy.url + path, method, {} if method == "POST" else None, key=key)
             assert code == 401 and is_openai_error(body), (path, key, code, body)
@@ -352,8 +422,11 @@ def test_control_calls_need_the_admin_key_and_a_session_key_touches_only_its_own
 
     b_client = openai.OpenAI(base_url=proxy.url + "/v1", api_key=b_key, max_retries=0)
     b_client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "1+1="}], max_tokens=3)
-    for path, body in [(f"/rollbook/sessions/{b_id}/reward", {"reward": 1.0}), (f"/rollbook/sessions/{b_id}/end", {}),
-                       (f"/rollbook/sessions/{b_id}", None)]:
+    for path, body in [
+        (f"/rollbook/sessions/{b_id}/reward", {"reward": 1.0}),
+        (f"/rollbook/sessions/{b_id}/end", {}),
+        (f"/rollbook/sessions/{b_id}", None),
+    ]:
         code, answer = http(proxy.url + path, "POST" if body is not None else "GET", body, key=a_key)
         assert code == 404 and is_openai_error(answer) and answer["error"]["code"] == "session_not_found", (path, code, answer)
     summary = http(proxy.url + f"/rollbook/sessions/{b_id}", key=b_key)[1]
@@ -361,7 +434,8 @@ def test_control_calls_need_the_admin_key_and_a_session_key_touches_only_its_own
     assert http(proxy.url + f"/rollbook/sessions/{b_id}", key=ADMIN)[0] == 200  # the admin key sees every session
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=proxy.url + "/v1", api_key="rbs-not-a-session", max_retries=0).chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": "1+1="}])
+            model=MODEL, messages=[{"role": "user", "content": "1+1="}]
+        )
     assert http(proxy.url + f"/rollbook/sessions/{b_id}/end", "POST", {}, key=b_key)[0] == 200
     wait_idle(proxy)
     assert sql(store, "SELECT count(*) AS n FROM rewards")[0]["n"] == 0
@@ -375,26 +449,56 @@ def malformed_requests(key: str, session_id: str) -> list[tuple[str, str, bytes,
     ok_msg = [{"role": "user", "content": "1+1="}]
     auth = {"authorization": f"Bearer {key}"}
     cases: list[tuple[str, str, bytes, dict, set[int]]] = []
-    bad_json = [b"{", b"{'model': 1}", b"\xff\xfe\x00", b'{"model": "tiny", "messages": [', b"[" * 100_000 + b"]" * 100_000,
-                b"nul", b'{"a": NaN', b'"just a string"', b"[1, 2, 3]", b"12", b""]
+    bad_json = [
+        b"{",
+        b"{'model': 1}",
+        b"\xff\xfe\x00",
+        b'{"model": "tiny", "messages": [',
+        b"[" * 100_000 + b"]" * 100_000,
+        b"nul",
+        b'{"a": NaN',
+        b'"just a string"',
+        b"[1, 2, 3]",
+        b"12",
+        b"",
+    ]
     for raw in bad_json:
         cases.append((chat, "POST", raw, auth, {400}))
-    wrong = [{"model": MODEL}, {"model": MODEL, "messages": "hi"}, {"model": MODEL, "messages": []},
-             {"model": MODEL, "messages": [{"role": "robot", "content": "x"}]}, {"model": MODEL, "messages": [{"content": "x"}]},
-             {"model": MODEL, "messages": ok_msg, "temperature": "hot"}, {"model": MODEL, "messages": ok_msg, "temperature": -1},
-             {"model": MODEL, "messages": ok_msg, "temperature": 1e999}, {"model": MODEL, "messages": ok_msg, "top_p": 0},
-             {"model": MODEL, "messages": ok_msg, "top_p": 7}, {"model": MODEL, "messages": ok_msg, "n": 0},
-             {"model": MODEL, "messages": ok_msg, "n": 10_000}, {"model": MODEL, "messages": ok_msg, "max_tokens": 0},
-             {"model": MODEL, "messages": ok_msg, "max_tokens": 10**12}, {"model": MODEL, "messages": ok_msg, "max_tokens": "many"},
-             {"model": MODEL, "messages": ok_msg, "stop": ["ab"]}, {"model": MODEL, "messages": ok_msg, "stop": 5},
-             {"model": MODEL, "messages": [{"role": "user", "content": "UPPER CASE"}]},
-             {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]},
-             {"model": MODEL, "messages": [{"role": "user", "content": "1" * 5000}]}, {"model": MODEL, "messages": ok_msg, "stream": "yes"},
-             {"model": MODEL, "messages": ok_msg, "logprobs": True, "top_logprobs": 5}, {"model": [MODEL], "messages": ok_msg}]
+    wrong = [
+        {"model": MODEL},
+        {"model": MODEL, "messages": "hi"},
+        {"model": MODEL, "messages": []},
+        {"model": MODEL, "messages": [{"role": "robot", "content": "x"}]},
+        {"model": MODEL, "messages": [{"content": "x"}]},
+        {"model": MODEL, "messages": ok_msg, "temperature": "hot"},
+        {"model": MODEL, "messages": ok_msg, "temperature": -1},
+        {"model": MODEL, "messages": ok_msg, "temperature": 1e999},
+        {"model": MODEL, "messages": ok_msg, "top_p": 0},
+        {"model": MODEL, "messages": ok_msg, "top_p": 7},
+        {"model": MODEL, "messages": ok_msg, "n": 0},
+        {"model": MODEL, "messages": ok_msg, "n": 10_000},
+        {"model": MODEL, "messages": ok_msg, "max_tokens": 0},
+        {"model": MODEL, "messages": ok_msg, "max_tokens": 10**12},
+        {"model": MODEL, "messages": ok_msg, "max_tokens": "many"},
+        {"model": MODEL, "messages": ok_msg, "stop": ["ab"]},
+        {"model": MODEL, "messages": ok_msg, "stop": 5},
+        {"model": MODEL, "messages": [{"role": "user", "content": "UPPER CASE"}]},
+        {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]},
+        {"model": MODEL, "messages": [{"role": "user", "content": "1" * 5000}]},
+        {"model": MODEL, "messages": ok_msg, "stream": "yes"},
+        {"model": MODEL, "messages": ok_msg, "logprobs": True, "top_logprobs": 5},
+        {"model": [MODEL], "messages": ok_msg},
+    ]
     for body in wrong:
         cases.append((chat, "POST", json.dumps(body).encode(), auth, {400}))
-    for body in [{"model": MODEL, "prompt": 5}, {"model": MODEL, "prompt": [-1]}, {"model": MODEL, "prompt": [10**9]},
-                 {"model": MODEL, "prompt": []}, {"model": MODEL, "prompt": "1+1=", "echo": True}, {"model": MODEL, "prompt": ["a", "b"]}]:
+    for body in [
+        {"model": MODEL, "prompt": 5},
+        {"model": MODEL, "prompt": [-1]},
+        {"model": MODEL, "prompt": [10**9]},
+        {"model": MODEL, "prompt": []},
+        {"model": MODEL, "prompt": "1+1=", "echo": True},
+        {"model": MODEL, "prompt": ["a", "b"]},
+    ]:
         cases.append(("/v1/completions", "POST", json.dumps(body).encode(), auth, {400}))
     for model in ("gpt-4o", "", "tiny ", "../tiny"):
         cases.append((chat, "POST", json.dumps({"model": model, "messages": ok_msg}).encode(), auth, {404}))
@@ -403,16 +507,26 @@ def malformed_requests(key: str, session_id: str) -> list[tuple[str, str, bytes,
     cases.append((chat, "POST", b'{"model": "tiny", "messages": []}' + b" " * (2 << 20), auth, {413}))
     for headers in ({}, {"authorization": "Bearer nope"}, {"authorization": "Basic abc"}, {"authorization": "Bearer "}):
         cases.append((chat, "POST", json.dumps({"model": MODEL, "messages": ok_msg}).encode(), headers, {401}))
-    cases += [("/v2/chat", "POST", b"{}", auth, {404}), (chat, "GET", b"", auth, {405}), ("/v1/completions", "PUT", b"{}", auth, {405}),
-              (f"/rollbook/sessions/{session_id}/reward", "POST", b'{"reward": "NaN"}', auth, {400}),
-              (f"/rollbook/sessions/{session_id}/reward", "POST", b'{"reward": NaN}', auth, {400}),
-              (f"/rollbook/sessions/{session_id}/reward", "POST", b'{"reward": 1, "call": 99}', auth, {404}),
-              (f"/rollbook/sessions/{session_id}/reward", "POST", b'{"reward": 1, "extra": 1}', auth, {400}),
-              ("/rollbook/sessions/s-nope/end", "POST", b"{}", auth, {404}),
-              ("/rollbook/sessions", "POST", b'{"group_size": "x"}', {"authorization": f"Bearer {WORKER}"}, {400}),
-              ("/rollbook/sessions", "POST", b'{"group_size": 0}', {"authorization": f"Bearer {WORKER}"}, {400}),
-              ("/rollbook/admin/load_weights", "POST", b'{"path": "/nonexistent", "version": 5}', {"authorization": f"Bearer {ADMIN}"}, {400}),
-              ("/rollbook/admin/load_weights", "POST", b'{"path": 3}', {"authorization": f"Bearer {ADMIN}"}, {400})]
+    cases += [
+        ("/v2/chat", "POST", b"{}", auth, {404}),
+        (chat, "GET", b"", auth, {405}),
+        ("/v1/completions", "PUT", b"{}", auth, {405}),
+        (f"/rollbook/sessions/{session_id}/reward", "POST", b'{"reward": "NaN"}', auth, {400}),
+        (f"/rollbook/sessions/{session_id}/reward", "POST", b'{"reward": NaN}', auth, {400}),
+        (f"/rollbook/sessions/{session_id}/reward", "POST", b'{"reward": 1, "call": 99}', auth, {404}),
+        (f"/rollbook/sessions/{session_id}/reward", "POST", b'{"reward": 1, "extra": 1}', auth, {400}),
+        ("/rollbook/sessions/s-nope/end", "POST", b"{}", auth, {404}),
+        ("/rollbook/sessions", "POST", b'{"group_size": "x"}', {"authorization": f"Bearer {WORKER}"}, {400}),
+        ("/rollbook/sessions", "POST", b'{"group_size": 0}', {"authorization": f"Bearer {WORKER}"}, {400}),
+        (
+            "/rollbook/admin/load_weights",
+            "POST",
+            b'{"path": "/nonexistent", "version": 5}',
+            {"authorization": f"Bearer {ADMIN}"},
+            {400},
+        ),
+        ("/rollbook/admin/load_weights", "POST", b'{"path": 3}', {"authorization": f"Bearer {ADMIN}"}, {400}),
+    ]
     return cases
 
 
@@ -466,8 +580,9 @@ def test_the_proxy_serves_only_the_trainer_s_versions_from_a_weight_channel(stor
     from rollbook.weights.shm import SharedMemoryPublisher
 
     name = f"rollbook-proxy-test-{secrets.token_hex(4)}"
-    proxy = ProxyProcess(store.address, tmp_path, "--weights", f"shm:{name}", "--weights_poll_s", "0.1",
-                         "--admission_wait_s", "1")
+    proxy = ProxyProcess(
+        store.address, tmp_path, "--weights", f"shm:{name}", "--weights_poll_s", "0.1", "--admission_wait_s", "1"
+    )
     publisher = None
     try:
         session_id, key = start_session(proxy, task_id="w")
@@ -510,14 +625,31 @@ def test_sampling_fields_of_both_endpoints_are_served_and_recorded_as_sent(store
     render = CharRenderer()
     session_id, key = start_session(proxy, task_id="fields")
     client = openai.OpenAI(base_url=proxy.url + "/v1", api_key=key, max_retries=0)
-    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "7+8="}], n=2, temperature=0.7,
-                                          top_p=0.9, max_tokens=5, stop=["."], logprobs=True, extra_body={"top_k": 20})
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "7+8="}],
+        n=2,
+        temperature=0.7,
+        top_p=0.9,
+        max_tokens=5,
+        stop=["."],
+        logprobs=True,
+        extra_body={"top_k": 20},
+    )
     assert len(chat.choices) == 2 and chat.usage.completion_tokens == sum(len(c.logprobs.content) for c in chat.choices)
     text = client.completions.create(model=MODEL, prompt="rev:abc=", temperature=0.0, max_tokens=4, logprobs=0)
-    streamed = "".join(c.choices[0].text for c in client.completions.create(model=MODEL, prompt="9+9=", max_tokens=4, stream=True)
-                       if c.choices)
-    chunks = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "1+1="}], max_tokens=4,
-                                                 stream=True, stream_options={"include_usage": True}))
+    streamed = "".join(
+        c.choices[0].text for c in client.completions.create(model=MODEL, prompt="9+9=", max_tokens=4, stream=True) if c.choices
+    )
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "1+1="}],
+            max_tokens=4,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens >= 1
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL]
@@ -539,4 +671,6 @@ def test_sampling_fields_of_both_endpoints_are_served_and_recorded_as_sent(store
     assert text.choices[0].logprobs.token_logprobs == pytest.approx(greedy["output_logprobs"], abs=1e-6)
     assert render.decode(greedy["output_token_ids"]) == text.choices[0].text
     assert render.decode(rows["turn-2.0"]["output_token_ids"]) == streamed
-    assert render.decode(rows["turn-3.0"]["output_token_ids"]) == "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert render.decode(rows["turn-3.0"]["output_token_ids"]) == "".join(
+        c.choices[0].delta.content or "" for c in chunks if c.choices
+    )

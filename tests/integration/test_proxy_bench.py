@@ -16,8 +16,25 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def test_the_proxy_bench_prints_one_json_line_with_both_sides(tmp_path):
-    done = subprocess.run([sys.executable, str(ROOT / "bench" / "proxy.py"), "--json", "--clients", "2", "--calls", "3",
-                           "--max-tokens", "4", "--work-dir", str(tmp_path)], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "bench" / "proxy.py"),
+            "--json",
+            "--clients",
+            "2",
+            "--calls",
+            "3",
+            "--max-tokens",
+            "4",
+            "--work-dir",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     [line] = done.stdout.strip().splitlines()
     report = json.loads(line)

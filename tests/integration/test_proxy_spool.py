@@ -25,8 +25,12 @@ def store(tmp_path):
 
 
 def _session(proxy: ProxyProcess, group: str) -> tuple[str, str]:
-    status, body = http(proxy.url + "/rollbook/sessions", "POST", {"task_id": "t", "domain": "arithmetic",
-                                                                   "group_id": group, "group_size": 1}, key=ADMIN)
+    status, body = http(
+        proxy.url + "/rollbook/sessions",
+        "POST",
+        {"task_id": "t", "domain": "arithmetic", "group_id": group, "group_size": 1},
+        key=ADMIN,
+    )
     assert status == 200, body
     return body["session_id"], body["api_key"]
 
@@ -45,8 +49,10 @@ def test_a_killed_proxy_restarted_on_its_spool_stores_every_delivered_completion
             for _ in range(2):
                 completion = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=3)
                 delivered.append(completion.id)
-                messages += [{"role": "assistant", "content": completion.choices[0].message.content or ""},
-                             {"role": "user", "content": "wrong."}]
+                messages += [
+                    {"role": "assistant", "content": completion.choices[0].message.content or ""},
+                    {"role": "user", "content": "wrong."},
+                ]
             if i % 2 == 0:  # ended: submitted before the kill; the others' last turn is still held
                 status, body = http(f"{proxy.url}/rollbook/sessions/{session_id}/end", "POST", {}, key=key)
                 assert status == 200, body
@@ -71,10 +77,13 @@ def test_a_killed_proxy_restarted_on_its_spool_stores_every_delivered_completion
         rows: list[dict] = []
         listed = ", ".join(f"'{t}'" for t in wanted)
         while time.monotonic() < deadline:
-            rows = sql(store, "SELECT w.id, count(t.trajectory_id) AS stored, bool_and(t.consumed) AS consumed, "
-                              "(SELECT count(*) FROM trajectories) AS total "
-                              f"FROM (SELECT unnest([{listed}]) AS id) w LEFT JOIN trajectories t ON t.trajectory_id = w.id "
-                              "GROUP BY w.id")
+            rows = sql(
+                store,
+                "SELECT w.id, count(t.trajectory_id) AS stored, bool_and(t.consumed) AS consumed, "
+                "(SELECT count(*) FROM trajectories) AS total "
+                f"FROM (SELECT unnest([{listed}]) AS id) w LEFT JOIN trajectories t ON t.trajectory_id = w.id "
+                "GROUP BY w.id",
+            )
             if all(r["stored"] == 1 for r in rows):
                 break
             time.sleep(0.5)

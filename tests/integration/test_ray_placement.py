@@ -38,15 +38,34 @@ def cluster():
 def small_config(run_dir: pathlib.Path, max_staleness: int = 2, **ray_fields):
     from rollbook.config import RunConfig
 
-    return RunConfig.model_validate({
-        "run_dir": str(run_dir), "placement": "ray", "num_steps": STEPS, "eval_every": STEPS, "max_staleness": max_staleness,
-        "warm_start": {"student_steps": 20},
-        "trainer": {"num_samples": 16, "num_ranks": 2, "lr": 1e-3, "model": {"hidden_size": 64, "intermediate_size": 128}},
-        "rollout": {"domains": ["reverse"], "reverse_max_len": 3, "group_size": 4, "num_prompts": 2,
-                    "num_eval_tasks": 8, "num_eval_samples": 2, "max_new_tokens": 5},
-        "ray": {"num_workers": 2, "worker_cpus": 0.5, "trainer_cpus": 0.5,
-                "worker_resources": [{"node_a": 1}, {"node_b": 1}], "trainer_resources": {"node_a": 1}, **ray_fields},
-    })
+    return RunConfig.model_validate(
+        {
+            "run_dir": str(run_dir),
+            "placement": "ray",
+            "num_steps": STEPS,
+            "eval_every": STEPS,
+            "max_staleness": max_staleness,
+            "warm_start": {"student_steps": 20},
+            "trainer": {"num_samples": 16, "num_ranks": 2, "lr": 1e-3, "model": {"hidden_size": 64, "intermediate_size": 128}},
+            "rollout": {
+                "domains": ["reverse"],
+                "reverse_max_len": 3,
+                "group_size": 4,
+                "num_prompts": 2,
+                "num_eval_tasks": 8,
+                "num_eval_samples": 2,
+                "max_new_tokens": 5,
+            },
+            "ray": {
+                "num_workers": 2,
+                "worker_cpus": 0.5,
+                "trainer_cpus": 0.5,
+                "worker_resources": [{"node_a": 1}, {"node_b": 1}],
+                "trainer_resources": {"node_a": 1},
+                **ray_fields,
+            },
+        }
+    )
 
 
 def test_ray_placement_spreads_rollout_over_two_nodes_and_trains_with_two_ranks(cluster, tmp_path):
@@ -67,11 +86,15 @@ def test_ray_placement_spreads_rollout_over_two_nodes_and_trains_with_two_ranks(
     steps = con.execute("SELECT step, stats FROM train_steps ORDER BY step").fetchall()
     assert [s for s, _ in steps] == list(range(STEPS))
     assert all(json.loads(stats)["dist/world_size"] == 2 for _, stats in steps)
-    (bad,) = con.execute("SELECT count(*) FROM (SELECT step FROM leases WHERE acked_at IS NOT NULL GROUP BY step "
-                         "HAVING count(DISTINCT lease_id) <> 1)").fetchone()
+    (bad,) = con.execute(
+        "SELECT count(*) FROM (SELECT step FROM leases WHERE acked_at IS NOT NULL GROUP BY step "
+        "HAVING count(DISTINCT lease_id) <> 1)"
+    ).fetchone()
     assert bad == 0
-    (twice,) = con.execute("SELECT count(*) FROM (SELECT trajectory_id FROM leases WHERE acked_at IS NOT NULL "
-                           "GROUP BY trajectory_id HAVING count(*) > 1)").fetchone()
+    (twice,) = con.execute(
+        "SELECT count(*) FROM (SELECT trajectory_id FROM leases WHERE acked_at IS NOT NULL "
+        "GROUP BY trajectory_id HAVING count(*) > 1)"
+    ).fetchone()
     assert twice == 0
     (newest,) = con.execute("SELECT max(max_version) FROM trajectories").fetchone()
     assert newest >= 1  # the actors generated with weights they received over the network channel
@@ -136,8 +159,13 @@ def test_a_killed_rollout_actor_and_a_killed_trainer_rank_lose_and_repeat_nothin
     # it reopened its own spool and delivered everything in it (a batch left there was never answered)
     assert [p.name for p in (tmp_path / "run" / "spool-1").glob("*.batch")] == []
     con = duckdb.connect(str(tmp_path / "run" / "rollbook.duckdb"), read_only=True)
-    audit = dict(zip(["stored_twice", "acked_twice", "trained_unacked", "steps_not_one_lease"],
-                     con.execute(EXACTLY_ONCE).fetchone(), strict=True))
+    audit = dict(
+        zip(
+            ["stored_twice", "acked_twice", "trained_unacked", "steps_not_one_lease"],
+            con.execute(EXACTLY_ONCE).fetchone(),
+            strict=True,
+        )
+    )
     assert audit == {"stored_twice": 0, "acked_twice": 0, "trained_unacked": 0, "steps_not_one_lease": 0}
     assert [s for (s,) in con.execute("SELECT step FROM train_steps ORDER BY step").fetchall()] == list(range(steps))
     (acked_steps,) = con.execute("SELECT count(DISTINCT step) FROM leases WHERE acked_at IS NOT NULL").fetchone()
@@ -165,10 +193,38 @@ def test_ray_placement_with_two_ranks_raises_heldout_and_training_reward_over_se
     heldout, train, report = [], [], []
     for seed in LEARNING_SEEDS:
         run_dir = tmp_path / f"s{seed}"
-        cmd = [sys.executable, "-m", "rollbook.cli", "run", "--config", "configs/quickstart.toml", "--run_dir",
-               str(run_dir), "--placement", "ray", "--num_steps", "30", "--eval_every", "30", "--trainer.num_ranks", "2",
-               "--ray.num_workers", "2", "--ray.num_cpus", "4", "--ray.worker_cpus", "0.5", "--ray.trainer_cpus", "0.5",
-               "--warm_start.seed", str(seed), "--trainer.model.seed", str(seed), "--rollout.seed", str(seed)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "rollbook.cli",
+            "run",
+            "--config",
+            "configs/quickstart.toml",
+            "--run_dir",
+            str(run_dir),
+            "--placement",
+            "ray",
+            "--num_steps",
+            "30",
+            "--eval_every",
+            "30",
+            "--trainer.num_ranks",
+            "2",
+            "--ray.num_workers",
+            "2",
+            "--ray.num_cpus",
+            "4",
+            "--ray.worker_cpus",
+            "0.5",
+            "--ray.trainer_cpus",
+            "0.5",
+            "--warm_start.seed",
+            str(seed),
+            "--trainer.model.seed",
+            str(seed),
+            "--rollout.seed",
+            str(seed),
+        ]
         done = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=1500)
         assert done.returncode == 0, done.stderr[-3000:]
         metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -19,8 +19,9 @@ pytestmark = pytest.mark.slow
 
 
 def _cli(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "rollbook.cli", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "rollbook.cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def _sql(db: pathlib.Path, sql: str) -> list[dict]:
@@ -32,10 +33,31 @@ def _sql(db: pathlib.Path, sql: str) -> list[dict]:
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory) -> pathlib.Path:
     run_dir = tmp_path_factory.mktemp("report") / "run"
-    done = _cli("run", "--config", "configs/demo.toml", "--run_dir", str(run_dir), "--num_steps", "3",
-                "--eval_every", "2", "--warm_start.student_steps", "4", "--warm_start.teacher_steps", "4",
-                "--rollout.num_eval_tasks", "6", "--rollout.num_eval_samples", "2", "--rollout.num_prompts", "4",
-                "--rollout.group_size", "4", "--trainer.num_samples", "16")
+    done = _cli(
+        "run",
+        "--config",
+        "configs/demo.toml",
+        "--run_dir",
+        str(run_dir),
+        "--num_steps",
+        "3",
+        "--eval_every",
+        "2",
+        "--warm_start.student_steps",
+        "4",
+        "--warm_start.teacher_steps",
+        "4",
+        "--rollout.num_eval_tasks",
+        "6",
+        "--rollout.num_eval_samples",
+        "2",
+        "--rollout.num_prompts",
+        "4",
+        "--rollout.group_size",
+        "4",
+        "--trainer.num_samples",
+        "16",
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "warm start teacher-addition" in done.stdout and "warm start teacher-program" in done.stdout
     assert f"report: {run_dir / 'report.md'}" in done.stdout  # rollbook run writes the report itself
@@ -71,8 +93,11 @@ def test_report_writes_markdown_decodable_pngs_and_a_summary_equal_to_the_ledger
     trained = _sql(db, "SELECT count(DISTINCT trajectory_id) AS n FROM leases WHERE acked_at IS NOT NULL")[0]["n"]
     assert summary["trained"] == trained > 0
     assert summary["steps"] == _sql(db, "SELECT count(*) AS n FROM train_steps")[0]["n"] == 3
-    staleness = _sql(db, "SELECT l.trainer_version - t.min_version AS s, count(*) AS n FROM leases l "
-                         "JOIN trajectories t USING (trajectory_id) WHERE l.acked_at IS NOT NULL GROUP BY s")
+    staleness = _sql(
+        db,
+        "SELECT l.trainer_version - t.min_version AS s, count(*) AS n FROM leases l "
+        "JOIN trajectories t USING (trajectory_id) WHERE l.acked_at IS NOT NULL GROUP BY s",
+    )
     assert summary["staleness"] == {str(r["s"]): r["n"] for r in staleness} == {"0": trained}  # colocated: on-policy
     metrics = [json.loads(line) for line in (finished_run / "metrics.jsonl").read_text().splitlines()]
     evals = [m for m in metrics if "eval/reward" in m]
@@ -87,8 +112,9 @@ def test_report_puts_several_runs_on_one_plot(finished_run, tmp_path):
     other = tmp_path / "copy"
     import shutil
 
-    shutil.copytree(finished_run, other, ignore=shutil.ignore_patterns("*.png", "report.md", "checkpoints", "teacher-*",
-                                                                       "base-student"))
+    shutil.copytree(
+        finished_run, other, ignore=shutil.ignore_patterns("*.png", "report.md", "checkpoints", "teacher-*", "base-student")
+    )
     out = tmp_path / "compare"
     done = _cli("report", str(finished_run), str(other), "--out", str(out), timeout=300)
     assert done.returncode == 0, done.stderr

@@ -33,7 +33,9 @@ def test_weight_update_mid_generation_gives_mixed_version_trajectories_the_store
     torch.manual_seed(0)
     model = build_tiny_model(TinyModelSpec(vocab_size=TOKENIZER.vocab_size))
     engine = NativeEngine(model, version=0, seed=0)
-    new_weights = {k: v + 0.01 for k, v in build_tiny_model(TinyModelSpec(vocab_size=TOKENIZER.vocab_size), seed=1).state_dict().items()}
+    new_weights = {
+        k: v + 0.01 for k, v in build_tiny_model(TinyModelSpec(vocab_size=TOKENIZER.vocab_size), seed=1).state_dict().items()
+    }
     engine.schedule_weight_update(new_weights, version=1, at_step=2)
     # no stop token: every completion runs past the update, so each one spans both versions
     config = RolloutConfig(group_size=4, num_prompts=2, max_new_tokens=5, num_train_tasks=20, num_eval_tasks=4)
@@ -67,10 +69,31 @@ def _without_stop(worker: RolloutWorker):
 
 
 def _run(tmp_path: pathlib.Path, *extra: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "rollbook.cli", "run", "--config", "configs/quickstart.toml",
-           "--run_dir", str(tmp_path / "run"), "--num_steps", "3", "--eval_every", "3",
-           "--warm_start.student_steps", "5", "--rollout.num_eval_tasks", "8", "--rollout.num_prompts", "4",
-           "--rollout.group_size", "4", "--trainer.num_samples", "16", *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "rollbook.cli",
+        "run",
+        "--config",
+        "configs/quickstart.toml",
+        "--run_dir",
+        str(tmp_path / "run"),
+        "--num_steps",
+        "3",
+        "--eval_every",
+        "3",
+        "--warm_start.student_steps",
+        "5",
+        "--rollout.num_eval_tasks",
+        "8",
+        "--rollout.num_prompts",
+        "4",
+        "--rollout.group_size",
+        "4",
+        "--trainer.num_samples",
+        "16",
+        *extra,
+    ]
     return subprocess.run(cmd, cwd=pathlib.Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=900)
 
 
@@ -79,8 +102,9 @@ def _ledger(tmp_path: pathlib.Path) -> duckdb.DuckDBPyConnection:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("placement,eta,given", [("colocated", 0, True), ("separated", 2, False)],
-                         ids=["colocated", "separated-default-eta"])
+@pytest.mark.parametrize(
+    "placement,eta,given", [("colocated", 0, True), ("separated", 2, False)], ids=["colocated", "separated-default-eta"]
+)
 def test_rollbook_run_trains_and_records_every_step(tmp_path, placement, eta, given):
     # separated without a bound: the run's default eta for the placement (2) reaches both sides
     bound = ("--trainer.max_staleness", str(eta), "--rollout.max_staleness", str(eta)) if given else ()
@@ -95,11 +119,15 @@ def test_rollbook_run_trains_and_records_every_step(tmp_path, placement, eta, gi
     steps = con.execute("SELECT step, version, lease_id FROM train_steps ORDER BY step").fetchall()
     assert [s for s, _, _ in steps] == [0, 1, 2] and [v for _, v, _ in steps] == [1, 2, 3]
     # every trained row is within the staleness bound of the trainer version that leased it
-    (worst,) = con.execute("SELECT max(l.trainer_version - t.min_version) FROM leases l JOIN trajectories t USING (trajectory_id) "
-                       "WHERE l.acked_at IS NOT NULL").fetchone()
+    (worst,) = con.execute(
+        "SELECT max(l.trainer_version - t.min_version) FROM leases l JOIN trajectories t USING (trajectory_id) "
+        "WHERE l.acked_at IS NOT NULL"
+    ).fetchone()
     assert worst <= eta
-    (twice,) = con.execute("SELECT count(*) FROM (SELECT trajectory_id FROM leases WHERE acked_at IS NOT NULL "
-                       "GROUP BY trajectory_id HAVING count(*) > 1)").fetchone()
+    (twice,) = con.execute(
+        "SELECT count(*) FROM (SELECT trajectory_id FROM leases WHERE acked_at IS NOT NULL "
+        "GROUP BY trajectory_id HAVING count(*) > 1)"
+    ).fetchone()
     assert twice == 0
     metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert "eval/reward" in metrics[0] and "eval/reward" in metrics[-1]

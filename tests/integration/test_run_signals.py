@@ -39,9 +39,28 @@ def _alive(pid: int) -> bool:
 @pytest.mark.parametrize("placement", ["colocated", "separated"])
 def test_sigterm_stops_the_run_and_the_processes_it_started(tmp_path, placement):
     env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLBOOK_")}
-    proc = subprocess.Popen([sys.executable, "-m", "rollbook.cli", "run", "--config", str(REPO / "configs" / "quickstart.toml"),
-                             "--run_dir", str(tmp_path / "run"), "--num_steps", "200", "--warm_start.student_steps", "0", "--placement", placement],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "rollbook.cli",
+            "run",
+            "--config",
+            str(REPO / "configs" / "quickstart.toml"),
+            "--run_dir",
+            str(tmp_path / "run"),
+            "--num_steps",
+            "200",
+            "--warm_start.student_steps",
+            "0",
+            "--placement",
+            placement,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
     children: set[int] = set()
     try:
         assert proc.stdout is not None

@@ -38,12 +38,38 @@ from tests.integration.test_sql_sandbox import (
 MARKER = "SECRET-HOSTILE-7f3a"
 OK_CODES = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED}
 
-READERS = ["read_csv", "read_csv_auto", "read_parquet", "parquet_scan", "parquet_metadata", "parquet_schema",
-           "parquet_file_metadata", "parquet_kv_metadata", "parquet_bloom_probe", "read_json", "read_json_auto",
-           "read_json_objects", "read_json_objects_auto", "read_ndjson", "read_ndjson_auto", "read_ndjson_objects",
-           "read_text", "read_blob", "glob", "sniff_csv", "iceberg_scan", "delta_scan", "sqlite_scan", "read_xlsx",
-           "read_duckdb", "read_single_csv_file", "read_single_json_file", "read_single_parquet_file",
-           "parquet_full_metadata", "parquet_page_index"]
+READERS = [
+    "read_csv",
+    "read_csv_auto",
+    "read_parquet",
+    "parquet_scan",
+    "parquet_metadata",
+    "parquet_schema",
+    "parquet_file_metadata",
+    "parquet_kv_metadata",
+    "parquet_bloom_probe",
+    "read_json",
+    "read_json_auto",
+    "read_json_objects",
+    "read_json_objects_auto",
+    "read_ndjson",
+    "read_ndjson_auto",
+    "read_ndjson_objects",
+    "read_text",
+    "read_blob",
+    "glob",
+    "sniff_csv",
+    "iceberg_scan",
+    "delta_scan",
+    "sqlite_scan",
+    "read_xlsx",
+    "read_duckdb",
+    "read_single_csv_file",
+    "read_single_json_file",
+    "read_single_parquet_file",
+    "parquet_full_metadata",
+    "parquet_page_index",
+]
 
 
 def hostile(d: dict[str, str]) -> list[str]:
@@ -54,88 +80,203 @@ def hostile(d: dict[str, str]) -> list[str]:
     for fn in READERS:
         q.append(f"SELECT * FROM {fn}('{ledger}')")
         q.append(f"SELECT * FROM {fn}('{secret}')")
-    for target in (wal, f"{log}/*", "/etc/passwd", "https://example.com/x.csv", "s3://bucket/x.parquet",
-                   "http://169.254.169.254/latest/meta-data/", f"{dirname}/*", "~/.bashrc", "../../etc/hosts"):
+    for target in (
+        wal,
+        f"{log}/*",
+        "/etc/passwd",
+        "https://example.com/x.csv",
+        "s3://bucket/x.parquet",
+        "http://169.254.169.254/latest/meta-data/",
+        f"{dirname}/*",
+        "~/.bashrc",
+        "../../etc/hosts",
+    ):
         q.append(f"SELECT * FROM read_text('{target}')")
-    q += [f"SELECT * FROM read_blob(['{ledger}', '{secret}'])",
-          f"SELECT count(*) FROM glob('{dirname}/**')",
-          f"SELECT * FROM read_csv('{secret}', header=true, columns={{'m': 'VARCHAR'}})",
-          f"SELECT * FROM read_parquet('{dirname}/*.parquet', union_by_name=true)",
-          f"SELECT (SELECT content FROM read_text('{secret}')) AS c",
-          f"SELECT * FROM trajectories WHERE trajectory_id IN (SELECT content FROM read_text('{secret}'))",
-          f"SELECT * FROM trajectories, LATERAL (SELECT * FROM read_blob('{ledger}'))"]
+    q += [
+        f"SELECT * FROM read_blob(['{ledger}', '{secret}'])",
+        f"SELECT count(*) FROM glob('{dirname}/**')",
+        f"SELECT * FROM read_csv('{secret}', header=true, columns={{'m': 'VARCHAR'}})",
+        f"SELECT * FROM read_parquet('{dirname}/*.parquet', union_by_name=true)",
+        f"SELECT (SELECT content FROM read_text('{secret}')) AS c",
+        f"SELECT * FROM trajectories WHERE trajectory_id IN (SELECT content FROM read_text('{secret}'))",
+        f"SELECT * FROM trajectories, LATERAL (SELECT * FROM read_blob('{ledger}'))",
+    ]
     # replacement scans: a string in FROM is a file
-    for target in (ledger, secret, wal, "/etc/passwd", "https://example.com/x.parquet", f"{dirname}/*.csv",
-                   f"{ledger}.log/00000001.arrow"):
+    for target in (
+        ledger,
+        secret,
+        wal,
+        "/etc/passwd",
+        "https://example.com/x.parquet",
+        f"{dirname}/*.csv",
+        f"{ledger}.log/00000001.arrow",
+    ):
         q.append(f"SELECT * FROM '{target}'")
-    q += [f'SELECT * FROM "{secret}"', f"FROM '{secret}'", f"SELECT * FROM '{secret}' AS t",
-          f"DESCRIBE '{secret}'", f"SUMMARIZE '{secret}'", f"SHOW '{secret}'"]
+    q += [
+        f'SELECT * FROM "{secret}"',
+        f"FROM '{secret}'",
+        f"SELECT * FROM '{secret}' AS t",
+        f"DESCRIBE '{secret}'",
+        f"SUMMARIZE '{secret}'",
+        f"SHOW '{secret}'",
+    ]
     # writing: statements, and table functions that write
-    q += [f"COPY trajectories TO '{out}.csv'", f"COPY (SELECT 1) TO '{out}.parquet' (FORMAT parquet)",
-          f"COPY trajectories FROM '{secret}'", f"EXPORT DATABASE '{out}-export'", f"IMPORT DATABASE '{dirname}'",
-          f"ATTACH '{ledger}' AS l2", f"ATTACH '{out}.duckdb' AS evil", "ATTACH ':memory:' AS m", "DETACH rollbook",
-          "USE memory", "CREATE TABLE evil AS SELECT 1", "CREATE TEMP TABLE evil AS SELECT 1",
-          "CREATE VIEW v AS SELECT 1", "CREATE MACRO m(x) AS x", "CREATE SEQUENCE s", "CREATE SCHEMA s",
-          "CREATE SECRET (TYPE s3, KEY_ID 'a', SECRET 'b')", "INSERT INTO models VALUES ('evil', 1, 0)",
-          "UPDATE trajectories SET reward = 0", "DELETE FROM trajectories", "DROP TABLE trajectories",
-          "ALTER TABLE trajectories ADD COLUMN evil INT", "TRUNCATE trajectories", "VACUUM", "ANALYZE",
-          "CHECKPOINT", "FORCE CHECKPOINT", "CHECKPOINT rollbook", "BEGIN TRANSACTION", "COMMIT", "ROLLBACK",
-          "SELECT * FROM checkpoint()", "SELECT * FROM force_checkpoint()", "SELECT * FROM checkpoint('rollbook')",
-          "SELECT * FROM truncate_duckdb_logs()", "SELECT write_log('evil')", "SELECT setseed(0.5)",
-          "SELECT nextval('s')", "SELECT * FROM duckdb_logs", "CALL enable_logging()", "CALL truncate_duckdb_logs()",
-          "SELECT * FROM enable_logging()", "INSERT INTO trajectories SELECT * FROM trajectories",
-          "SELECT * FROM enable_profiling()", "SELECT * FROM disable_logging()",
-          "SELECT * FROM add_grammar_extension('evil')", "SELECT * FROM remove_grammar_extension('x')",
-          "SELECT * FROM register_external_resource_type('x')", "SELECT * FROM create_external_resource('x', 'y')",
-          "SELECT * FROM register_external_resource('x')", "SELECT * FROM destroy_external_resource('x')",
-          # pointer-taking scans of the Python client: arbitrary addresses would crash the process
-          "SELECT * FROM arrow_scan(1, 2, 3)", "SELECT * FROM arrow_scan_dumb(1, 2, 3)",
-          "SELECT * FROM pandas_scan(1)", "SELECT * FROM python_arrow_scan(1)", "SELECT * FROM python_map_function(1)"]
+    q += [
+        f"COPY trajectories TO '{out}.csv'",
+        f"COPY (SELECT 1) TO '{out}.parquet' (FORMAT parquet)",
+        f"COPY trajectories FROM '{secret}'",
+        f"EXPORT DATABASE '{out}-export'",
+        f"IMPORT DATABASE '{dirname}'",
+        f"ATTACH '{ledger}' AS l2",
+        f"ATTACH '{out}.duckdb' AS evil",
+        "ATTACH ':memory:' AS m",
+        "DETACH rollbook",
+        "USE memory",
+        "CREATE TABLE evil AS SELECT 1",
+        "CREATE TEMP TABLE evil AS SELECT 1",
+        "CREATE VIEW v AS SELECT 1",
+        "CREATE MACRO m(x) AS x",
+        "CREATE SEQUENCE s",
+        "CREATE SCHEMA s",
+        "CREATE SECRET (TYPE s3, KEY_ID 'a', SECRET 'b')",
+        "INSERT INTO models VALUES ('evil', 1, 0)",
+        "UPDATE trajectories SET reward = 0",
+        "DELETE FROM trajectories",
+        "DROP TABLE trajectories",
+        "ALTER TABLE trajectories ADD COLUMN evil INT",
+        "TRUNCATE trajectories",
+        "VACUUM",
+        "ANALYZE",
+        "CHECKPOINT",
+        "FORCE CHECKPOINT",
+        "CHECKPOINT rollbook",
+        "BEGIN TRANSACTION",
+        "COMMIT",
+        "ROLLBACK",
+        "SELECT * FROM checkpoint()",
+        "SELECT * FROM force_checkpoint()",
+        "SELECT * FROM checkpoint('rollbook')",
+        "SELECT * FROM truncate_duckdb_logs()",
+        "SELECT write_log('evil')",
+        "SELECT setseed(0.5)",
+        "SELECT nextval('s')",
+        "SELECT * FROM duckdb_logs",
+        "CALL enable_logging()",
+        "CALL truncate_duckdb_logs()",
+        "SELECT * FROM enable_logging()",
+        "INSERT INTO trajectories SELECT * FROM trajectories",
+        "SELECT * FROM enable_profiling()",
+        "SELECT * FROM disable_logging()",
+        "SELECT * FROM add_grammar_extension('evil')",
+        "SELECT * FROM remove_grammar_extension('x')",
+        "SELECT * FROM register_external_resource_type('x')",
+        "SELECT * FROM create_external_resource('x', 'y')",
+        "SELECT * FROM register_external_resource('x')",
+        "SELECT * FROM destroy_external_resource('x')",
+        # pointer-taking scans of the Python client: arbitrary addresses would crash the process
+        "SELECT * FROM arrow_scan(1, 2, 3)",
+        "SELECT * FROM arrow_scan_dumb(1, 2, 3)",
+        "SELECT * FROM pandas_scan(1)",
+        "SELECT * FROM python_arrow_scan(1)",
+        "SELECT * FROM python_map_function(1)",
+    ]
     # nested and serialized SQL
     inner = f"SELECT * FROM read_blob(''{ledger}'')"
-    q += [f"SELECT * FROM query('{inner}')",
-          f"SELECT * FROM query('SELECT * FROM query(''SELECT * FROM read_text(''''{secret}'''')'')')",
-          f"SELECT * FROM query_table('{secret}')", f"SELECT * FROM query_table(['{secret}', '{ledger}'])",
-          f"SUMMARIZE SELECT * FROM query('{inner}')", f"DESCRIBE SELECT * FROM query('{inner}')",
-          f"EXPLAIN SELECT * FROM query('{inner}')", f"EXPLAIN ANALYZE SELECT * FROM read_blob('{ledger}')",
-          f"SELECT json_execute_serialized_sql(json_serialize_sql('{inner}'))",
-          f"SELECT * FROM json_execute_serialized_sql(json_serialize_sql('{inner}'))",
-          "SELECT * FROM json_execute_serialized_sql(json_serialize_sql('SELECT 1'))",
-          f"SELECT json_deserialize_sql(json_serialize_sql('{inner}'))",
-          f"WITH x AS (SELECT * FROM read_csv('{secret}')) SELECT * FROM x",
-          f"SELECT * FROM (SELECT * FROM (SELECT * FROM read_text('{secret}')))",
-          f"SELECT * FROM trajectories UNION ALL BY NAME SELECT * FROM read_csv('{secret}')",
-          "SELECT * FROM query('DROP TABLE trajectories')", "SELECT * FROM query('COPY trajectories TO ''x.csv''')",
-          f"SELECT * FROM query('ATTACH ''{ledger}'' AS z')", "SELECT * FROM query('CHECKPOINT')",
-          "PIVOT (SELECT * FROM query('SELECT 1 AS a')) ON a", f"FROM query('{inner}') SELECT size"]
+    q += [
+        f"SELECT * FROM query('{inner}')",
+        f"SELECT * FROM query('SELECT * FROM query(''SELECT * FROM read_text(''''{secret}'''')'')')",
+        f"SELECT * FROM query_table('{secret}')",
+        f"SELECT * FROM query_table(['{secret}', '{ledger}'])",
+        f"SUMMARIZE SELECT * FROM query('{inner}')",
+        f"DESCRIBE SELECT * FROM query('{inner}')",
+        f"EXPLAIN SELECT * FROM query('{inner}')",
+        f"EXPLAIN ANALYZE SELECT * FROM read_blob('{ledger}')",
+        f"SELECT json_execute_serialized_sql(json_serialize_sql('{inner}'))",
+        f"SELECT * FROM json_execute_serialized_sql(json_serialize_sql('{inner}'))",
+        "SELECT * FROM json_execute_serialized_sql(json_serialize_sql('SELECT 1'))",
+        f"SELECT json_deserialize_sql(json_serialize_sql('{inner}'))",
+        f"WITH x AS (SELECT * FROM read_csv('{secret}')) SELECT * FROM x",
+        f"SELECT * FROM (SELECT * FROM (SELECT * FROM read_text('{secret}')))",
+        f"SELECT * FROM trajectories UNION ALL BY NAME SELECT * FROM read_csv('{secret}')",
+        "SELECT * FROM query('DROP TABLE trajectories')",
+        "SELECT * FROM query('COPY trajectories TO ''x.csv''')",
+        f"SELECT * FROM query('ATTACH ''{ledger}'' AS z')",
+        "SELECT * FROM query('CHECKPOINT')",
+        "PIVOT (SELECT * FROM query('SELECT 1 AS a')) ON a",
+        f"FROM query('{inner}') SELECT size",
+    ]
     # settings, PRAGMA, CALL, extensions
-    q += ["SET enable_external_access = true", "SET GLOBAL enable_external_access = true",
-          "SET SESSION memory_limit = '100GB'", "SET memory_limit = '100GB'", "SET threads = 64",
-          "SET lock_configuration = false", f"SET temp_directory = '{dirname}'", "SET allowed_directories = ['/']",
-          "RESET ALL", "RESET memory_limit", "PRAGMA enable_profiling", "PRAGMA memory_limit='100GB'",
-          "PRAGMA threads=64", f"PRAGMA profiling_output='{out}.json'", "CALL pragma_version()",
-          "CALL checkpoint()", "SELECT * FROM pragma_database_size()", "SELECT current_setting('temp_directory')",
-          "SELECT getenv('HOME')", "SELECT * FROM duckdb_secrets()", "SELECT which_secret('s3://x', 's3')",
-          "CALL load_aws_credentials()", "INSTALL httpfs", "LOAD httpfs", "FORCE INSTALL httpfs",
-          "INSTALL httpfs FROM community", "INSTALL evil FROM 'http://example.com'", "UPDATE EXTENSIONS",
-          f"LOAD '{secret}'", "LOAD '/tmp/evil.duckdb_extension'", "LOAD sqlite", "INSTALL sqlite; LOAD sqlite",
-          "SELECT * FROM duckdb_extensions() WHERE loaded AND NOT installed"]
+    q += [
+        "SET enable_external_access = true",
+        "SET GLOBAL enable_external_access = true",
+        "SET SESSION memory_limit = '100GB'",
+        "SET memory_limit = '100GB'",
+        "SET threads = 64",
+        "SET lock_configuration = false",
+        f"SET temp_directory = '{dirname}'",
+        "SET allowed_directories = ['/']",
+        "RESET ALL",
+        "RESET memory_limit",
+        "PRAGMA enable_profiling",
+        "PRAGMA memory_limit='100GB'",
+        "PRAGMA threads=64",
+        f"PRAGMA profiling_output='{out}.json'",
+        "CALL pragma_version()",
+        "CALL checkpoint()",
+        "SELECT * FROM pragma_database_size()",
+        "SELECT current_setting('temp_directory')",
+        "SELECT getenv('HOME')",
+        "SELECT * FROM duckdb_secrets()",
+        "SELECT which_secret('s3://x', 's3')",
+        "CALL load_aws_credentials()",
+        "INSTALL httpfs",
+        "LOAD httpfs",
+        "FORCE INSTALL httpfs",
+        "INSTALL httpfs FROM community",
+        "INSTALL evil FROM 'http://example.com'",
+        "UPDATE EXTENSIONS",
+        f"LOAD '{secret}'",
+        "LOAD '/tmp/evil.duckdb_extension'",
+        "LOAD sqlite",
+        "INSTALL sqlite; LOAD sqlite",
+        "SELECT * FROM duckdb_extensions() WHERE loaded AND NOT installed",
+    ]
     # case, quoting and comment tricks
-    q += [f"SeLeCt * FrOm ReAd_CsV('{secret}')", f'SELECT * FROM "read_csv"(\'{secret}\')',
-          f"SELECT * FROM main.read_csv('{secret}')", f"SELECT * FROM system.main.read_text('{secret}')",
-          f"SELECT/**/*/**/FROM/**/read_text('{secret}')", f"SELECT * FROM read_text /* x */ ('{secret}')",
-          f"SELECT 1 -- comment\n; COPY trajectories TO '{out}.csv'", f"SELECT 1; COPY trajectories TO '{out}.csv'",
-          f"/* SELECT */ COPY trajectories TO '{out}.csv'", "SELECT 1;;", "  ;SELECT 1", "-- only a comment",
-          "", "   ", f"SELECT 1\u00a0FROM read_text('{secret}')", f"select * from READ_TEXT('{secret}')",
-          f"SELECT * FROM read_text(E'{secret}')", f"SELECT * FROM read_text('{secret}' || '')",
-          f"SELECT * FROM read_text(concat('{secret[:5]}', '{secret[5:]}'))",
-          f"SELECT * FROM read_text(chr(47) || '{secret[1:]}')",
-          f"SELECT * FROM read_text((SELECT '{secret}'))", f"SELECT * FROM read_text($${secret}$$)",
-          "SELECT $$; DROP TABLE trajectories; $$ AS s", f"SELECT * FROM read_text('file://{secret}')",
-          f"SELECT * FROM read_text('{secret.replace('/', '//')}')", "SELECT '\x00' AS nul",
-          "SELECT 1 /* unterminated", "SELECT 'unterminated", "SELEC 1", "SELECT " + "(" * 3000 + "1" + ")" * 3000,
-          "SELECT " + "+".join(["1"] * 1000), "SELECT " + " || ".join(["'x'"] * 2000),
-          "SELECT " + ", ".join(f"{i} AS c{i}" for i in range(5000))]
+    q += [
+        f"SeLeCt * FrOm ReAd_CsV('{secret}')",
+        f"SELECT * FROM \"read_csv\"('{secret}')",
+        f"SELECT * FROM main.read_csv('{secret}')",
+        f"SELECT * FROM system.main.read_text('{secret}')",
+        f"SELECT/**/*/**/FROM/**/read_text('{secret}')",
+        f"SELECT * FROM read_text /* x */ ('{secret}')",
+        f"SELECT 1 -- comment\n; COPY trajectories TO '{out}.csv'",
+        f"SELECT 1; COPY trajectories TO '{out}.csv'",
+        f"/* SELECT */ COPY trajectories TO '{out}.csv'",
+        "SELECT 1;;",
+        "  ;SELECT 1",
+        "-- only a comment",
+        "",
+        "   ",
+        f"SELECT 1\u00a0FROM read_text('{secret}')",
+        f"select * from READ_TEXT('{secret}')",
+        f"SELECT * FROM read_text(E'{secret}')",
+        f"SELECT * FROM read_text('{secret}' || '')",
+        f"SELECT * FROM read_text(concat('{secret[:5]}', '{secret[5:]}'))",
+        f"SELECT * FROM read_text(chr(47) || '{secret[1:]}')",
+        f"SELECT * FROM read_text((SELECT '{secret}'))",
+        f"SELECT * FROM read_text($${secret}$$)",
+        "SELECT $$; DROP TABLE trajectories; $$ AS s",
+        f"SELECT * FROM read_text('file://{secret}')",
+        f"SELECT * FROM read_text('{secret.replace('/', '//')}')",
+        "SELECT '\x00' AS nul",
+        "SELECT 1 /* unterminated",
+        "SELECT 'unterminated",
+        "SELEC 1",
+        "SELECT " + "(" * 3000 + "1" + ")" * 3000,
+        "SELECT " + "+".join(["1"] * 1000),
+        "SELECT " + " || ".join(["'x'"] * 2000),
+        "SELECT " + ", ".join(f"{i} AS c{i}" for i in range(5000)),
+    ]
     return q
 
 
@@ -178,8 +319,14 @@ def test_hostile_sql_cannot_hurt_the_store(hostile_store, capsys):
     directory = s.db.parent
     secret = directory / "secret.csv"
     secret.write_text(f"m\n{MARKER}\n")
-    d = {"ledger": str(s.db), "wal": f"{s.db}.wal", "log": f"{s.db}.log", "secret": str(secret),
-         "dir": str(directory), "out": str(directory / "stolen")}
+    d = {
+        "ledger": str(s.db),
+        "wal": f"{s.db}.wal",
+        "log": f"{s.db}.log",
+        "secret": str(secret),
+        "dir": str(directory),
+        "out": str(directory / "stolen"),
+    }
     statements = hostile(d) + BOMBS
     assert len(statements) >= 150
     with s.client() as client:
@@ -217,9 +364,11 @@ def test_hostile_sql_cannot_hurt_the_store(hostile_store, capsys):
                 break
     elapsed = time.monotonic() - t_start
     with capsys.disabled():
-        print(f"\nhostile SQL: {len(statements)} statements in {elapsed:.0f} s; outcomes {dict(codes)}; "
-              f"slowest {slowest[0]:.1f} s ({slowest[1]!r}); server+sandbox RSS {base:.0f} MiB at rest, "
-              f"peak {sampler.peak:.0f} MiB (bound {bound:.0f} MiB); answered harmlessly: {answered}")
+        print(
+            f"\nhostile SQL: {len(statements)} statements in {elapsed:.0f} s; outcomes {dict(codes)}; "
+            f"slowest {slowest[0]:.1f} s ({slowest[1]!r}); server+sandbox RSS {base:.0f} MiB at rest, "
+            f"peak {sampler.peak:.0f} MiB (bound {bound:.0f} MiB); answered harmlessly: {answered}"
+        )
     assert not problems, "\n".join(problems)
     assert sampler.peak < bound, (sampler.peak, bound)
     assert s.alive
@@ -237,6 +386,7 @@ def test_hostile_sql_cannot_hurt_the_store(hostile_store, capsys):
         assert client.set_reward(0.5, trajectory_id="h-reward") == "h-reward"
         client.register_model("other", vocab_size=64)
         assert client.publish_version("tiny", 2, checksum="c2") == 2
-        client.report_train_step(step=1, trainer_id="t-h", version=2, lease_id=batch.lease_id, started_at=0.0,
-                                 finished_at=1.0, stats={"loss": 0.0})
+        client.report_train_step(
+            step=1, trainer_id="t-h", version=2, lease_id=batch.lease_id, started_at=0.0, finished_at=1.0, stats={"loss": 0.0}
+        )
         assert client.query("SELECT count(*) AS n FROM trajectories").to_pylist() == [{"n": 22}]

@@ -143,8 +143,13 @@ def test_the_ledgers_own_files_cannot_be_read(store):
     """DuckDB lets a locked-down database read its own files; the syntax-tree fence refuses them."""
     db = str(store.db)
     with store.client() as client:
-        for sql in (f"SELECT * FROM read_blob('{db}')", f"SELECT * FROM '{db}'", f"SELECT * FROM read_text('{db}.wal')",
-                    f"SELECT (SELECT size FROM read_blob('{db}')) AS s", f"EXPLAIN SELECT * FROM read_blob('{db}')"):
+        for sql in (
+            f"SELECT * FROM read_blob('{db}')",
+            f"SELECT * FROM '{db}'",
+            f"SELECT * FROM read_text('{db}.wal')",
+            f"SELECT (SELECT size FROM read_blob('{db}')) AS s",
+            f"EXPLAIN SELECT * FROM read_blob('{db}')",
+        ):
             assert rpc_error(lambda: client.query(sql)).code() == grpc.StatusCode.INVALID_ARGUMENT, sql
 
 
@@ -163,7 +168,7 @@ def test_a_syntax_error_returns_duckdbs_message(store, capsys):
     with store.client() as client:
         err = rpc_error(lambda: client.query("SELEC count(*) FROM trajectories"))
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "Parser Error: syntax error at or near \"SELEC\"" in err.details()
+    assert 'Parser Error: syntax error at or near "SELEC"' in err.details()
     with pytest.raises(SystemExit):
         cli.main(["query", "--server", store.address, "SELEC 1"])
     assert "syntax error" in capsys.readouterr().err
@@ -211,8 +216,7 @@ def offline_db(tmp_path_factory):
     return db
 
 
-SQL_OFFLINE = ("SELECT trajectory_id, num_output_tokens, output_versions, reward FROM trajectories "
-               "ORDER BY trajectory_id")
+SQL_OFFLINE = "SELECT trajectory_id, num_output_tokens, output_versions, reward FROM trajectories ORDER BY trajectory_id"
 EXPECTED = [
     {"trajectory_id": "off-0", "num_output_tokens": 2, "output_versions": [0, 0], "reward": 0.5},
     {"trajectory_id": "off-1", "num_output_tokens": 3, "output_versions": [0, 0, 0], "reward": None},
@@ -252,9 +256,16 @@ def test_query_db_format_parquet_to_a_file(offline_db, tmp_path):
 
 
 def test_query_db_is_sandboxed_too(offline_db, tmp_path, capsys):
-    for sql in ("DROP TABLE trajectories", f"COPY trajectories TO '{tmp_path}/x.csv'", f"SELECT nextval('{SEQUENCE}')",
-                f"ATTACH '{tmp_path}/y.duckdb'", "SELECT * FROM read_csv('/etc/passwd')", "SELECT 1; SELECT 2",
-                "SET enable_external_access = true", "INSTALL httpfs"):
+    for sql in (
+        "DROP TABLE trajectories",
+        f"COPY trajectories TO '{tmp_path}/x.csv'",
+        f"SELECT nextval('{SEQUENCE}')",
+        f"ATTACH '{tmp_path}/y.duckdb'",
+        "SELECT * FROM read_csv('/etc/passwd')",
+        "SELECT 1; SELECT 2",
+        "SET enable_external_access = true",
+        "INSTALL httpfs",
+    ):
         assert cli.main(["query", "--db", str(offline_db), sql]) != 0, sql
         out, err = capsys.readouterr()
         assert out == "" and "rollbook query: error:" in err, sql
@@ -285,13 +296,21 @@ def test_query_db_sees_acknowledged_rows_the_killed_server_had_not_folded(tmp_pa
         with s.client() as client:
             if attempt == 0:
                 register(client)
-            batch = [traj(f"unfolded-{attempt}-{i}") for i in range(50)] + [traj(f"unfolded-{attempt}-nan", output_logprobs=[float("nan")] * 16)]
+            batch = [traj(f"unfolded-{attempt}-{i}") for i in range(50)] + [
+                traj(f"unfolded-{attempt}-nan", output_logprobs=[float("nan")] * 16)
+            ]
             result = client.submit(batch, batch_size=10)
         s.kill()  # SIGKILL right after the acknowledgement: the folder waits for an idle pause first
         acked += [t for t, v in result.verdicts.items() if v.reason == ""]
         rejected += [t for t, v in result.verdicts.items() if v.reason]
-        done = rollbook_cli("query", "--db", str(db), "--format", "json",
-                            "SELECT count(*) AS n, count(DISTINCT trajectory_id) AS d FROM trajectories")
+        done = rollbook_cli(
+            "query",
+            "--db",
+            str(db),
+            "--format",
+            "json",
+            "SELECT count(*) AS n, count(DISTINCT trajectory_id) AS d FROM trajectories",
+        )
         assert done.returncode == 0, done.stderr
         if "not yet folded" in done.stderr:
             break
@@ -300,13 +319,15 @@ def test_query_db_sees_acknowledged_rows_the_killed_server_had_not_folded(tmp_pa
     assert json.loads(done.stdout) == {"n": len(acked), "d": len(acked)}
     assert {r["trajectory_id"] for r in query_file(db, "SELECT trajectory_id FROM trajectories")} == set(acked)
     assert {r["trajectory_id"]: r["reason"] for r in query_file(db, "SELECT trajectory_id, reason FROM rejections")} == {
-        t: "NONFINITE_LOGPROB" for t in rejected}
+        t: "NONFINITE_LOGPROB" for t in rejected
+    }
 
     # the restarted store replays the same log batches exactly once
     stores.append(s := start_store(db))
     with s.client() as client:
         assert rows(client, "SELECT count(*) AS n, count(DISTINCT trajectory_id) AS d FROM trajectories") == [
-            {"n": len(acked), "d": len(acked)}]
+            {"n": len(acked), "d": len(acked)}
+        ]
         assert client.submit([traj(acked[0])]).duplicates == 1
     assert s.terminate() == 0
     done = rollbook_cli("query", "--db", str(db), "--format", "json", "SELECT count(*) AS n FROM trajectories")
@@ -398,8 +419,9 @@ def raw_query(store, sql: str, timeout_seconds: float = 0.0, max_rows: int = 0, 
     with grpc.insecure_channel(store.address) as channel:
         stub = pb_grpc.TrajectoryStoreStub(channel)
         try:
-            result = read_query_chunks(stub.Query(pb.QueryRequest(sql=sql, max_rows=max_rows, timeout_seconds=timeout_seconds),
-                                                  timeout=deadline))
+            result = read_query_chunks(
+                stub.Query(pb.QueryRequest(sql=sql, max_rows=max_rows, timeout_seconds=timeout_seconds), timeout=deadline)
+            )
         except grpc.RpcError as exc:
             result = exc
     return result, time.monotonic() - t0
@@ -548,10 +570,17 @@ def test_f7_table_functions_that_write_cannot_touch_the_ledger(tmp_path):
             client.submit([traj(f"f7-{i}", n=64) for i in range(200)])
             client.query("SELECT count(*) FROM trajectories")  # the store's own snapshot checkpoint
             before = _ledger_files(s.db)
-            for sql in ("SELECT * FROM checkpoint()", "SELECT * FROM force_checkpoint()",
-                        "SELECT * FROM checkpoint('memory')", "SELECT * FROM truncate_duckdb_logs()",
-                        "SELECT write_log('x')", "SELECT setseed(0.5)", "CHECKPOINT", "FORCE CHECKPOINT",
-                        "SELECT * FROM pragma_database_size()"):
+            for sql in (
+                "SELECT * FROM checkpoint()",
+                "SELECT * FROM force_checkpoint()",
+                "SELECT * FROM checkpoint('memory')",
+                "SELECT * FROM truncate_duckdb_logs()",
+                "SELECT write_log('x')",
+                "SELECT setseed(0.5)",
+                "CHECKPOINT",
+                "FORCE CHECKPOINT",
+                "SELECT * FROM pragma_database_size()",
+            ):
                 raw_query(s, sql)  # refused by the fence, or harmless on the sandbox's read-only snapshot
                 assert _ledger_files(s.db) == before, sql
             assert count(client, "trajectories") == 200

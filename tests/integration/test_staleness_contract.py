@@ -70,14 +70,52 @@ def test_a_separately_started_worker_gates_by_the_trainers_bound(tmp_path: pathl
             from rollbook.tasks import TOKENIZER
 
             client.register_model("tiny", TOKENIZER.vocab_size)
-        trainer = subprocess.Popen(cli + ["train", "--server", store.address, "--run_dir", str(tmp_path / "trainer"),
-                                          "--weight_server", f"127.0.0.1:{port}", "--num_steps", "3",
-                                          "--num_samples", str(TRAINER_BATCH), "--max_staleness", str(TRAINER_ETA),
-                                          "--max_wait_s", "240"], env=env, stderr=subprocess.PIPE, text=True)
-        worker = subprocess.Popen(cli + ["rollout", "--server", store.address, "--weights", f"grpc:127.0.0.1:{port}",
-                                         "--batch_size", str(WORKER_BATCH), "--rollout.max_staleness", str(WORKER_ETA),
-                                         "--rollout.group_size", str(GROUP), "--rollout.num_prompts", str(PROMPTS),
-                                         "--spool_dir", str(tmp_path / "spool")], env=env, stderr=subprocess.PIPE, text=True)
+        trainer = subprocess.Popen(
+            cli
+            + [
+                "train",
+                "--server",
+                store.address,
+                "--run_dir",
+                str(tmp_path / "trainer"),
+                "--weight_server",
+                f"127.0.0.1:{port}",
+                "--num_steps",
+                "3",
+                "--num_samples",
+                str(TRAINER_BATCH),
+                "--max_staleness",
+                str(TRAINER_ETA),
+                "--max_wait_s",
+                "240",
+            ],
+            env=env,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        worker = subprocess.Popen(
+            cli
+            + [
+                "rollout",
+                "--server",
+                store.address,
+                "--weights",
+                f"grpc:127.0.0.1:{port}",
+                "--batch_size",
+                str(WORKER_BATCH),
+                "--rollout.max_staleness",
+                str(WORKER_ETA),
+                "--rollout.group_size",
+                str(GROUP),
+                "--rollout.num_prompts",
+                str(PROMPTS),
+                "--spool_dir",
+                str(tmp_path / "spool"),
+            ],
+            env=env,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         try:
             _, trainer_log = trainer.communicate(timeout=600)
         finally:
@@ -94,8 +132,10 @@ def test_a_separately_started_worker_gates_by_the_trainers_bound(tmp_path: pathl
     # the worker said once that it uses the trainer's values instead of its own
     adopted = [line for line in worker_log.splitlines() if "the trainer announces" in line]
     assert len(adopted) == 1, worker_log[-3000:]
-    assert (f"max_staleness={TRAINER_ETA}, samples_per_version={TRAINER_BATCH}" in adopted[0]
-            and f"rollout.max_staleness={WORKER_ETA}, batch_size={WORKER_BATCH}" in adopted[0]), adopted
+    assert (
+        f"max_staleness={TRAINER_ETA}, samples_per_version={TRAINER_BATCH}" in adopted[0]
+        and f"rollout.max_staleness={WORKER_ETA}, batch_size={WORKER_BATCH}" in adopted[0]
+    ), adopted
     done = re.search(r"rollout worker done: (\{.*\})", worker_log)
     assert done, worker_log[-3000:]
     stats = ast.literal_eval(done.group(1))

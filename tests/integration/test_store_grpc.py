@@ -42,9 +42,12 @@ def store(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def keyed_store(tmp_path_factory):
-    s = start_store(tmp_path_factory.mktemp("keys") / "rollbook.duckdb",
-                    env=clean_env(ROLLBOOK_ADMIN_KEY=ADMIN, ROLLBOOK_TRAINER_KEY=TRAINER),
-                    admin_key=ADMIN, trainer_key=TRAINER)
+    s = start_store(
+        tmp_path_factory.mktemp("keys") / "rollbook.duckdb",
+        env=clean_env(ROLLBOOK_ADMIN_KEY=ADMIN, ROLLBOOK_TRAINER_KEY=TRAINER),
+        admin_key=ADMIN,
+        trainer_key=TRAINER,
+    )
     yield s
     s.kill()
 
@@ -61,16 +64,20 @@ def test_generated_stub_gets_accepted_duplicate_and_rejected_verdicts(store):
             [traj("stub-b")],
         )
     assert [(v.trajectory_id, v.status) for v in first] == [
-        ("stub-a", pb.Verdict.ACCEPTED), ("stub-b", pb.Verdict.ACCEPTED),
-        ("stub-a", pb.Verdict.DUPLICATE), ("stub-bad", pb.Verdict.REJECTED)]
+        ("stub-a", pb.Verdict.ACCEPTED),
+        ("stub-b", pb.Verdict.ACCEPTED),
+        ("stub-a", pb.Verdict.DUPLICATE),
+        ("stub-bad", pb.Verdict.REJECTED),
+    ]
     assert first[3].reason == "NONFINITE_LOGPROB" and first[3].detail
     assert [(v.trajectory_id, v.status) for v in second] == [("stub-b", pb.Verdict.DUPLICATE)]
     with store.client() as client:
-        stored = rows(client, "SELECT trajectory_id, count(*) AS n FROM trajectories "
-                              "WHERE trajectory_id LIKE 'stub-%' GROUP BY ALL ORDER BY 1")
+        stored = rows(
+            client,
+            "SELECT trajectory_id, count(*) AS n FROM trajectories WHERE trajectory_id LIKE 'stub-%' GROUP BY ALL ORDER BY 1",
+        )
         assert stored == [{"trajectory_id": "stub-a", "n": 1}, {"trajectory_id": "stub-b", "n": 1}]
-        assert rows(client, "SELECT reason FROM rejections WHERE trajectory_id = 'stub-bad'") == [
-            {"reason": "NONFINITE_LOGPROB"}]
+        assert rows(client, "SELECT reason FROM rejections WHERE trajectory_id = 'stub-bad'") == [{"reason": "NONFINITE_LOGPROB"}]
 
 
 def test_store_client_submit_returns_every_verdict_and_stores_the_evidence(store):
@@ -79,8 +86,11 @@ def test_store_client_submit_returns_every_verdict_and_stores_the_evidence(store
     with store.client() as client:
         result = client.submit(batch, batch_size=3)
         again = client.submit(batch[:4], batch_size=3)
-        stored = rows(client, "SELECT trajectory_id, num_output_tokens, output_versions, output_logprobs, reward, "
-                              "original_reward FROM trajectories WHERE trajectory_id LIKE 'client-%' ORDER BY num_output_tokens")
+        stored = rows(
+            client,
+            "SELECT trajectory_id, num_output_tokens, output_versions, output_logprobs, reward, "
+            "original_reward FROM trajectories WHERE trajectory_id LIKE 'client-%' ORDER BY num_output_tokens",
+        )
     assert (result.accepted, result.duplicates, result.rejected) == (10, 0, 1)
     assert result.verdicts["client-unregistered"].reason == "UNREGISTERED_MODEL"
     assert (again.accepted, again.duplicates, again.rejected) == (0, 4, 0)
@@ -109,10 +119,15 @@ def test_get_stats_counts_accepted_duplicates_rejections_and_tokens(store):
     with store.client() as client:
         before = client.stats()
         client.submit([traj(f"stats-{i}", n=10) for i in range(5)])
-        client.submit([traj("stats-0"), traj("stats-1", n=10),
-                       traj("stats-nan", n=6, output_logprobs=[float("nan")] * 6),
-                       traj("stats-inf", n=6, output_logprobs=[float("-inf")] * 6),
-                       traj("stats-len", n=4, output_versions=[0] * 3)])
+        client.submit(
+            [
+                traj("stats-0"),
+                traj("stats-1", n=10),
+                traj("stats-nan", n=6, output_logprobs=[float("nan")] * 6),
+                traj("stats-inf", n=6, output_logprobs=[float("-inf")] * 6),
+                traj("stats-len", n=4, output_versions=[0] * 3),
+            ]
+        )
         after = client.stats()
     assert after.accepted - before.accepted == 5
     assert after.accepted_tokens - before.accepted_tokens == 50
@@ -161,8 +176,12 @@ def test_restart_on_the_same_file_keeps_rows_registry_and_idempotency_index(tmp_
         assert again.duplicates == len(batch)
         assert "REJECTED" in again.verdicts["keep-bad"].detail
         assert count(client, "trajectories", "trajectory_id LIKE 'keep-%'") == 20
-        assert rows(client, "SELECT count(DISTINCT trajectory_id) AS n FROM trajectories WHERE trajectory_id LIKE 'keep-%'") == [{"n": 20}]
-        assert rows(client, "SELECT reason FROM rejections WHERE trajectory_id = 'keep-bad'") == [{"reason": "DECREASING_VERSIONS"}]
+        assert rows(client, "SELECT count(DISTINCT trajectory_id) AS n FROM trajectories WHERE trajectory_id LIKE 'keep-%'") == [
+            {"n": 20}
+        ]
+        assert rows(client, "SELECT reason FROM rejections WHERE trajectory_id = 'keep-bad'") == [
+            {"reason": "DECREASING_VERSIONS"}
+        ]
         # the registry came back from the file: a version-3 trajectory needs no new RegisterModel/PublishVersion
         assert client.submit([traj("keep-new", version=3)]).accepted == 1
         assert rows(client, f"SELECT vocab_size FROM models WHERE model_id = '{MODEL}'") == [{"vocab_size": VOCAB}]
@@ -177,8 +196,9 @@ def _register(stub, metadata):
 
 
 def _publish(stub, metadata, version=0):
-    return stub.PublishVersion(pb.PublishVersionRequest(model_id="keyed", version=version, checksum="c"),
-                               metadata=metadata, timeout=30)
+    return stub.PublishVersion(
+        pb.PublishVersionRequest(model_id="keyed", version=version, checksum="c"), metadata=metadata, timeout=30
+    )
 
 
 def _bearer(key):
@@ -208,8 +228,11 @@ def test_register_model_with_the_trainer_key_is_permission_denied(keyed_store):
     assert "trainer key may not call RegisterModel" in err.details()
 
 
-@pytest.mark.parametrize("metadata", [m for k, m in WRONG_KEYS.items() if k != "no-bearer-prefix"],
-                         ids=[k for k in WRONG_KEYS if k != "no-bearer-prefix"])
+@pytest.mark.parametrize(
+    "metadata",
+    [m for k, m in WRONG_KEYS.items() if k != "no-bearer-prefix"],
+    ids=[k for k in WRONG_KEYS if k != "no-bearer-prefix"],
+)
 def test_publish_version_without_the_trainer_key_is_unauthenticated(keyed_store, metadata):
     with grpc.insecure_channel(keyed_store.address) as channel:
         stub = pb_grpc.TrajectoryStoreStub(channel)
@@ -228,7 +251,9 @@ def test_the_right_keys_register_and_publish_and_nothing_unauthenticated_was_wri
     with keyed_store.client() as client:  # StoreClient carries both keys
         assert client.publish_version("keyed", 5, checksum="c5") == 5
         assert rows(client, "SELECT version FROM policy_versions WHERE model_id = 'keyed' ORDER BY 1") == [
-            {"version": 2}, {"version": 5}]
+            {"version": 2},
+            {"version": 5},
+        ]
     with keyed_store.client(timeout_s=30) as client:
         client.admin_key = None
         assert rpc_error(lambda: client.register_model("keyed-2", 8)).code() == grpc.StatusCode.UNAUTHENTICATED
@@ -236,8 +261,9 @@ def test_the_right_keys_register_and_publish_and_nothing_unauthenticated_was_wri
 
 @pytest.mark.parametrize("env", [{}, {"ROLLBOOK_ADMIN_KEY": ADMIN}], ids=["no-keys", "admin-key-only"])
 def test_serve_refuses_a_non_loopback_address_without_all_keys(tmp_path, env):
-    done = rollbook_cli("serve", "--db", str(tmp_path / "rollbook.duckdb"), "--host", "0.0.0.0", "--port", "0",
-                        timeout=60, env=clean_env(**env))
+    done = rollbook_cli(
+        "serve", "--db", str(tmp_path / "rollbook.duckdb"), "--host", "0.0.0.0", "--port", "0", timeout=60, env=clean_env(**env)
+    )
     assert done.returncode != 0
     assert "listening" not in done.stdout
     assert "a non-loopback store needs all four role keys" in done.stderr

@@ -32,7 +32,9 @@ ALL_VALID = 10**9  # generate_workload's bad_every: no broken evidence
 def start_store(db: pathlib.Path, port: int = 0) -> tuple[subprocess.Popen, int]:
     proc = subprocess.Popen(
         [sys.executable, "-m", "rollbook.cli", "serve", "--db", str(db), "--port", str(port), "--log-level", "WARNING"],
-        stdout=subprocess.PIPE, text=True)
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     line = proc.stdout.readline().strip()
     if not line.startswith("listening on "):
         proc.kill()
@@ -157,8 +159,14 @@ def test_full_spool_stops_admission_during_an_outage_and_drops_nothing(tmp_path,
     time.sleep(2)
 
     spool_peak, produced_during = [0], []
-    outage(store, 8, during=lambda: (spool_peak.__setitem__(0, max(spool_peak[0], spool.nbytes)),
-                                    produced_during.append(len(producer.generated))))
+    outage(
+        store,
+        8,
+        during=lambda: (
+            spool_peak.__setitem__(0, max(spool_peak[0], spool.nbytes)),
+            produced_during.append(len(producer.generated)),
+        ),
+    )
     assert produced_during[-1] == produced_during[len(produced_during) // 2]  # the producer is waiting
     assert max_bytes <= spool_peak[0] < max_bytes + (32 << 10)  # full, exceeded by at most one batch
 

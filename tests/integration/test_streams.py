@@ -25,8 +25,7 @@ class StreamCrowd:
     """Submit streams held open from one asyncio loop on its own thread: ``idle`` of them never send;
     ``slow`` of them send one single-trajectory batch every ``period_s`` until closed."""
 
-    def __init__(self, address: str, *, idle: int, slow: int = 0, period_s: float = 0.5, channels: int = 4,
-                 metadata=()):
+    def __init__(self, address: str, *, idle: int, slow: int = 0, period_s: float = 0.5, channels: int = 4, metadata=()):
         self.address, self.idle, self.slow, self.period_s = address, idle, slow, period_s
         self.channels, self.metadata = channels, list(metadata)
         self.loop = asyncio.new_event_loop()
@@ -44,8 +43,9 @@ class StreamCrowd:
     async def _open(self):
         self.stop = asyncio.Event()
         # a local subchannel pool each: separate connections (channels to one target share one by default)
-        self.chans = [grpc.aio.insecure_channel(self.address, options=[("grpc.use_local_subchannel_pool", 1)])
-                      for _ in range(self.channels)]
+        self.chans = [
+            grpc.aio.insecure_channel(self.address, options=[("grpc.use_local_subchannel_pool", 1)]) for _ in range(self.channels)
+        ]
         stubs = [pb_grpc.TrajectoryStoreStub(c) for c in self.chans]
         for i in range(self.idle):
             call = stubs[i % self.channels].Submit(metadata=self.metadata)
@@ -112,11 +112,9 @@ def test_200_idle_streams_and_30_slow_ones_do_not_starve_a_normal_client(tmp_pat
             rss_open = _rss_mb(store.proc.pid)
             try:
                 t0 = time.monotonic()
-                result = client.submit([traj(f"normal-{i}", reward=1.0) for i in range(64)], batch_size=16,
-                                       retry_deadline_s=30)
+                result = client.submit([traj(f"normal-{i}", reward=1.0) for i in range(64)], batch_size=16, retry_deadline_s=30)
                 assert result.accepted == 64
-                batch = client.pull_batch(trainer_id="normal", trainer_version=0, max_staleness=1, num_samples=8,
-                                          model_id="tiny")
+                batch = client.pull_batch(trainer_id="normal", trainer_version=0, max_staleness=1, num_samples=8, model_id="tiny")
                 assert batch.num_rows == 8
                 assert client.ack_batch(batch.lease_id, trainer_id="normal") == 8
                 assert count(client, "trajectories", "trajectory_id LIKE 'normal-%'") == 64
@@ -133,9 +131,11 @@ def test_200_idle_streams_and_30_slow_ones_do_not_starve_a_normal_client(tmp_pat
         time.sleep(1.0)
         rss_end = _rss_mb(store.proc.pid)
         with capsys.disabled():
-            print(f"\nnormal client beside 200 idle + 30 slow Submit streams: submit, pull, ack, query, stats in "
-                  f"{took:.2f} s; server RSS {rss_start:.0f} MB before, {rss_open:.0f} MB with the streams open, "
-                  f"{rss_end:.0f} MB after")
+            print(
+                f"\nnormal client beside 200 idle + 30 slow Submit streams: submit, pull, ack, query, stats in "
+                f"{took:.2f} s; server RSS {rss_start:.0f} MB before, {rss_open:.0f} MB with the streams open, "
+                f"{rss_end:.0f} MB after"
+            )
         assert rss_end < rss_start + 150
     finally:
         store.kill()

@@ -16,8 +16,12 @@ from rollbook.client import StoreClient
 from rollbook.tls import ClientTLS, make_test_certificates
 from tests.integration.conftest import MODEL, clean_env, count, register, rollbook_cli, start_store, traj
 
-KEYS = {"worker_key": "w0rker-5f3a9c1e7b2d4086", "trainer_key": "tra1ner-8e6d4c2a0b9f7135",
-        "reader_key": "r3ader-1a2b3c4d5e6f7081", "admin_key": "adm1n-9f8e7d6c5b4a3021"}
+KEYS = {
+    "worker_key": "w0rker-5f3a9c1e7b2d4086",
+    "trainer_key": "tra1ner-8e6d4c2a0b9f7135",
+    "reader_key": "r3ader-1a2b3c4d5e6f7081",
+    "admin_key": "adm1n-9f8e7d6c5b4a3021",
+}
 
 
 @pytest.fixture(scope="module")
@@ -29,9 +33,12 @@ def certs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tls_store(tmp_path_factory, certs):
-    s = start_store(tmp_path_factory.mktemp("tls") / "rollbook.duckdb", **KEYS,
-                    args=("--tls-cert", certs.server_cert, "--tls-key", certs.server_key),
-                    client_tls=certs.client())
+    s = start_store(
+        tmp_path_factory.mktemp("tls") / "rollbook.duckdb",
+        **KEYS,
+        args=("--tls-cert", certs.server_cert, "--tls-key", certs.server_key),
+        client_tls=certs.client(),
+    )
     with s.client() as client:
         register(client)
     yield s
@@ -66,19 +73,31 @@ def test_a_client_that_does_not_trust_the_ca_is_refused(tls_store, tmp_path):
 
 def test_rollbook_query_and_stats_over_tls(tls_store, certs):
     env = clean_env(ROLLBOOK_READER_KEY=KEYS["reader_key"])
-    done = rollbook_cli("query", "--server", tls_store.address, "--tls-ca", certs.ca, "--format", "json",
-                        "SELECT count(*) AS n FROM trajectories", env=env)
+    done = rollbook_cli(
+        "query",
+        "--server",
+        tls_store.address,
+        "--tls-ca",
+        certs.ca,
+        "--format",
+        "json",
+        "SELECT count(*) AS n FROM trajectories",
+        env=env,
+    )
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout.splitlines()[0])["n"] >= 0
-    done = rollbook_cli("stats", "--server", tls_store.address, env=clean_env(ROLLBOOK_TLS_CA=certs.ca,
-                                                                              ROLLBOOK_READER_KEY=KEYS["reader_key"]))
+    done = rollbook_cli(
+        "stats", "--server", tls_store.address, env=clean_env(ROLLBOOK_TLS_CA=certs.ca, ROLLBOOK_READER_KEY=KEYS["reader_key"])
+    )
     assert done.returncode == 0, done.stderr
     assert "accepted" in json.loads(done.stdout)
 
 
 def test_mutual_tls_refuses_a_client_without_a_certificate(tmp_path, certs):
-    store = start_store(tmp_path / "rollbook.duckdb",
-                        args=("--tls-cert", certs.server_cert, "--tls-key", certs.server_key, "--tls-client-ca", certs.ca))
+    store = start_store(
+        tmp_path / "rollbook.duckdb",
+        args=("--tls-cert", certs.server_cert, "--tls-key", certs.server_key, "--tls-client-ca", certs.ca),
+    )
     try:
         with StoreClient(store.address, timeout_s=5, tls=certs.client(with_cert=False)) as anonymous:
             with pytest.raises(grpc.RpcError) as err:

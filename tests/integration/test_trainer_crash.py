@@ -39,20 +39,48 @@ def workload(seed: int = 0) -> list[dict]:
     for g in range(NUM_GROUPS):
         for i in range(GROUP_SIZE):
             n = rng.randint(8, 24)
-            out.append(trajectory(
-                f"c{g:02d}-{i}", model_id=MODEL, n=n, group_id=f"grp-{g:02d}", group_size=GROUP_SIZE,
-                task_id=f"task-{g}", reward=float(rng.random() < 0.5),
-                prompt_token_ids=[rng.randrange(VOCAB) for _ in range(rng.randint(3, 10))],
-                output_token_ids=[rng.randrange(VOCAB) for _ in range(n)],
-                output_logprobs=[-rng.uniform(0.05, 6.0) for _ in range(n)]))
+            out.append(
+                trajectory(
+                    f"c{g:02d}-{i}",
+                    model_id=MODEL,
+                    n=n,
+                    group_id=f"grp-{g:02d}",
+                    group_size=GROUP_SIZE,
+                    task_id=f"task-{g}",
+                    reward=float(rng.random() < 0.5),
+                    prompt_token_ids=[rng.randrange(VOCAB) for _ in range(rng.randint(3, 10))],
+                    output_token_ids=[rng.randrange(VOCAB) for _ in range(n)],
+                    output_logprobs=[-rng.uniform(0.05, 6.0) for _ in range(n)],
+                )
+            )
     return out
 
 
 def start_trainer(address: str, run_dir: pathlib.Path, log: pathlib.Path) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "rollbook.cli", "train", "--server", address, "--run_dir", str(run_dir),
-           "--model_id", MODEL, "--model.vocab_size", str(VOCAB), "--num_steps", str(NUM_STEPS),
-           "--num_samples", str(NUM_SAMPLES), "--lease_seconds", "3", "--max_staleness", "100",
-           "--log-level", "INFO"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "rollbook.cli",
+        "train",
+        "--server",
+        address,
+        "--run_dir",
+        str(run_dir),
+        "--model_id",
+        MODEL,
+        "--model.vocab_size",
+        str(VOCAB),
+        "--num_steps",
+        str(NUM_STEPS),
+        "--num_samples",
+        str(NUM_SAMPLES),
+        "--lease_seconds",
+        "3",
+        "--max_staleness",
+        "100",
+        "--log-level",
+        "INFO",
+    ]
     with open(log, "wb") as f:
         return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=child_env())
 
@@ -138,9 +166,12 @@ def test_trainer_killed_mid_run_resumes_without_losing_or_repeating_a_batch(stor
     assert resumed_at in (len(before) - 1, len(before)), (resumed_at, sorted(before))
 
     # one query over train_steps and leases: each step once, with an acked lease of a full batch
-    steps = rows(client, """
+    steps = rows(
+        client,
+        """
         SELECT s.step, s.lease_id, s.started_at, count(l.trajectory_id) AS leased_rows, count(l.acked_at) AS acked_rows
-        FROM train_steps s LEFT JOIN leases l USING (lease_id) GROUP BY ALL ORDER BY s.step""")
+        FROM train_steps s LEFT JOIN leases l USING (lease_id) GROUP BY ALL ORDER BY s.step""",
+    )
     assert [s["step"] for s in steps] == list(range(NUM_STEPS))
     assert all(s["leased_rows"] == NUM_SAMPLES and s["acked_rows"] == NUM_SAMPLES for s in steps), steps
     for s in steps[:resumed_at]:  # checkpointed before the kill: not trained again
@@ -149,25 +180,38 @@ def test_trainer_killed_mid_run_resumes_without_losing_or_repeating_a_batch(stor
         assert steps[resumed_at]["lease_id"] != before[resumed_at]["lease_id"]
 
     # the ledger's verdict in one query over leases and train_steps: nothing lost, nothing twice
-    assert rows(client, AUDIT) == [{
-        "trajectories": NUM_GROUPS * GROUP_SIZE, "acked_once": NUM_GROUPS * GROUP_SIZE, "acked_twice": 0,
-        "acked_outside_steps": 0, "steps": list(range(NUM_STEPS)), "steps_without_acked_lease": 0}]
+    assert rows(client, AUDIT) == [
+        {
+            "trajectories": NUM_GROUPS * GROUP_SIZE,
+            "acked_once": NUM_GROUPS * GROUP_SIZE,
+            "acked_twice": 0,
+            "acked_outside_steps": 0,
+            "steps": list(range(NUM_STEPS)),
+            "steps_without_acked_lease": 0,
+        }
+    ]
     assert count(client, "SELECT count(*) AS n FROM rejections") == 0
 
     # leases the killed trainer held but never checkpointed: never acked, rows trained later
-    lost = rows(client, """
+    lost = rows(
+        client,
+        """
         SELECT d.lease_id, d.trajectory_id, count(a.lease_id) AS later_acked
         FROM leases d LEFT JOIN leases a ON a.trajectory_id = d.trajectory_id AND a.acked_at IS NOT NULL
                                         AND a.issued_at > d.issued_at
-        WHERE d.acked_at IS NULL GROUP BY ALL""")
+        WHERE d.acked_at IS NULL GROUP BY ALL""",
+    )
     assert all(r["later_acked"] == 1 for r in lost), lost
     unacked_at_kill = {r["lease_id"] for r in open_at_kill}
     assert {r["lease_id"] for r in lost} <= unacked_at_kill
     if in_flight and in_flight not in {b["lease_id"] for b in before.values()}:
         # killed between pull and report: that batch was never checkpointed, so it must have come back
         assert {r["trajectory_id"] for r in lost if r["lease_id"] == in_flight} == {
-            r["trajectory_id"] for r in open_at_kill if r["lease_id"] == in_flight}
+            r["trajectory_id"] for r in open_at_kill if r["lease_id"] == in_flight
+        }
         assert sum(r["lease_id"] == in_flight for r in lost) == NUM_SAMPLES
-    print(f"killed with {len(unacked_at_kill)} open lease(s); {len(lost)} row(s) returned and retrained; "
-          f"resumed at step {resumed_at}")
+    print(
+        f"killed with {len(unacked_at_kill)} open lease(s); {len(lost)} row(s) returned and retrained; "
+        f"resumed at step {resumed_at}"
+    )
     assert count(client, f"SELECT max(version) AS n FROM policy_versions WHERE model_id = '{MODEL}'") == NUM_STEPS

@@ -36,8 +36,10 @@ INGEST_CASES: dict[Reason, list[tuple[str, dict]]] = {
         ("session id over 256 chars", {"session_id": "s" * 257}),
         ("task id over 256 chars", {"task_id": "t" * 257}),
         ("finish reason over 256 chars", {"finish_reason": "f" * 257}),
-        ("output over 262144 tokens", {"output_token_ids": [1] * 262_145, "output_logprobs": [-0.5] * 262_145,
-                                       "output_versions": [0] * 262_145}),
+        (
+            "output over 262144 tokens",
+            {"output_token_ids": [1] * 262_145, "output_logprobs": [-0.5] * 262_145, "output_versions": [0] * 262_145},
+        ),
     ],
     Reason.EMPTY_OUTPUT: [("no output tokens", {"output_token_ids": [], "output_logprobs": [], "output_versions": []})],
     Reason.MISSING_LOGPROBS: [("no logprobs", {"output_logprobs": []})],
@@ -74,8 +76,7 @@ INGEST_CASES: dict[Reason, list[tuple[str, dict]]] = {
     Reason.FUTURE_VERSION: [("version 4 > latest 3", {"output_versions": [3, 3, 4, 4]})],
 }
 GROUP_OR_PULL_CODES = {Reason.RETRY_ORPHAN, Reason.INCOMPLETE_GROUP, Reason.STALE, Reason.SINGLETON_DROPPED}
-PARAMS = [pytest.param(code, overrides, id=f"{code}-{name}") for code, cases in INGEST_CASES.items()
-          for name, overrides in cases]
+PARAMS = [pytest.param(code, overrides, id=f"{code}-{name}") for code, cases in INGEST_CASES.items() for name, overrides in cases]
 
 
 @pytest.fixture(scope="module")
@@ -121,15 +122,17 @@ def test_set_reward_refuses_a_nonfinite_reward(store):
     store.submit([trajectory("reward-later", model_id=MODEL, reward=None)])
     assert rpc_code(lambda: store.set_reward(math.nan, trajectory_id="reward-later")) == grpc.StatusCode.INVALID_ARGUMENT
     assert rows(store, "SELECT original_reward FROM trajectories WHERE trajectory_id = 'reward-later'") == [
-        {"original_reward": None}]
+        {"original_reward": None}
+    ]
 
 
 # ---- group time: retry orphans (default config, `rollbook serve`) ---------------------------------
 
 
 def _pull_all(client, model_id: str, *, trainer_version: int = 3, max_staleness: int = 100):
-    return client.pull_batch(trainer_id="rules", trainer_version=trainer_version, max_staleness=max_staleness,
-                             num_samples=1000, model_id=model_id)
+    return client.pull_batch(
+        trainer_id="rules", trainer_version=trainer_version, max_staleness=max_staleness, num_samples=1000, model_id=model_id
+    )
 
 
 def _own_model(client, model_id: str, versions=(0,)) -> None:
@@ -143,20 +146,43 @@ def test_retry_orphans_are_the_unconsumed_attempts_and_never_served(store):
     _own_model(store, "orphan-m")
     t0 = time.time()
     # three attempts of one call; the caller consumed the middle one (not the latest)
-    attempts = [trajectory(f"orph-{k}", model_id="orphan-m", session_id="sess-1", request_id="req-1", attempt=k,
-                           consumed=(k == 1), created_at=t0 + k) for k in range(3)]
+    attempts = [
+        trajectory(
+            f"orph-{k}",
+            model_id="orphan-m",
+            session_id="sess-1",
+            request_id="req-1",
+            attempt=k,
+            consumed=(k == 1),
+            created_at=t0 + k,
+        )
+        for k in range(3)
+    ]
     # two attempts with none marked consumed: the latest by created_at is kept
-    unmarked = [trajectory(f"unmarked-{k}", model_id="orphan-m", session_id="sess-2", request_id="req-2", attempt=k,
-                           consumed=False, created_at=t0 + k) for k in range(2)]
+    unmarked = [
+        trajectory(
+            f"unmarked-{k}",
+            model_id="orphan-m",
+            session_id="sess-2",
+            request_id="req-2",
+            attempt=k,
+            consumed=False,
+            created_at=t0 + k,
+        )
+        for k in range(2)
+    ]
     result = store.submit(attempts + unmarked)
     assert result.accepted == 5  # ingest does not know yet; the group step decides
     batch = _pull_all(store, "orphan-m")
     assert sorted(batch.table.column("trajectory_id").to_pylist()) == ["orph-1", "unmarked-1"]
-    rejected = rows(store, "SELECT trajectory_id, reason, stage, detail FROM rejections "
-                           "WHERE model_id = 'orphan-m' ORDER BY trajectory_id")
+    rejected = rows(
+        store, "SELECT trajectory_id, reason, stage, detail FROM rejections WHERE model_id = 'orphan-m' ORDER BY trajectory_id"
+    )
     assert [(r["trajectory_id"], r["reason"], r["stage"]) for r in rejected] == [
-        ("orph-0", "RETRY_ORPHAN", "group"), ("orph-2", "RETRY_ORPHAN", "group"),
-        ("unmarked-0", "RETRY_ORPHAN", "group")]
+        ("orph-0", "RETRY_ORPHAN", "group"),
+        ("orph-2", "RETRY_ORPHAN", "group"),
+        ("unmarked-0", "RETRY_ORPHAN", "group"),
+    ]
     assert "consumed" in rejected[0]["detail"] and "latest created_at" in rejected[2]["detail"]
     assert ids_in(store, "trajectories", "model_id = 'orphan-m'") == {"orph-1", "unmarked-1"}
 
@@ -173,7 +199,8 @@ def test_consumed_attempt_arriving_after_a_rewarded_retry_still_wins(store):
     batch = _pull_all(store, "late-m")
     assert batch.table.column("trajectory_id").to_pylist() == ["late-1"]
     assert rows(store, "SELECT trajectory_id, reason FROM rejections WHERE model_id = 'late-m'") == [
-        {"trajectory_id": "late-0", "reason": "RETRY_ORPHAN"}]
+        {"trajectory_id": "late-0", "reason": "RETRY_ORPHAN"}
+    ]
 
 
 def test_attempt_arriving_after_its_request_was_served_is_an_orphan(store):
@@ -184,7 +211,8 @@ def test_attempt_arriving_after_its_request_was_served_is_an_orphan(store):
     store.submit([trajectory("served-1", **call, attempt=1, consumed=True)])
     assert _pull_all(store, "served-m").num_rows == 0
     assert rows(store, "SELECT trajectory_id, reason FROM rejections WHERE model_id = 'served-m'") == [
-        {"trajectory_id": "served-1", "reason": "RETRY_ORPHAN"}]
+        {"trajectory_id": "served-1", "reason": "RETRY_ORPHAN"}
+    ]
 
 
 # ---- pull time: staleness (default config, `rollbook serve`) -----------------------------------
@@ -192,14 +220,19 @@ def test_attempt_arriving_after_its_request_was_served_is_an_orphan(store):
 
 def test_rows_older_than_the_staleness_bound_are_stale_not_served(store):
     _own_model(store, "stale-m", versions=range(6))
-    store.submit([trajectory("old", model_id="stale-m", output_versions=[0, 0, 1, 1]),
-                  trajectory("edge", model_id="stale-m", output_versions=[3, 3, 3, 3]),
-                  trajectory("fresh", model_id="stale-m", version=5)])
+    store.submit(
+        [
+            trajectory("old", model_id="stale-m", output_versions=[0, 0, 1, 1]),
+            trajectory("edge", model_id="stale-m", output_versions=[3, 3, 3, 3]),
+            trajectory("fresh", model_id="stale-m", version=5),
+        ]
+    )
     batch = _pull_all(store, "stale-m", trainer_version=5, max_staleness=2)
     assert sorted(batch.table.column("trajectory_id").to_pylist()) == ["edge", "fresh"]
     assert batch.stats["events"]["stale"] == 1
     assert rows(store, "SELECT trajectory_id, reason, stage FROM rejections WHERE model_id = 'stale-m'") == [
-        {"trajectory_id": "old", "reason": "STALE", "stage": "pull"}]
+        {"trajectory_id": "old", "reason": "STALE", "stage": "pull"}
+    ]
     assert "old" not in ids_in(store, "trajectories", "model_id = 'stale-m'")
 
 
@@ -223,13 +256,17 @@ def configured_store(tmp_path):
 
 
 def _group(prefix: str, size: int, rewards: list[float | None], **fields) -> list[dict]:
-    return [trajectory(f"{prefix}-{i}", model_id=MODEL, group_id=prefix, group_size=size, reward=r, **fields)
-            for i, r in enumerate(rewards)]
+    return [
+        trajectory(f"{prefix}-{i}", model_id=MODEL, group_id=prefix, group_size=size, reward=r, **fields)
+        for i, r in enumerate(rewards)
+    ]
 
 
 def _rejections(client) -> list[tuple[str, str, str]]:
-    return [(r["trajectory_id"], r["reason"], r["stage"])
-            for r in rows(client, "SELECT trajectory_id, reason, stage FROM rejections ORDER BY trajectory_id")]
+    return [
+        (r["trajectory_id"], r["reason"], r["stage"])
+        for r in rows(client, "SELECT trajectory_id, reason, stage FROM rejections ORDER BY trajectory_id")
+    ]
 
 
 def test_incomplete_group_policy_wait_rejects_after_the_timeout(configured_store):
@@ -251,7 +288,9 @@ def test_incomplete_group_policy_drop_rejects_once_present_members_are_rewarded(
     client.set_reward(0.0, trajectory_id="unrewarded-1")  # now all present members are rewarded
     assert _pull_all(client, MODEL).num_rows == 0
     assert [r for r in _rejections(client) if r[0].startswith("unrewarded")] == [
-        ("unrewarded-0", "INCOMPLETE_GROUP", "group"), ("unrewarded-1", "INCOMPLETE_GROUP", "group")]
+        ("unrewarded-0", "INCOMPLETE_GROUP", "group"),
+        ("unrewarded-1", "INCOMPLETE_GROUP", "group"),
+    ]
 
 
 def test_incomplete_group_policy_keep_serves_the_true_size_after_the_timeout(configured_store):
@@ -269,9 +308,13 @@ def test_incomplete_group_policy_keep_serves_the_true_size_after_the_timeout(con
 
 def test_singleton_policy_drop_rejects_groups_of_one_at_pull(configured_store):
     client = configured_store(norm=NormConfig(singleton_policy="drop"))
-    client.submit([trajectory("lonely-a", model_id=MODEL, group_id=""),
-                   trajectory("lonely-b", model_id=MODEL, group_id="solo", group_size=1)]
-                  + _group("pair", 2, [1.0, 0.0]))
+    client.submit(
+        [
+            trajectory("lonely-a", model_id=MODEL, group_id=""),
+            trajectory("lonely-b", model_id=MODEL, group_id="solo", group_size=1),
+        ]
+        + _group("pair", 2, [1.0, 0.0])
+    )
     batch = _pull_all(client, MODEL)
     assert sorted(batch.table.column("trajectory_id").to_pylist()) == ["pair-0", "pair-1"]
     assert _rejections(client) == [("lonely-a", "SINGLETON_DROPPED", "pull"), ("lonely-b", "SINGLETON_DROPPED", "pull")]

@@ -106,8 +106,9 @@ def test_sparse_adamw_step_travels_as_a_delta_and_round_trips_bit_exactly(channe
     assert receiver.last_payload_bytes == 3 * 64 * 128 * 8 < publisher.latest.layout.nbytes
     assert_bit_equal(snap.state_dict, model.state_dict())
     # double buffering: the earlier snapshot stays intact until the second update after it
-    assert full.still_valid() and not torch.equal(full.state_dict["model.layers.1.mlp.up_proj.weight"],
-                                                  snap.state_dict["model.layers.1.mlp.up_proj.weight"])
+    assert full.still_valid() and not torch.equal(
+        full.state_dict["model.layers.1.mlp.up_proj.weight"], snap.state_dict["model.layers.1.mlp.up_proj.weight"]
+    )
     adamw_step(model, train_only="layers.1.mlp", seed=2)
     publisher.publish(2, model.state_dict())
     assert_bit_equal(receiver.fetch().state_dict, model.state_dict())

@@ -23,32 +23,39 @@ def _clean_env() -> dict[str, str]:
 
 
 def _python(code: str, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code), *args], capture_output=True, text=True,
-                          timeout=120, env=_clean_env())
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code), *args], capture_output=True, text=True, timeout=120, env=_clean_env()
+    )
 
 
 def _loaded_after(argv: list[str]) -> dict:
     """Run ``rollbook.cli.main(argv)`` in a fresh interpreter; report its exit code and which heavy
     modules it imported (``build_parser`` alone, then the command)."""
-    done = _python("""
+    done = _python(
+        """
         import json, sys
         from rollbook.cli import build_parser, main
         build_parser()
-        after_parser = [m for m in %r if m in sys.modules]
+        after_parser = [m for m in HEAVY if m in sys.modules]
         try:
             code = main(json.loads(sys.argv[1]))
         except SystemExit as exc:
             code = exc.code
         sys.stdout.flush()
         print("\\n" + json.dumps({"code": code or 0, "after_parser": after_parser,
-                                  "after_command": [m for m in %r if m in sys.modules]}))
-    """ % (HEAVY, HEAVY), json.dumps(argv))  # noqa: UP031 -- a code template full of braces; %r keeps it readable
+                                  "after_command": [m for m in HEAVY if m in sys.modules]}))
+    """.replace("HEAVY", repr(HEAVY)),  # a code template full of braces: no f-string or %-format
+        json.dumps(argv),
+    )
     assert done.returncode in (0, 1, 2), done.stderr
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("argv", [["--help"], ["query", "--help"], ["serve", "--help"], ["stats", "--help"]],
-                         ids=["rollbook", "query", "serve", "stats"])
+@pytest.mark.parametrize(
+    "argv",
+    [["--help"], ["query", "--help"], ["serve", "--help"], ["stats", "--help"]],
+    ids=["rollbook", "query", "serve", "stats"],
+)
 def test_help_exits_zero_without_importing_torch(argv):
     got = _loaded_after(argv)
     assert got == {"code": 0, "after_parser": [], "after_command": []}
@@ -73,8 +80,13 @@ def test_the_console_script_prints_help_and_returns_zero():
 
 
 def test_unknown_arguments_are_a_usage_error():
-    done = subprocess.run([sys.executable, "-m", "rollbook.cli", "query", "--no-such-flag", "SELECT 1"],
-                          capture_output=True, text=True, timeout=60, env=_clean_env())
+    done = subprocess.run(
+        [sys.executable, "-m", "rollbook.cli", "query", "--no-such-flag", "SELECT 1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=_clean_env(),
+    )
     assert done.returncode == 2 and "unrecognized arguments: --no-such-flag" in done.stderr
 
 
@@ -86,8 +98,14 @@ REPO = pathlib.Path(__file__).resolve().parents[2]
 
 
 def _rollbook(*args: str, env: dict | None = None, timeout: float = 120, cwd=None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "rollbook.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env or _clean_env(), cwd=cwd)
+    return subprocess.run(
+        [sys.executable, "-m", "rollbook.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env or _clean_env(),
+        cwd=cwd,
+    )
 
 
 def _one_line_error(done: subprocess.CompletedProcess, code: int, command: str) -> str:
@@ -119,10 +137,12 @@ def store(tmp_path):
 def test_help_config_lists_every_field_with_type_default_and_description(command):
     done = _rollbook(command, "--help-config")
     assert done.returncode == 0, done.stderr
-    expected = {"run": ["--trainer.lr  float  (default: 0.001)", "--store.validator.norm.mode", "--max_staleness"],
-                "train": ["--loss.eps_clip  float  (default: 0.2)", "--keep_last  int  (default: 2)"],
-                "rollout": ["--rollout.group_size  int  (default: 8)", "--weights  str  (default: required)", "--max_idle_s"],
-                "serve": ["--validator.norm.mode", "--query_max_rows  int  (default: 100000)", "--ingest.sentinel_logprobs"]}
+    expected = {
+        "run": ["--trainer.lr  float  (default: 0.001)", "--store.validator.norm.mode", "--max_staleness"],
+        "train": ["--loss.eps_clip  float  (default: 0.2)", "--keep_last  int  (default: 2)"],
+        "rollout": ["--rollout.group_size  int  (default: 8)", "--weights  str  (default: required)", "--max_idle_s"],
+        "serve": ["--validator.norm.mode", "--query_max_rows  int  (default: 100000)", "--ingest.sentinel_logprobs"],
+    }
     for text in expected[command]:
         assert text in done.stdout, text
     assert "--help-config" in _rollbook(command, "--help").stdout
@@ -139,8 +159,7 @@ def test_serve_takes_a_config_file_and_dotted_overrides_and_its_flags_still_win(
     config = tmp_path / "store.toml"
     config.write_text("query_max_rows = 5\nport = 1\n\n[validator.norm]\nmode = 'group_mean'\n")
     # the file says port 1, the --port 0 flag wins; --query_max_rows 3 (override) beats the file's 5
-    proc = StoreProcess(tmp_path / "rollbook.duckdb", env=_clean_env(), config_file=config,
-                        extra_args=("--query_max_rows", "3"))
+    proc = StoreProcess(tmp_path / "rollbook.duckdb", env=_clean_env(), config_file=config, extra_args=("--query_max_rows", "3"))
     try:
         with proc.client() as client:
             assert client.query("SELECT * FROM range(10)").num_rows == 3
@@ -161,25 +180,29 @@ def test_run_passes_its_store_section_to_the_store_it_starts(tmp_path):
         proc.stop()
 
 
-@pytest.mark.parametrize("args", [["--no_such_policy", "1"], ["--validator.norm.mode", "median"],
-                                  ["--config", "configs/nope.toml"]], ids=["unknown", "bad-value", "missing-file"])
+@pytest.mark.parametrize(
+    "args",
+    [["--no_such_policy", "1"], ["--validator.norm.mode", "median"], ["--config", "configs/nope.toml"]],
+    ids=["unknown", "bad-value", "missing-file"],
+)
 def test_serve_config_errors_are_one_line(tmp_path, args):
     line = _one_line_error(_rollbook("serve", "--db", str(tmp_path / "x.duckdb"), "--port", "0", *args, cwd=REPO), 2, "serve")
     assert {"unknown": "no_such_policy", "bad-value": "validator.norm.mode", "missing-file": "nope.toml"}[
-        "unknown" if "--no_such_policy" in args else "bad-value" if "median" in args else "missing-file"] in line
+        "unknown" if "--no_such_policy" in args else "bad-value" if "median" in args else "missing-file"
+    ] in line
 
 
 def test_serve_refuses_a_key_in_a_config_file(tmp_path):
     config = tmp_path / "store.toml"
     config.write_text("admin_key = '0123456789abcdef0123456789abcdef'\n")
-    line = _one_line_error(_rollbook("serve", "--db", str(tmp_path / "x.duckdb"), "--port", "0", "--config", str(config)),
-                           2, "serve")
+    line = _one_line_error(
+        _rollbook("serve", "--db", str(tmp_path / "x.duckdb"), "--port", "0", "--config", str(config)), 2, "serve"
+    )
     assert "environment" in line and "0123456789abcdef" not in line
 
 
 def test_serve_off_loopback_without_keys_is_one_line_without_pydantic_internals(tmp_path):
-    line = _one_line_error(_rollbook("serve", "--db", str(tmp_path / "x.duckdb"), "--host", "0.0.0.0", "--port", "0"),
-                           2, "serve")
+    line = _one_line_error(_rollbook("serve", "--db", str(tmp_path / "x.duckdb"), "--host", "0.0.0.0", "--port", "0"), 2, "serve")
     assert "ROLLBOOK_" in line and "type=value_error" not in line and "errors.pydantic.dev" not in line
 
 
@@ -252,8 +275,11 @@ def test_a_run_already_past_the_requested_step_says_so_and_keeps_its_config(tmp_
     (checkpoints / "step-000040" / "trainer.json").write_text(json.dumps({"step": 40, "version": 40, "consumed_leases": []}))
     (checkpoints / "LATEST").write_text("step-000040")
     (tmp_path / "config.json").write_text('{"num_steps": 40}\n')
-    line = _one_line_error(_rollbook("run", "--config", str(REPO / "configs" / "quickstart.toml"), "--run_dir",
-                                     str(tmp_path), "--num_steps", "3"), 1, "run")
+    line = _one_line_error(
+        _rollbook("run", "--config", str(REPO / "configs" / "quickstart.toml"), "--run_dir", str(tmp_path), "--num_steps", "3"),
+        1,
+        "run",
+    )
     assert "already past step 3" in line and "40" in line
     assert (tmp_path / "config.json").read_text() == '{"num_steps": 40}\n'
 
@@ -267,8 +293,9 @@ def test_admin_register_model_then_publish_version(tmp_path):
     proc = StoreProcess(tmp_path / "rollbook.duckdb", env=_clean_env(), **keys)
     env = {**_clean_env(), "ROLLBOOK_SERVER": proc.address, "ROLLBOOK_ADMIN_KEY": keys["admin_key"]}
     try:
-        line = _one_line_error(_rollbook("admin", "register-model", "tiny", env=_clean_env() | {"ROLLBOOK_SERVER": proc.address}),
-                               1, "admin")
+        line = _one_line_error(
+            _rollbook("admin", "register-model", "tiny", env=_clean_env() | {"ROLLBOOK_SERVER": proc.address}), 1, "admin"
+        )
         assert "ROLLBOOK_ADMIN_KEY" in line
         done = _rollbook("admin", "register-model", "tiny", "--vocab-size", "64", env=env)
         assert done.returncode == 0 and "registered model 'tiny'" in done.stdout, done.stderr
@@ -281,8 +308,17 @@ def test_admin_register_model_then_publish_version(tmp_path):
 
 
 def test_train_against_a_fresh_store_says_how_to_register_the_model(store):
-    done = _rollbook("train", "--server", store.address, "--run_dir", str(store.db.parent / "t"), "--max_wait_s", "3",
-                     env=_clean_env(), timeout=240)
+    done = _rollbook(
+        "train",
+        "--server",
+        store.address,
+        "--run_dir",
+        str(store.db.parent / "t"),
+        "--max_wait_s",
+        "3",
+        env=_clean_env(),
+        timeout=240,
+    )
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 1, done.stderr
     assert lines[-1].startswith("rollbook train: error: ") and "rollbook admin register-model tiny" in lines[-1]
@@ -292,8 +328,19 @@ def test_train_against_a_fresh_store_says_how_to_register_the_model(store):
 def test_train_registers_its_model_with_the_admin_key_and_reports_progress_while_it_waits(store):
     # a fresh store; the admin key in the environment lets train register "tiny" itself (this store
     # has no keys configured, so any key is accepted on loopback)
-    done = _rollbook("train", "--server", store.address, "--run_dir", str(store.db.parent / "t"), "--max_wait_s", "3",
-                     "--poll_interval_s", "0.1", env=_clean_env() | {"ROLLBOOK_ADMIN_KEY": "a" * 32}, timeout=240)
+    done = _rollbook(
+        "train",
+        "--server",
+        store.address,
+        "--run_dir",
+        str(store.db.parent / "t"),
+        "--max_wait_s",
+        "3",
+        "--poll_interval_s",
+        "0.1",
+        env=_clean_env() | {"ROLLBOOK_ADMIN_KEY": "a" * 32},
+        timeout=240,
+    )
     assert done.returncode == 1, done.stderr
     assert done.stderr.count("waiting for a batch: step 0") >= 2, done.stderr
     assert done.stderr.strip().splitlines()[-1].startswith("rollbook train: error: no batch from the store for 3 s")
@@ -304,8 +351,17 @@ def test_train_registers_its_model_with_the_admin_key_and_reports_progress_while
 
 def test_rollout_says_weight_channel_unreachable_once_not_per_poll():
     port = _free_port()
-    done = _rollbook("rollout", "--weights", f"grpc:127.0.0.1:{port}", "--first_weights_timeout_s", "3",
-                     "--server", f"127.0.0.1:{_free_port()}", env=_clean_env(), timeout=240)
+    done = _rollbook(
+        "rollout",
+        "--weights",
+        f"grpc:127.0.0.1:{port}",
+        "--first_weights_timeout_s",
+        "3",
+        "--server",
+        f"127.0.0.1:{_free_port()}",
+        env=_clean_env(),
+        timeout=240,
+    )
     assert done.stderr.count("weight channel unreachable") == 1, done.stderr  # ~30 polls in 3 s
     assert done.returncode == 1 and done.stderr.strip().splitlines()[-1].startswith("rollbook rollout: error: no weights on")
     assert "Traceback" not in done.stderr
@@ -324,22 +380,49 @@ def test_rollout_stops_after_max_rounds_and_when_the_gate_stays_closed(store, tm
     with store.client() as client:
         client.register_model("tiny", vocab_size=64)
         client.publish_version("tiny", 0)
-    state = build_student(ModelConfig(hidden_size=16, intermediate_size=16, num_layers=1, num_heads=2, num_kv_heads=1)).state_dict()
+    state = build_student(
+        ModelConfig(hidden_size=16, intermediate_size=16, num_layers=1, num_heads=2, num_kv_heads=1)
+    ).state_dict()
     channel = f"rollbook-test-{uuid.uuid4().hex[:10]}"
     publisher = SharedMemoryPublisher(channel, state)
     publisher.publish(0, state)
-    common = ["rollout", "--server", store.address, "--weights", f"shm:{channel}", "--model.hidden_size", "16",
-              "--model.intermediate_size", "16", "--model.num_layers", "1", "--model.num_heads", "2",
-              "--model.num_kv_heads", "1", "--batch_size", "8", "--rollout.group_size", "4", "--rollout.num_prompts", "2",
-              "--rollout.num_eval_tasks", "4", "--log_every", "1"]
+    common = [
+        "rollout",
+        "--server",
+        store.address,
+        "--weights",
+        f"shm:{channel}",
+        "--model.hidden_size",
+        "16",
+        "--model.intermediate_size",
+        "16",
+        "--model.num_layers",
+        "1",
+        "--model.num_heads",
+        "2",
+        "--model.num_kv_heads",
+        "1",
+        "--batch_size",
+        "8",
+        "--rollout.group_size",
+        "4",
+        "--rollout.num_prompts",
+        "2",
+        "--rollout.num_eval_tasks",
+        "4",
+        "--log_every",
+        "1",
+    ]
     try:
-        done = _rollbook(*common, "--spool_dir", str(tmp_path / "s1"), "--rollout.max_staleness", "5", "--max_rounds", "1",
-                         timeout=240)
+        done = _rollbook(
+            *common, "--spool_dir", str(tmp_path / "s1"), "--rollout.max_staleness", "5", "--max_rounds", "1", timeout=240
+        )
         assert done.returncode == 0, done.stderr
         assert "round 1: 8 trajectories so far, version 0" in done.stderr
         assert "'rounds': 1" in done.stderr
-        done = _rollbook(*common, "--spool_dir", str(tmp_path / "s2"), "--rollout.max_staleness", "0", "--max_idle_s", "2",
-                         timeout=240)
+        done = _rollbook(
+            *common, "--spool_dir", str(tmp_path / "s2"), "--rollout.max_staleness", "0", "--max_idle_s", "2", timeout=240
+        )
         assert done.returncode == 0, done.stderr
         assert "no round for 2 s" in done.stderr and "'rounds': 1" in done.stderr
     finally:

@@ -24,11 +24,27 @@ def _error_type():
 
 # ---- overrides and files -------------------------------------------------------------------------
 
+
 def test_overrides_nest_and_parse_toml_scalars():
-    got = parse_overrides(["--trainer.lr", "1e-4", "--placement=separated", "--rollout.domains", '["reverse"]',
-                           "--trainer.loss.dual-clip", "3", "--store.validate_evidence", "false"])
-    assert got == {"trainer": {"lr": 1e-4, "loss": {"dual_clip": 3}}, "placement": "separated",
-                   "rollout": {"domains": ["reverse"]}, "store": {"validate_evidence": False}}
+    got = parse_overrides(
+        [
+            "--trainer.lr",
+            "1e-4",
+            "--placement=separated",
+            "--rollout.domains",
+            '["reverse"]',
+            "--trainer.loss.dual-clip",
+            "3",
+            "--store.validate_evidence",
+            "false",
+        ]
+    )
+    assert got == {
+        "trainer": {"lr": 1e-4, "loss": {"dual_clip": 3}},
+        "placement": "separated",
+        "rollout": {"domains": ["reverse"]},
+        "store": {"validate_evidence": False},
+    }
 
 
 @pytest.mark.parametrize("argv", [["trainer.lr", "1"], ["--num_steps"]], ids=["no-dashes", "no-value"])
@@ -52,8 +68,13 @@ def test_a_config_file_that_does_not_parse_is_a_config_error(tmp_path):
 
 
 def test_an_unknown_field_anywhere_is_refused_with_its_dotted_name():
-    for override in (["--no_such", "1"], ["--trainer.no_such", "1"], ["--store.no_such", "1"],
-                     ["--store.validator.no_such", "1"], ["--store.ingest.no_such", "1"]):
+    for override in (
+        ["--no_such", "1"],
+        ["--trainer.no_such", "1"],
+        ["--store.no_such", "1"],
+        ["--store.validator.no_such", "1"],
+        ["--store.ingest.no_such", "1"],
+    ):
         with pytest.raises(_error_type()) as info:
             load_config(RunConfig, None, override)
         assert "no_such" in str(info.value) and "\n" not in str(info.value), override
@@ -67,6 +88,7 @@ def test_json_config_files_load(tmp_path):
 
 
 # ---- one source of truth ---------------------------------------------------------------------------
+
 
 def test_trainer_num_steps_alone_is_honoured_not_overwritten():
     config = load_config(RunConfig, None, ["--trainer.num_steps", "5"])
@@ -114,6 +136,7 @@ def test_a_resolved_config_validates_again_unchanged():
 
 # ---- the [store] section ---------------------------------------------------------------------------
 
+
 def test_store_section_sets_policies_and_refuses_what_the_run_owns(tmp_path):
     config = load_config(RunConfig, None, ["--store.validator.norm.mode", "group_mean", "--store.query_max_rows", "7"])
     assert config.store.validator.norm.mode == "group_mean" and config.store.query_max_rows == 7
@@ -147,6 +170,7 @@ def test_store_configs_forbid_unknown_fields():
 
 # ---- --help-config ---------------------------------------------------------------------------------
 
+
 def _leaves(model, prefix=""):
     from pydantic import BaseModel
 
@@ -171,8 +195,20 @@ def test_field_help_lists_every_leaf_with_type_default_and_description():
 
 
 def test_ray_placement_takes_its_section_ranks_and_the_asynchronous_staleness_default():
-    config = load_config(RunConfig, QUICKSTART, ["--placement", "ray", "--trainer.num_ranks", "2", "--ray.num_workers", "3",
-                                                 "--ray.worker_resources", "[{node_a = 1}, {node_b = 1}]"])
+    config = load_config(
+        RunConfig,
+        QUICKSTART,
+        [
+            "--placement",
+            "ray",
+            "--trainer.num_ranks",
+            "2",
+            "--ray.num_workers",
+            "3",
+            "--ray.worker_resources",
+            "[{node_a = 1}, {node_b = 1}]",
+        ],
+    )
     assert config.max_staleness == 2 and config.trainer.num_ranks == 2
     assert config.ray.num_workers == 3 and config.ray.worker_resources == [{"node_a": 1}, {"node_b": 1}]
 

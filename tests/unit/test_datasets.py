@@ -22,20 +22,23 @@ def _jsonl(path, lines: list[bytes]):
 @pytest.fixture
 def messy_jsonl(tmp_path):
     good = lambda i: json.dumps({"id": f"t{i}", "question": f"What is {i}+1?", "solution": i + 1, "domain": "math"}).encode()
-    return _jsonl(tmp_path / "math.jsonl", [
-        good(1),                                                               # line 1
-        b'{"id": "t2", "question": "What is 2+1?", "solution": 3',             # 2: invalid JSON (truncated)
-        good(3),                                                               # 3
-        b'{"id": "t4", "question": "caf\xe9?", "solution": 1, "domain": "math"}',  # 4: latin-1, not UTF-8
-        b"",                                                                   # 5: blank, ignored
-        json.dumps({"id": "t6", "solution": 1, "domain": "math"}).encode(),    # 6: no prompt
-        json.dumps({"id": "t7", "question": 7, "solution": 1, "domain": "math"}).encode(),  # 7: prompt not text
-        json.dumps({"id": "t8", "question": "q", "domain": "math"}).encode(),  # 8: math needs an answer
-        json.dumps([1, 2]).encode(),                                           # 9: not an object
-        json.dumps({"id": "t10", "question": "q", "solution": [1], "domain": "math"}).encode(),  # 10: answer a list
-        json.dumps({"id": "t11", "question": "q", "solution": "1", "domain": "poetry"}).encode(),  # 11: no reward
-        good(12),                                                              # 12
-    ])
+    return _jsonl(
+        tmp_path / "math.jsonl",
+        [
+            good(1),  # line 1
+            b'{"id": "t2", "question": "What is 2+1?", "solution": 3',  # 2: invalid JSON (truncated)
+            good(3),  # 3
+            b'{"id": "t4", "question": "caf\xe9?", "solution": 1, "domain": "math"}',  # 4: latin-1, not UTF-8
+            b"",  # 5: blank, ignored
+            json.dumps({"id": "t6", "solution": 1, "domain": "math"}).encode(),  # 6: no prompt
+            json.dumps({"id": "t7", "question": 7, "solution": 1, "domain": "math"}).encode(),  # 7: prompt not text
+            json.dumps({"id": "t8", "question": "q", "domain": "math"}).encode(),  # 8: math needs an answer
+            json.dumps([1, 2]).encode(),  # 9: not an object
+            json.dumps({"id": "t10", "question": "q", "solution": [1], "domain": "math"}).encode(),  # 10: answer a list
+            json.dumps({"id": "t11", "question": "q", "solution": "1", "domain": "poetry"}).encode(),  # 11: no reward
+            good(12),  # 12
+        ],
+    )
 
 
 MAPPING = FieldMap(prompt="question", answer="solution", task_id="id")
@@ -73,13 +76,13 @@ def test_fail_refuses_at_load_time_naming_every_bad_row(messy_jsonl):
 def test_csv_with_messages_tests_and_bad_rows(tmp_path):
     path = tmp_path / "code.csv"
     path.write_bytes(
-        b'task_id,messages,tests,domain\n'
+        b"task_id,messages,tests,domain\n"
         b'c1,"[{""role"": ""user"", ""content"": ""Write add(a, b).""}]","[""assert add(1, 2) == 3""]",code\n'
-        b'c2,"[{""role"": ""user""}]","[]",code\n'                                  # 3: message without content
-        b'c3,"not json","[""assert True""]",code\n'                                 # 4: plain text is a prompt? no: messages must be a list
+        b'c2,"[{""role"": ""user""}]","[]",code\n'  # 3: message without content
+        b'c3,"not json","[""assert True""]",code\n'  # 4: plain text is a prompt? no: messages must be a list
         b'c4,"[{""role"": ""user"", ""content"": ""multi\\nline""}]","def f(): return 1\nassert f() == 1",code\n'  # 5-6: quoted newline
-        b'c5,"[{""role"": ""user"", ""content"": ""x\xff""}]","[]",code\n'          # 7: undecodable
-        b'c6,only-two-values\n'                                                     # 8: short row
+        b'c5,"[{""role"": ""user"", ""content"": ""x\xff""}]","[]",code\n'  # 7: undecodable
+        b"c6,only-two-values\n"  # 8: short row
     )
     config = DatasetConfig(train_files=[str(path)], heldout_fraction=0.0)
     rows, bad = read_rows([str(path)], config, requirements={"code": ("tests",)})

@@ -19,7 +19,22 @@ import tomllib
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 # The commands: they may import anything (lazily), nothing may import them.
-ENTRYPOINTS = {f"rollbook.{name}" for name in ("cli", "cli_common", "query_cli", "run", "run_separated", "run_ray", "run_online", "run_support", "config", "demo", "report")}
+ENTRYPOINTS = {
+    f"rollbook.{name}"
+    for name in (
+        "cli",
+        "cli_common",
+        "query_cli",
+        "run",
+        "run_separated",
+        "run_ray",
+        "run_online",
+        "run_support",
+        "config",
+        "demo",
+        "report",
+    )
+}
 
 # Known file cycles, each allowed by naming the one edge that closes it: none today. An entry here
 # must say why the cycle cannot be broken yet.
@@ -67,7 +82,7 @@ def imports_of(name: str, path: pathlib.Path, known: set[str]) -> set[str]:
         base = node.module or ""
         if node.level:  # relative: from the importing module's package
             package = name.split(".") if is_package else name.split(".")[:-1]
-            package = package[:len(package) - (node.level - 1)]
+            package = package[: len(package) - (node.level - 1)]
             base = ".".join(package + ([base] if base else []))
         for alias in node.names:
             full = f"{base}.{alias.name}"
@@ -162,8 +177,15 @@ def _under(*prefixes: str):
 
 def test_the_walk_sees_every_folder_and_lazy_imports():
     g = graph()
-    for package in ("rollbook.store", "rollbook.validator", "rollbook.trainer", "rollbook.rollout", "rollbook.v1",
-                    "rollbook.weights", "rollbook.cli"):
+    for package in (
+        "rollbook.store",
+        "rollbook.validator",
+        "rollbook.trainer",
+        "rollbook.rollout",
+        "rollbook.v1",
+        "rollbook.weights",
+        "rollbook.cli",
+    ):
         assert package in g, package
     assert "rollbook.trainer.loop" in g["rollbook.trainer.main"]  # imported inside train()
     assert "rollbook.v1.rollbook_pb2" in g["rollbook.store.service"]  # from rollbook.v1 import rollbook_pb2 as pb
@@ -202,15 +224,18 @@ def _violations(sources, forbidden) -> list[list[str]]:
 
 
 def test_the_store_never_loads_a_model_nor_reaches_trainer_rollout_or_the_client():
-    bad = _violations(_under("rollbook.store"),
-                      lambda m: _under(*HEAVY, "rollbook.trainer", "rollbook.rollout", "rollbook.client")(m)
-                      or m in ENTRYPOINTS)
+    bad = _violations(
+        _under("rollbook.store"),
+        lambda m: _under(*HEAVY, "rollbook.trainer", "rollbook.rollout", "rollbook.client")(m) or m in ENTRYPOINTS,
+    )
     assert not bad, f"store imports (path shown): {bad}"
 
 
 def test_the_validator_and_the_client_do_not_import_the_store():
-    bad = _violations(lambda m: _under("rollbook.validator", "rollbook.client")(m),
-                      lambda m: _under("rollbook.store", "rollbook.trainer", "rollbook.rollout", *HEAVY)(m) or m in ENTRYPOINTS)
+    bad = _violations(
+        lambda m: _under("rollbook.validator", "rollbook.client")(m),
+        lambda m: _under("rollbook.store", "rollbook.trainer", "rollbook.rollout", *HEAVY)(m) or m in ENTRYPOINTS,
+    )
     assert not bad, f"validator/client imports (path shown): {bad}"
     bad = _violations(_under("rollbook.client"), _under("rollbook.validator"))
     assert not bad, f"the client imports the validator: {bad}"
@@ -223,15 +248,18 @@ def test_trainer_and_rollout_reach_the_store_only_through_the_client():
 
 
 def test_trainer_and_rollout_do_not_import_each_other():
-    bad = (_violations(_under("rollbook.trainer"), _under("rollbook.rollout"))
-           + _violations(_under("rollbook.rollout"), _under("rollbook.trainer")))
+    bad = _violations(_under("rollbook.trainer"), _under("rollbook.rollout")) + _violations(
+        _under("rollbook.rollout"), _under("rollbook.trainer")
+    )
     assert not bad, f"trainer <-> rollout (path shown): {bad}"
 
 
 def test_shared_modules_sit_below_every_component():
     shared = lambda m: package_of(m) == "rollbook (shared)"  # noqa: E731
-    bad = _violations(shared, lambda m: _under("rollbook.store", "rollbook.validator", "rollbook.trainer",
-                                                "rollbook.rollout")(m) or m in ENTRYPOINTS)
+    bad = _violations(
+        shared,
+        lambda m: _under("rollbook.store", "rollbook.validator", "rollbook.trainer", "rollbook.rollout")(m) or m in ENTRYPOINTS,
+    )
     assert not bad, f"shared rollbook modules import a component or a command (path shown): {bad}"
 
 

@@ -23,8 +23,9 @@ def _stubs(folder: pathlib.Path) -> dict[str, bytes]:
 
 def test_committed_stubs_match_a_fresh_regeneration(tmp_path):
     pytest.importorskip("grpc_tools", reason="grpcio-tools is a test extra")
-    done = subprocess.run([sys.executable, str(ROOT / "proto" / "regen.py"), "--out", str(tmp_path)],
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "proto" / "regen.py"), "--out", str(tmp_path)], capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stderr
     fresh, committed = _stubs(tmp_path / "rollbook" / "v1"), _stubs(COMMITTED)
     protos = sorted(p.stem for p in COMMITTED.glob("*.proto"))
@@ -40,4 +41,12 @@ def test_the_installed_package_serves_the_committed_stubs():
 
     assert pathlib.Path(rollbook_pb2.__file__).resolve().parent == COMMITTED
     assert set(rollbook_pb2.DESCRIPTOR.services_by_name["TrajectoryStore"].methods_by_name) >= {
-        "Submit", "SetReward", "PullBatch", "AckBatch", "Query", "PublishVersion", "RegisterModel", "GetStats"}
+        "Submit",
+        "SetReward",
+        "PullBatch",
+        "AckBatch",
+        "Query",
+        "PublishVersion",
+        "RegisterModel",
+        "GetStats",
+    }

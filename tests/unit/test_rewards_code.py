@@ -87,9 +87,13 @@ _network = {
     "server": "import socket\ns = socket.socket()\ns.bind(('0.0.0.0', 8080))\ns.listen()",
     "connect_caught": "import socket\ntry:\n    socket.create_connection(('10.0.0.1', 80), timeout=1)\nexcept Exception:\n    pass\ndef solve(x):\n    return 2 * x",
 }
-HARMFUL = {**{f"loop/{k}": v for k, v in _loops.items()}, **{f"memory/{k}": v for k, v in _memory.items()},
-           **{f"process/{k}": v for k, v in _processes.items()}, **{f"write/{k}": v for k, v in _writes.items()},
-           **{f"network/{k}": v for k, v in _network.items()}}
+HARMFUL = {
+    **{f"loop/{k}": v for k, v in _loops.items()},
+    **{f"memory/{k}": v for k, v in _memory.items()},
+    **{f"process/{k}": v for k, v in _processes.items()},
+    **{f"write/{k}": v for k, v in _writes.items()},
+    **{f"network/{k}": v for k, v in _network.items()},
+}
 EXPECTED = {
     "loop": {"timeout", "cpu_time"},
     "memory": {"memory"},
@@ -136,8 +140,13 @@ def test_good_and_partly_right_programs():
         half = pool.result(pool.submit("code", "def solve(x):\n    return 4", {"tests": TESTS}))
         graded = pool.result(pool.submit("graded", "def solve(x):\n    return 4", {"tests": TESTS}))
         as_json = pool.result(pool.submit("code", GOOD, {"tests": '["assert solve(1) == 2"]'}))
-        inside = pool.result(pool.submit("code", "open('f', 'w').write('7')\ndef solve(x):\n    return int(open('f').read())",
-                                         {"tests": ["assert solve(0) == 7"]}))
+        inside = pool.result(
+            pool.submit(
+                "code",
+                "open('f', 'w').write('7')\ndef solve(x):\n    return int(open('f').read())",
+                {"tests": ["assert solve(0) == 7"]},
+            )
+        )
         raising = pool.result(pool.submit("code", "raise ValueError('no')", {"tests": TESTS}))
         no_tests = pool.result(pool.submit("code", GOOD, {"tests": []}))
     assert (good.outcome.reward, good.info["fraction"], good.info["reason"]) == (1.0, 1.0, "ok")

@@ -95,7 +95,10 @@ def test_exact_and_regex():
     exact = build_reward(RewardConfig(kind="exact"))
     assert score_row(exact, " 46 ", {"answer": "46"}).outcome.reward == 1.0
     assert score_row(exact, "47", {"answer": "46"}).outcome.reward == 0.0
-    assert score_row(build_reward(RewardConfig(kind="exact", case_sensitive=False)), "Paris", {"answer": "paris"}).outcome.reward == 1.0
+    assert (
+        score_row(build_reward(RewardConfig(kind="exact", case_sensitive=False)), "Paris", {"answer": "paris"}).outcome.reward
+        == 1.0
+    )
     assert score_row(exact, "46", {}).outcome.status == "error"
     regex = build_reward(RewardConfig(kind="regex", pattern=r"<answer>(.*?)</answer>"))
     assert score_row(regex, "think... <answer> 7 </answer>", {"answer": "7"}).outcome.reward == 1.0
@@ -139,8 +142,9 @@ def test_bad_kinds_are_refused_in_the_config_or_at_pool_start():
 
 def test_the_pool_scores_math_in_its_processes_and_refuses_unknown_domains():
     with RewardPool({"math": RewardConfig(kind="math")}, max_workers=1) as pool:
-        got = pool.score_many([("math", "\\boxed{0.5}", {"answer": "1/2"}), ("math", "3", {"answer": "1/2"}),
-                               ("poetry", "x", {"answer": "1"})])
+        got = pool.score_many(
+            [("math", "\\boxed{0.5}", {"answer": "1/2"}), ("math", "3", {"answer": "1/2"}), ("poetry", "x", {"answer": "1"})]
+        )
     assert [s.outcome.reward for s in got[:2]] == [1.0, 0.0]
     assert got[2].outcome.status == "error" and "poetry" in got[2].outcome.error
 

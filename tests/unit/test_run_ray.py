@@ -13,8 +13,14 @@ def test_a_local_ray_instance_smaller_than_the_declared_actors_is_refused_in_one
     pytest.importorskip("ray")
     from rollbook.run_ray import run_ray
 
-    config = RunConfig.model_validate({"run_dir": str(tmp_path), "placement": "ray", "trainer": {"num_ranks": 2},
-                                       "ray": {"num_cpus": 2, "num_workers": 2, "worker_cpus": 1, "trainer_cpus": 1}})
+    config = RunConfig.model_validate(
+        {
+            "run_dir": str(tmp_path),
+            "placement": "ray",
+            "trainer": {"num_ranks": 2},
+            "ray": {"num_cpus": 2, "num_workers": 2, "worker_cpus": 1, "trainer_cpus": 1},
+        }
+    )
     with pytest.raises(CommandError, match=r"ray.num_cpus 2 is fewer than the actors declare \(4: 2 x ray.worker_cpus 1"):
         run_ray(config, "127.0.0.1:1", {"worker_key": "w", "trainer_key": "t"})
     assert not (tmp_path / "base-student").exists()  # refused before the warm start

@@ -40,30 +40,60 @@ class FakeTrainerClient:
         self.pulls += 1
         v = fields["trainer_version"]
         outputs = np.random.default_rng(self.pulls).integers(3, 20, (4, 3)).tolist()
-        table = pa.table({
-            "prompt_token_ids": [[1, 5]] * 4, "output_token_ids": outputs, "output_logprobs": [[-1.0] * 3] * 4,
-            "output_versions": [[v] * 3] * 4, "advantage": pa.array([1.0, -1.0, 0.5, -0.5], pa.float32()),
-            "temperature": [1.0] * 4, "domain": ["d"] * 4, "original_reward": [1.0, 0.0, 1.0, 0.0],
-            "reward": [1.0, -1.0, 0.5, -0.5], "min_version": [v] * 4,
-        })
+        table = pa.table(
+            {
+                "prompt_token_ids": [[1, 5]] * 4,
+                "output_token_ids": outputs,
+                "output_logprobs": [[-1.0] * 3] * 4,
+                "output_versions": [[v] * 3] * 4,
+                "advantage": pa.array([1.0, -1.0, 0.5, -0.5], pa.float32()),
+                "temperature": [1.0] * 4,
+                "domain": ["d"] * 4,
+                "original_reward": [1.0, 0.0, 1.0, 0.0],
+                "reward": [1.0, -1.0, 0.5, -0.5],
+                "min_version": [v] * 4,
+            }
+        )
         return PulledBatch(f"lease-{self.pulls}", table, {})
 
     def ack_batch(self, lease_id: str, trainer_id: str) -> int:
         self.acked.append(lease_id)
         return 4
 
-    def report_train_step(self, *, step: int, trainer_id: str, version: int, lease_id: str, started_at: float,
-                          finished_at: float, stats: Mapping[str, Any]) -> None:
+    def report_train_step(
+        self,
+        *,
+        step: int,
+        trainer_id: str,
+        version: int,
+        lease_id: str,
+        started_at: float,
+        finished_at: float,
+        stats: Mapping[str, Any],
+    ) -> None:
         self.reported.append(step)
 
-    def publish_version(self, model_id: str, version: int, checksum: str = "", *, max_staleness: int | None = None,
-                        samples_per_version: int | None = None) -> int:
+    def publish_version(
+        self,
+        model_id: str,
+        version: int,
+        checksum: str = "",
+        *,
+        max_staleness: int | None = None,
+        samples_per_version: int | None = None,
+    ) -> int:
         self.published.append((version, max_staleness, samples_per_version))
         return version
 
 
-def _seams_hold(store: StoreClient, fake: FakeTrainerClient, teacher: LocalTeacher, engine: NativeEngine,
-                config: TrainerConfig, model: torch.nn.Module) -> None:
+def _seams_hold(
+    store: StoreClient,
+    fake: FakeTrainerClient,
+    teacher: LocalTeacher,
+    engine: NativeEngine,
+    config: TrainerConfig,
+    model: torch.nn.Module,
+) -> None:
     """Never called: mypy checks these assignments (a protocol not satisfied is an error there)."""
     clients: list[TrainerClient] = [store, fake]
     scorer: TeacherScorer = teacher
@@ -86,8 +116,11 @@ def test_the_trainer_runs_against_the_fake_client_and_announces_its_staleness_co
 
 def test_the_real_implementations_have_every_method_of_their_protocol():
     """The runtime side of ``_seams_hold``: each protocol method exists on the class that implements it."""
-    for protocol, impls in ((TrainerClient, (StoreClient, FakeTrainerClient)), (TeacherScorer, (LocalTeacher,)),
-                            (GenerationEngine, (NativeEngine,))):
+    for protocol, impls in (
+        (TrainerClient, (StoreClient, FakeTrainerClient)),
+        (TeacherScorer, (LocalTeacher,)),
+        (GenerationEngine, (NativeEngine,)),
+    ):
         methods = [n for n in vars(protocol) if not n.startswith("_") and callable(getattr(protocol, n, None))]
         assert methods, protocol
         for impl in impls:

@@ -159,9 +159,15 @@ def test_a_program_is_right_when_it_computes_the_function_whatever_its_spelling(
     task = next(t for t in make_tasks(DOMAINS["program"], "train", 200, seed=0) if "+00*x" not in t.answer)
     a, b, c = (int(part.split("*")[0]) for part in task.answer.split("+"))
     right = [task.answer, f"{a}*x*x+{b}*x+{c}", f"{c}+x*{b}+x*x*{a}", f"{c}+x*{b}" + "+x*x" * a]
-    wrong = [f"{a}*x*x+{b}*x+{c + 1}", f"{a}*x*x+{b + 1}*x+{c - 1 if c else 0}",
-             # agrees at the two example points (1 and 100) only: the hidden points catch it
-             f"{a}*x*x+{b}*x+{c}+x*x*x-101*x*x+100*x", "", "x*", "abc"]
+    wrong = [
+        f"{a}*x*x+{b}*x+{c + 1}",
+        f"{a}*x*x+{b + 1}*x+{c - 1 if c else 0}",
+        # agrees at the two example points (1 and 100) only: the hidden points catch it
+        f"{a}*x*x+{b}*x+{c}+x*x*x-101*x*x+100*x",
+        "",
+        "x*",
+        "abc",
+    ]
     for program in right:
         assert score(task, program).reward == 1.0, program
     for program in wrong:

@@ -61,7 +61,7 @@ def test_stop_strings_predicate_sees_the_decoded_tail(bpe_dir):
     stop = StopStrings(tok, ["</answer>"])
     ids = tok.encode("think 12 </answer>")
     first = next(i for i in range(1, len(ids) + 1) if stop(ids[:i]))
-    assert "</answer>" in tok.decode(ids[:first]) and "</answer>" not in tok.decode(ids[:first - 1])
+    assert "</answer>" in tok.decode(ids[:first]) and "</answer>" not in tok.decode(ids[: first - 1])
     assert not StopStrings(tok, [])(ids)
     assert cut_at_stop_strings("a</answer>b", ["</answer>", "b"]) == "a"
 
@@ -95,8 +95,7 @@ def test_the_fixture_model_directory_loads_with_auto_classes_and_generates(tmp_p
     tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True)
     assert model.config.vocab_size == len(tok) and model.config.eos_token_id == tok.eos_token_id
-    ids = tok.apply_chat_template([{"role": "user", "content": "What is 2 times 3?"}], add_generation_prompt=True,
-                                  tokenize=False)
+    ids = tok.apply_chat_template([{"role": "user", "content": "What is 2 times 3?"}], add_generation_prompt=True, tokenize=False)
     inputs = torch.tensor([tok.encode(ids, add_special_tokens=False)])
     out = model.generate(inputs, max_new_tokens=4, do_sample=False)
     assert out.shape[1] > inputs.shape[1]

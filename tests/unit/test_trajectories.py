@@ -16,8 +16,17 @@ from rollbook.v1 import rollbook_pb2 as pb
 
 
 def _dict(**fields) -> dict:
-    d = dict(trajectory_id="t", model_id="m", prompt_token_ids=[7, 8], output_token_ids=[1, 2, 3],
-             output_logprobs=[-0.5, -1.0, -2.0], output_versions=[3, 3, 4], temperature=0.7, top_p=0.9, reward=1.5)
+    d = dict(
+        trajectory_id="t",
+        model_id="m",
+        prompt_token_ids=[7, 8],
+        output_token_ids=[1, 2, 3],
+        output_logprobs=[-0.5, -1.0, -2.0],
+        output_versions=[3, 3, 4],
+        temperature=0.7,
+        top_p=0.9,
+        reward=1.5,
+    )
     d.update(fields)
     return d
 
@@ -42,9 +51,17 @@ def test_none_leaves_an_optional_field_unset():
 
 
 def test_numpy_arrays_and_scalars_are_accepted():
-    msg = trajectory_from_dict(_dict(output_token_ids=np.array([4, 5], np.int64), output_logprobs=np.array([-1, -2], np.float32),
-                                     output_versions=np.array([0, 1]), group_size=np.uint32(3), temperature=np.float32(0.5),
-                                     reward=np.float64(2.0), created_at=np.float64(12.5)))
+    msg = trajectory_from_dict(
+        _dict(
+            output_token_ids=np.array([4, 5], np.int64),
+            output_logprobs=np.array([-1, -2], np.float32),
+            output_versions=np.array([0, 1]),
+            group_size=np.uint32(3),
+            temperature=np.float32(0.5),
+            reward=np.float64(2.0),
+            created_at=np.float64(12.5),
+        )
+    )
     assert list(msg.output_token_ids) == [4, 5] and list(msg.output_logprobs) == [-1.0, -2.0]
     assert (msg.group_size, msg.temperature, msg.reward, msg.created_at) == (3, 0.5, 2.0, 12.5)
 
@@ -64,7 +81,11 @@ def test_decode_exposes_the_token_arrays_with_the_schema_dtypes():
     row = decode(trajectory_from_dict(_dict()))
     assert row.trajectory_id == "t"
     assert (row.prompt.dtype, row.tokens.dtype, row.logprobs.dtype, row.versions.dtype) == (
-        np.int32, np.int32, np.float32, np.int64)
+        np.int32,
+        np.int32,
+        np.float32,
+        np.int64,
+    )
     assert row.tokens.tolist() == [1, 2, 3] and row.versions.tolist() == [3, 3, 4]
 
 
@@ -74,7 +95,11 @@ def test_decode_messages_keeps_each_repeated_field_flat_with_row_offsets():
     assert batch.tokens.values.tolist() == [1, 2, 3, 1, 2, 3] and batch.tokens.offsets.tolist() == [0, 3, 6]
     assert batch.prompt.offsets.tolist() == [0, 2, 2] and batch.prompt.lengths.tolist() == [2, 0]
     assert (batch.prompt.values.dtype, batch.tokens.values.dtype, batch.logprobs.values.dtype, batch.versions.values.dtype) == (
-        np.int32, np.int32, np.float32, np.int64)
+        np.int32,
+        np.int32,
+        np.float32,
+        np.int64,
+    )
     row = batch.row(1)
     assert row.trajectory_id == "u" and row.prompt.tolist() == [] and row.versions.tolist() == [3, 3, 4]
 

@@ -110,8 +110,7 @@ def test_delta_after_one_adamw_step_round_trips_bit_exactly():
     pack_into(layout, want, tensor_views(layout, new))  # tied in the layout, equal bits: accepted
 
     delta = compute_delta(base, new, base_version=0, version=1)
-    wire = delta_from_bytes(delta.to_bytes(), num_changed=len(delta.indices), index_bytes=4,
-                            base_version=0, version=1)
+    wire = delta_from_bytes(delta.to_bytes(), num_changed=len(delta.indices), index_bytes=4, base_version=0, version=1)
     got = apply_delta(base, wire)
 
     assert 0 < len(delta.indices) <= new.nbytes // 4

@@ -59,8 +59,10 @@ def test_the_trainers_bound_replaces_the_workers_and_is_said_once(caplog):
     assert (gate.max_staleness, gate.batch_size) == (0, 8)
     assert store.calls == 1  # asked once per version once known
     said = [r.getMessage() for r in caplog.records if "announces" in r.getMessage()]
-    assert said == ["staleness gate: the trainer announces max_staleness=0, samples_per_version=8; using them "
-                    "(this worker's config: rollout.max_staleness=3, batch_size=64)"]
+    assert said == [
+        "staleness gate: the trainer announces max_staleness=0, samples_per_version=8; using them "
+        "(this worker's config: rollout.max_staleness=3, batch_size=64)"
+    ]
     # a restarted trainer with another bound: taken at the next version, said again
     store.answer = _info(2, 16, latest=1)
     assert contract.refresh(1)

@@ -28,8 +28,12 @@ def test_the_stop_predicate_ends_an_output_after_the_token_that_completes_it():
         seen.append(list(ids))
         return len(ids) >= 3
 
-    (stopped, free) = engine.generate([GenerationRequest(prompt_token_ids=[1, 5], max_new_tokens=8, stop=stop),
-                                       GenerationRequest(prompt_token_ids=[1, 5], max_new_tokens=4)])
+    (stopped, free) = engine.generate(
+        [
+            GenerationRequest(prompt_token_ids=[1, 5], max_new_tokens=8, stop=stop),
+            GenerationRequest(prompt_token_ids=[1, 5], max_new_tokens=4),
+        ]
+    )
     assert len(stopped.output_token_ids) == 3 and stopped.finish_reason == "stop"
     assert [len(s) for s in seen] == [1, 2, 3]  # called with the output so far, after every token
     assert len(free.output_token_ids) == 4 and free.finish_reason == "length"
@@ -45,10 +49,20 @@ class FakeEngine:
 
     def generate(self, requests, *, seed=None):
         self.calls.append((time.time(), len(requests)))
-        return [GenerationResult(request_id=r.request_id, prompt_token_ids=list(r.prompt_token_ids),
-                                 output_token_ids=list(self.completion), output_logprobs=[-1.0] * len(self.completion),
-                                 output_versions=[0] * len(self.completion), finish_reason="stop",
-                                 temperature=r.temperature, top_p=r.top_p, top_k=r.top_k) for r in requests]
+        return [
+            GenerationResult(
+                request_id=r.request_id,
+                prompt_token_ids=list(r.prompt_token_ids),
+                output_token_ids=list(self.completion),
+                output_logprobs=[-1.0] * len(self.completion),
+                output_versions=[0] * len(self.completion),
+                finish_reason="stop",
+                temperature=r.temperature,
+                top_p=r.top_p,
+                top_k=r.top_k,
+            )
+            for r in requests
+        ]
 
 
 def slow_reward(completion: str, row: dict) -> float:
@@ -71,9 +85,14 @@ def _dataset(tmp_path: pathlib.Path, rows: list[dict]) -> str:
 def test_scoring_runs_in_the_pool_while_the_next_chunk_generates(tmp_path):
     log = str(tmp_path / "scores.jsonl")
     path = _dataset(tmp_path, [{"task_id": f"t{i}", "prompt": f"{i}+1=", "answer": str(i + 1), "log": log} for i in range(4)])
-    config = RolloutConfig(dataset=DatasetConfig(train_files=[path], default_domain="add", heldout_fraction=0.0, shuffle=False),
-                           rewards={"add": RewardConfig(kind="tests.unit.rollout.test_dataset_worker:slow_reward")},
-                           group_size=1, num_prompts=4, chunk_prompts=1, reward_workers=2)
+    config = RolloutConfig(
+        dataset=DatasetConfig(train_files=[path], default_domain="add", heldout_fraction=0.0, shuffle=False),
+        rewards={"add": RewardConfig(kind="tests.unit.rollout.test_dataset_worker:slow_reward")},
+        group_size=1,
+        num_prompts=4,
+        chunk_prompts=1,
+        reward_workers=2,
+    )
     engine = FakeEngine(TOKENIZER.encode("2", add_eos=True))
     with RolloutWorker(engine, config, model_id="tiny") as worker:
         trajectories = worker.produce()
@@ -88,15 +107,26 @@ def test_scoring_runs_in_the_pool_while_the_next_chunk_generates(tmp_path):
 
 def test_bad_prompts_are_bad_rows_and_verifier_errors_go_without_a_reward(tmp_path):
     log = str(tmp_path / "scores.jsonl")
-    path = _dataset(tmp_path, [{"task_id": "ok", "prompt": "1+1=", "answer": "2", "log": log},
-                               {"task_id": "upper", "prompt": "WHAT IS 1+1", "answer": "2", "log": log},
-                               {"task_id": "crash", "prompt": "2+2=", "answer": "4", "log": log, "crash": True}])
-    config = RolloutConfig(dataset=DatasetConfig(train_files=[path], default_domain="add", heldout_fraction=0.0, epochs=1),
-                           rewards={"add": RewardConfig(kind="tests.unit.rollout.test_dataset_worker:slow_reward")},
-                           group_size=2, num_prompts=5, reward_workers=0)
+    path = _dataset(
+        tmp_path,
+        [
+            {"task_id": "ok", "prompt": "1+1=", "answer": "2", "log": log},
+            {"task_id": "upper", "prompt": "WHAT IS 1+1", "answer": "2", "log": log},
+            {"task_id": "crash", "prompt": "2+2=", "answer": "4", "log": log, "crash": True},
+        ],
+    )
+    config = RolloutConfig(
+        dataset=DatasetConfig(train_files=[path], default_domain="add", heldout_fraction=0.0, epochs=1),
+        rewards={"add": RewardConfig(kind="tests.unit.rollout.test_dataset_worker:slow_reward")},
+        group_size=2,
+        num_prompts=5,
+        reward_workers=0,
+    )
     with RolloutWorker(FakeEngine(TOKENIZER.encode("2", add_eos=True)), config, model_id="tiny") as worker:
         assert [(b.line, b.reason.split(":")[0]) for b in worker.bad_rows] == [(2, "prompt does not encode")]
-        assert str(worker.bad_rows[0]).startswith(f"{path}:2: prompt does not encode: ValueError: characters not in the vocabulary")
+        assert str(worker.bad_rows[0]).startswith(
+            f"{path}:2: prompt does not encode: ValueError: characters not in the vocabulary"
+        )
         trajectories = worker.produce()
         assert worker.exhausted and worker.produce() == []
     by_task = {t.task_id: t for t in trajectories}
@@ -109,8 +139,11 @@ def test_bad_prompts_are_bad_rows_and_verifier_errors_go_without_a_reward(tmp_pa
 
 def test_on_bad_row_fail_refuses_a_prompt_the_tokenizer_cannot_encode(tmp_path):
     path = _dataset(tmp_path, [{"prompt": "1+1=", "answer": "2"}, {"prompt": "WHAT", "answer": "2"}])
-    config = RolloutConfig(dataset=DatasetConfig(train_files=[path], default_domain="add", on_bad_row="fail"),
-                           rewards={"add": RewardConfig(kind="exact")}, reward_workers=0)
+    config = RolloutConfig(
+        dataset=DatasetConfig(train_files=[path], default_domain="add", on_bad_row="fail"),
+        rewards={"add": RewardConfig(kind="exact")},
+        reward_workers=0,
+    )
     with pytest.raises(ValueError, match=r"1 bad rows .*rows.jsonl:2: prompt does not encode"):
         RolloutWorker(FakeEngine([2]), config, model_id="tiny")
 
@@ -122,8 +155,9 @@ def test_the_model_directory_gives_the_tokenizer_and_the_registered_vocabulary(t
 
     path = save_tiny_model_dir(tmp_path / "model", vocab_size=300)
     data = _dataset(tmp_path, [{"prompt": "What is 2 times 3?", "answer": "6"}])
-    rollout = RolloutConfig(dataset=DatasetConfig(train_files=[data], default_domain="math"),
-                            rewards={"math": RewardConfig(kind="math")})
+    rollout = RolloutConfig(
+        dataset=DatasetConfig(train_files=[data], default_domain="math"), rewards={"math": RewardConfig(kind="math")}
+    )
     model = ModelConfig(path=str(path))
     use_model_tokenizer(rollout, model)
     assert rollout.tokenizer == str(path) and tokenizer_for(rollout).vocab_size == 300

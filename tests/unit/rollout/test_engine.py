@@ -42,8 +42,10 @@ def _model(seed: int = 0) -> torch.nn.Module:
 
 
 def _requests(max_new_tokens: int = 10, **sampling) -> list[GenerationRequest]:
-    return [GenerationRequest(prompt_token_ids=p, max_new_tokens=max_new_tokens, request_id=f"r{i}", **sampling)
-            for i, p in enumerate(PROMPTS)]
+    return [
+        GenerationRequest(prompt_token_ids=p, max_new_tokens=max_new_tokens, request_id=f"r{i}", **sampling)
+        for i, p in enumerate(PROMPTS)
+    ]
 
 
 def _reference(model, result, temperature=1.0, top_p=1.0, top_k=0) -> list[float]:
@@ -72,11 +74,10 @@ def _mixed_reference(old, new, prompt, output, split, temperature):
 
 # -- the sampling distribution ---------------------------------------------------------------------
 
+
 def _hand_logprobs(probs, temperature=1.0, top_p=1.0, top_k=0):
     logits = torch.tensor([probs]).log()
-    return sampling_logprobs(
-        logits, torch.tensor([temperature]), torch.tensor([top_p]), torch.tensor([top_k])
-    )[0].exp().tolist()
+    return sampling_logprobs(logits, torch.tensor([temperature]), torch.tensor([top_p]), torch.tensor([top_k]))[0].exp().tolist()
 
 
 def test_sampling_distribution_by_hand():
@@ -97,6 +98,7 @@ def test_sampling_distribution_by_hand():
 
 
 # -- sampler / trainer agreement -------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 @pytest.mark.parametrize("top_p", [1.0, 0.8])
@@ -135,8 +137,10 @@ def test_padding_does_not_change_results():
 def test_mixed_sampling_params_in_one_batch_each_use_their_own():
     model = _model()
     params = [(1.0, 1.0, 0), (0.7, 0.8, 0), (0.0, 1.0, 0), (0.5, 1.0, 4)]
-    requests = [GenerationRequest(prompt_token_ids=p, max_new_tokens=8, temperature=t, top_p=tp, top_k=k)
-                for p, (t, tp, k) in zip(PROMPTS, params)]
+    requests = [
+        GenerationRequest(prompt_token_ids=p, max_new_tokens=8, temperature=t, top_p=tp, top_k=k)
+        for p, (t, tp, k) in zip(PROMPTS, params)
+    ]
     for result, (t, tp, k) in zip(NativeEngine(model).generate(requests), params, strict=True):
         assert (result.temperature, result.top_p, result.top_k) == (t, tp, k)
         _assert_agree(result.output_logprobs, _reference(model, result, t, tp, k))
@@ -160,6 +164,7 @@ def test_decode_steps_feed_one_token_per_sequence():
 
 
 # -- stop tokens and lengths -----------------------------------------------------------------------
+
 
 def test_stop_token_ends_the_output_and_is_recorded():
     model = _model()
@@ -212,6 +217,7 @@ def test_out_of_vocabulary_prompt_is_a_value_error():
 
 
 # -- versions and weight updates ---------------------------------------------------------------
+
 
 def test_native_engine_is_a_generation_engine():
     assert isinstance(NativeEngine(_model()), GenerationEngine)
@@ -377,5 +383,4 @@ def test_a_seeded_call_draws_the_same_samples_and_leaves_the_engine_stream_alone
     assert first != other
     # the engine's own stream is where it would be without the seeded calls
     plain = NativeEngine(model, version=0, seed=7)
-    assert [r.output_token_ids for r in seeded.generate(_requests())] == \
-        [r.output_token_ids for r in plain.generate(_requests())]
+    assert [r.output_token_ids for r in seeded.generate(_requests())] == [r.output_token_ids for r in plain.generate(_requests())]

@@ -20,15 +20,25 @@ BODY = {"model": "tiny", "messages": [{"role": "user", "content": "1+2="}]}
 
 
 def result(n: int = 3, version: int = 0) -> GenerationResult:
-    return GenerationResult(request_id="r", prompt_token_ids=[1, 4, 5], output_token_ids=[5] * n, output_logprobs=[-0.5] * n,
-                            output_versions=[version] * n, finish_reason="length", temperature=1.0, top_p=1.0, top_k=0)
+    return GenerationResult(
+        request_id="r",
+        prompt_token_ids=[1, 4, 5],
+        output_token_ids=[5] * n,
+        output_logprobs=[-0.5] * n,
+        output_versions=[version] * n,
+        finish_reason="length",
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+    )
 
 
 def test_a_one_message_chat_renders_as_the_task_prompt_and_assistant_turns_end_with_eos():
     render = CharRenderer()
     assert render.chat_prompt([("user", "12+34=")]) == TOKENIZER.encode("12+34=", add_bos=True)
     assert render.chat_prompt([("user", "1="), ("assistant", "2"), ("user", "ok")]) == (
-        TOKENIZER.encode("1=", add_bos=True) + TOKENIZER.encode("2", add_eos=True) + TOKENIZER.encode("ok"))
+        TOKENIZER.encode("1=", add_bos=True) + TOKENIZER.encode("2", add_eos=True) + TOKENIZER.encode("ok")
+    )
     with pytest.raises(RenderError, match=r"messages\[0\].content"):
         render.chat_prompt([("user", "Hello")])
     assert render.stop_token_ids(["."]) == TOKENIZER.encode(".")

@@ -91,8 +91,11 @@ def test_corrupt_batch_is_moved_aside_and_skipped(tmp_path, caplog, damage):
         spool.put(batch("b"))
         bad = batch_files(spool)[0]
         data = bad.read_bytes()
-        bad.write_bytes({"flip": data[:-1] + bytes([data[-1] ^ 1]), "truncate": data[: len(data) // 2],
-                         "garbage": b"\xff" * len(data)}[damage])
+        bad.write_bytes(
+            {"flip": data[:-1] + bytes([data[-1] ^ 1]), "truncate": data[: len(data) // 2], "garbage": b"\xff" * len(data)}[
+                damage
+            ]
+        )
         with caplog.at_level(logging.ERROR, logger="rollbook.rollout"):
             seq, request = spool.peek()
         assert ids(request)[0] == "b-0" and len(spool) == 1

@@ -10,8 +10,12 @@ import pytest
 from rollbook.store.access import RPC_ROLE, Denied, KeyRing, check_keys, field_error, weak_key_reason
 from rollbook.v1 import rollbook_pb2 as pb
 
-KEYS = {"worker": "w-0123456789abcdef", "trainer": "t-0123456789abcdef", "reader": "r-0123456789abcdef",
-        "admin": "a-0123456789abcdef"}
+KEYS = {
+    "worker": "w-0123456789abcdef",
+    "trainer": "t-0123456789abcdef",
+    "reader": "r-0123456789abcdef",
+    "admin": "a-0123456789abcdef",
+}
 
 
 def _md(key):
@@ -41,9 +45,17 @@ def test_a_role_without_a_key_is_open_but_the_others_are_not():
         ring.authorize("RegisterModel", [])
 
 
-@pytest.mark.parametrize("key,reason", [(" ", "whitespace"), ("a", "shorter"), ("abc def ghijklmnopq", "whitespace"),
-                                        ("a" * 40, "distinct"), ("abcdefgh\x00ijklmnop", "non-printable"),
-                                        ("0123456789abcdef", None)])
+@pytest.mark.parametrize(
+    "key,reason",
+    [
+        (" ", "whitespace"),
+        ("a", "shorter"),
+        ("abc def ghijklmnopq", "whitespace"),
+        ("a" * 40, "distinct"),
+        ("abcdefgh\x00ijklmnop", "non-printable"),
+        ("0123456789abcdef", None),
+    ],
+)
 def test_weak_keys(key, reason):
     got = weak_key_reason(key)
     assert (got is None) if reason is None else (reason in got)

@@ -24,8 +24,15 @@ MODEL = "m"
 
 
 def row(tid: str, n: int = 4, **fields):
-    t = dict(trajectory_id=tid, model_id=MODEL, output_token_ids=list(range(n)), output_logprobs=[-1.0] * n,
-             output_versions=[0] * n, temperature=1.0, top_p=1.0)
+    t = dict(
+        trajectory_id=tid,
+        model_id=MODEL,
+        output_token_ids=list(range(n)),
+        output_logprobs=[-1.0] * n,
+        output_versions=[0] * n,
+        temperature=1.0,
+        top_p=1.0,
+    )
     t.update(fields)
     return trajectory_from_dict(t)
 
@@ -77,10 +84,14 @@ def test_a_rejected_id_is_not_accepted_later_and_says_so(ledger):
 
 
 def test_a_session_reward_goes_to_the_latest_consumed_or_only_attempt(ledger):
-    ledger.submit([row("r1-a0", session_id="s", request_id="r1", consumed=False, created_at=1.0),
-                   row("r1-a1", session_id="s", request_id="r1", consumed=True, created_at=2.0),
-                   row("r2-a0", session_id="s", request_id="r2", created_at=3.0),
-                   row("other", session_id="s2", request_id="r9", consumed=True, created_at=9.0)])
+    ledger.submit(
+        [
+            row("r1-a0", session_id="s", request_id="r1", consumed=False, created_at=1.0),
+            row("r1-a1", session_id="s", request_id="r1", consumed=True, created_at=2.0),
+            row("r2-a0", session_id="s", request_id="r2", created_at=3.0),
+            row("other", session_id="s2", request_id="r9", consumed=True, created_at=9.0),
+        ]
+    )
     assert ledger.set_reward(0.5, session_id="s") == "r2-a0"
 
 
@@ -98,8 +109,13 @@ def test_recovery_reads_a_log_segment_written_before_rejections_had_consumed(tmp
     from rollbook.store.schema import REJECTION_SCHEMA
 
     old_schema = pa.schema([f for f in REJECTION_SCHEMA if f.name != "consumed"])
-    old = pa.table({f.name: pa.array(["x"] if f.type == pa.string() else [1] if f.type == pa.int64() else [1.0],
-                                     f.type) for f in old_schema}, schema=old_schema)
+    old = pa.table(
+        {
+            f.name: pa.array(["x"] if f.type == pa.string() else [1] if f.type == pa.int64() else [1.0], f.type)
+            for f in old_schema
+        },
+        schema=old_schema,
+    )
     conformed = wal._conform(old.to_batches(), REJECTION_SCHEMA)
     assert conformed.schema == REJECTION_SCHEMA and conformed.column("consumed").to_pylist() == [None]
     assert conformed.column("trajectory_id").to_pylist() == ["x"]
@@ -155,16 +171,19 @@ CRASHING_WRITER = textwrap.dedent("""
 
 
 def crash_after(db: pathlib.Path, *, folded: int, unfolded: int) -> None:
-    done = subprocess.run([sys.executable, "-c", CRASHING_WRITER, str(db), str(folded), str(unfolded)],
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", CRASHING_WRITER, str(db), str(folded), str(unfolded)], capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stderr
 
 
 def table_counts(ledger: Ledger) -> tuple[int, int, int]:
     cur = ledger.cursor()
     try:
-        return cur.execute("SELECT (SELECT count(*) FROM trajectories), (SELECT count(DISTINCT trajectory_id) "
-                           "FROM trajectories), (SELECT count(*) FROM rejections)").fetchall()[0]
+        return cur.execute(
+            "SELECT (SELECT count(*) FROM trajectories), (SELECT count(DISTINCT trajectory_id) "
+            "FROM trajectories), (SELECT count(*) FROM rejections)"
+        ).fetchall()[0]
     finally:
         cur.close()
 

@@ -56,16 +56,19 @@ def call(rpc: str, exc: BaseException):
     return service.call(rpc, REQUESTS[rpc], SyncContext())
 
 
-@pytest.mark.parametrize("rpc, exc, code", [
-    ("SetReward", UnknownTrajectory("unknown trajectory 't'"), grpc.StatusCode.NOT_FOUND),
-    ("SetReward", NotRewardable("trajectory 't' is already leased"), grpc.StatusCode.FAILED_PRECONDITION),
-    ("SetReward", InvalidReward("NONFINITE_REWARD: reward = nan"), grpc.StatusCode.INVALID_ARGUMENT),
-    ("PublishVersion", ModelNotRegistered("model 'm' is not registered"), grpc.StatusCode.FAILED_PRECONDITION),
-    ("AckBatch", UnknownLease("unknown lease 'l'"), grpc.StatusCode.NOT_FOUND),
-    ("AckBatch", NotLeaseOwner("lease l was issued to trainer 'u'"), grpc.StatusCode.PERMISSION_DENIED),
-    ("AckBatch", LeaseError("lease l expired and its rows went to another lease"), grpc.StatusCode.FAILED_PRECONDITION),
-    ("PullBatch", InvalidPull("model_id is required"), grpc.StatusCode.INVALID_ARGUMENT),
-])
+@pytest.mark.parametrize(
+    "rpc, exc, code",
+    [
+        ("SetReward", UnknownTrajectory("unknown trajectory 't'"), grpc.StatusCode.NOT_FOUND),
+        ("SetReward", NotRewardable("trajectory 't' is already leased"), grpc.StatusCode.FAILED_PRECONDITION),
+        ("SetReward", InvalidReward("NONFINITE_REWARD: reward = nan"), grpc.StatusCode.INVALID_ARGUMENT),
+        ("PublishVersion", ModelNotRegistered("model 'm' is not registered"), grpc.StatusCode.FAILED_PRECONDITION),
+        ("AckBatch", UnknownLease("unknown lease 'l'"), grpc.StatusCode.NOT_FOUND),
+        ("AckBatch", NotLeaseOwner("lease l was issued to trainer 'u'"), grpc.StatusCode.PERMISSION_DENIED),
+        ("AckBatch", LeaseError("lease l expired and its rows went to another lease"), grpc.StatusCode.FAILED_PRECONDITION),
+        ("PullBatch", InvalidPull("model_id is required"), grpc.StatusCode.INVALID_ARGUMENT),
+    ],
+)
 def test_each_domain_error_answers_its_status_with_its_message(rpc, exc, code):
     with pytest.raises(Abort) as aborted:
         call(rpc, exc)
@@ -73,8 +76,11 @@ def test_each_domain_error_answers_its_status_with_its_message(rpc, exc, code):
 
 
 @pytest.mark.parametrize("rpc", sorted(REQUESTS))
-@pytest.mark.parametrize("bug", [KeyError("row_id"), ValueError("bad cast"), LookupError("x"), RuntimeError("boom")],
-                         ids=["KeyError", "ValueError", "LookupError", "RuntimeError"])
+@pytest.mark.parametrize(
+    "bug",
+    [KeyError("row_id"), ValueError("bad cast"), LookupError("x"), RuntimeError("boom")],
+    ids=["KeyError", "ValueError", "LookupError", "RuntimeError"],
+)
 def test_any_other_exception_is_not_mapped_to_a_domain_status(rpc, bug):
     with pytest.raises(type(bug)) as raised:  # escapes the handler: grpc answers INTERNAL
         call(rpc, bug)

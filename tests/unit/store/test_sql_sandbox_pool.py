@@ -52,8 +52,11 @@ def files(tmp_path):
 
 
 def make_pool(tmp_path, snap, **limits) -> SandboxPool:
-    return SandboxPool(QueryLimits(**{"memory_limit_mb": 256, "process_headroom_mb": 512, "workers": 1, **limits}),
-                       tmp_path / "workers", FixedSnapshot(snap))
+    return SandboxPool(
+        QueryLimits(**{"memory_limit_mb": 256, "process_headroom_mb": 512, "workers": 1, **limits}),
+        tmp_path / "workers",
+        FixedSnapshot(snap),
+    )
 
 
 @pytest.fixture
@@ -83,9 +86,15 @@ def test_without_the_fence_nothing_outside_the_snapshot_is_reachable(files, unfe
         f"SELECT * FROM json_execute_serialized_sql(json_serialize_sql('SELECT * FROM read_blob(''{ledger}'')'))",
         f"COPY t TO '{tmp_path}/out.csv'",
         f"ATTACH '{ledger}' AS l",
-        "INSTALL httpfs", "LOAD httpfs",
-        "SET memory_limit = '100GB'", "SET enable_external_access = true", "RESET memory_limit",
-        "CREATE TABLE x AS SELECT 1", "DELETE FROM t", "DROP TABLE t", "PRAGMA threads=8",
+        "INSTALL httpfs",
+        "LOAD httpfs",
+        "SET memory_limit = '100GB'",
+        "SET enable_external_access = true",
+        "RESET memory_limit",
+        "CREATE TABLE x AS SELECT 1",
+        "DELETE FROM t",
+        "DROP TABLE t",
+        "PRAGMA threads=8",
         "SELECT * FROM read_csv('https://example.com/x.csv')",
     ]:
         with pytest.raises(QueryError) as err:
@@ -106,8 +115,7 @@ def test_pointer_taking_scans_fail_in_the_sandbox_and_the_next_query_is_served(u
     """The Python client's pointer-taking scans (arrow_scan, pandas_scan) are refused by name; with
     the fence off they fail to bind, and were one to crash, it would be the sandbox process
     (``test_a_killed_worker_is_replaced``), never the server's."""
-    for sql in ["SELECT * FROM arrow_scan(1, 2, 3)", "SELECT * FROM pandas_scan(1)",
-                "SELECT * FROM python_map_function(1)"]:
+    for sql in ["SELECT * FROM arrow_scan(1, 2, 3)", "SELECT * FROM pandas_scan(1)", "SELECT * FROM python_map_function(1)"]:
         with pytest.raises(QueryError):
             table(unfenced.run(sql))
         assert table(unfenced.run("SELECT 7 AS x"))[0].to_pylist() == [{"x": 7}]
@@ -117,10 +125,16 @@ def test_the_fence_refuses_nested_sql_and_writing_functions_by_name(files):
     snap, ledger, tmp_path = files
     pool = make_pool(tmp_path, snap)
     try:
-        for sql in ["SELECT * FROM query('SELECT 1')", "SELECT * FROM query_table('t')",
-                    "SELECT json_execute_serialized_sql(json_serialize_sql('SELECT 1'))",
-                    "SELECT * FROM checkpoint()", "SELECT * FROM truncate_duckdb_logs()", "SELECT write_log('x')",
-                    "SeLeCt * FrOm ReAd_CsV('/etc/passwd')", "SELECT /* c */ * FROM \"read_text\"('/etc/passwd')"]:
+        for sql in [
+            "SELECT * FROM query('SELECT 1')",
+            "SELECT * FROM query_table('t')",
+            "SELECT json_execute_serialized_sql(json_serialize_sql('SELECT 1'))",
+            "SELECT * FROM checkpoint()",
+            "SELECT * FROM truncate_duckdb_logs()",
+            "SELECT write_log('x')",
+            "SeLeCt * FrOm ReAd_CsV('/etc/passwd')",
+            "SELECT /* c */ * FROM \"read_text\"('/etc/passwd')",
+        ]:
             with pytest.raises(QueryError, match="not allowed") as err:
                 table(pool.run(sql))
             assert err.value.code == INVALID
@@ -159,7 +173,7 @@ def test_the_row_cap_cuts_exactly(files):
     try:
         assert table(pool.run("SELECT * FROM range(1000)"))[0].num_rows == 50
         assert table(pool.run("SELECT * FROM range(1000)"))[1]
-        assert table(pool.run("SELECT * FROM range(50)")) [1] is False
+        assert table(pool.run("SELECT * FROM range(50)"))[1] is False
         assert table(pool.run("SELECT * FROM range(10)", max_rows=5))[0].num_rows == 5
     finally:
         pool.close()

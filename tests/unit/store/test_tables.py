@@ -14,14 +14,25 @@ from rollbook.trajectories import decode_messages, trajectory_from_dict
 
 
 def _dict(**fields) -> dict:
-    d = dict(trajectory_id="t", model_id="m", prompt_token_ids=[7, 8], output_token_ids=[1, 2, 3],
-             output_logprobs=[-0.5, -1.0, -2.0], output_versions=[3, 3, 4], temperature=0.7, top_p=0.9, reward=1.5)
+    d = dict(
+        trajectory_id="t",
+        model_id="m",
+        prompt_token_ids=[7, 8],
+        output_token_ids=[1, 2, 3],
+        output_logprobs=[-0.5, -1.0, -2.0],
+        output_versions=[3, 3, 4],
+        temperature=0.7,
+        top_p=0.9,
+        reward=1.5,
+    )
     d.update(fields)
     return d
 
 
 def test_trajectories_table_fills_every_column_of_the_one_schema():
-    batch = decode_messages([trajectory_from_dict(_dict()), trajectory_from_dict(_dict(trajectory_id="u", reward=None, prompt_token_ids=[]))])
+    batch = decode_messages(
+        [trajectory_from_dict(_dict()), trajectory_from_dict(_dict(trajectory_id="u", reward=None, prompt_token_ids=[]))]
+    )
     table = trajectories_table(batch, received_at=99.0)
     assert table.schema == TRAJECTORY_SCHEMA
     got = table.to_pylist()
@@ -36,10 +47,15 @@ def test_trajectories_table_fills_every_column_of_the_one_schema():
 
 
 def test_trajectories_table_keeps_only_the_rows_asked_for():
-    batch = decode_messages([trajectory_from_dict(_dict(trajectory_id="a")),
-                             trajectory_from_dict(_dict(trajectory_id="bad", output_logprobs=[-1.0])),  # lengths disagree
-                             trajectory_from_dict(_dict(trajectory_id="c", output_token_ids=[9, 9, 9, 9], output_logprobs=[-1.0] * 4,
-                                                        output_versions=[5, 6, 6, 7]))])
+    batch = decode_messages(
+        [
+            trajectory_from_dict(_dict(trajectory_id="a")),
+            trajectory_from_dict(_dict(trajectory_id="bad", output_logprobs=[-1.0])),  # lengths disagree
+            trajectory_from_dict(
+                _dict(trajectory_id="c", output_token_ids=[9, 9, 9, 9], output_logprobs=[-1.0] * 4, output_versions=[5, 6, 6, 7])
+            ),
+        ]
+    )
     table = trajectories_table(batch, 1.0, keep=np.array([True, False, True]))
     got = table.to_pylist()
     assert [r["trajectory_id"] for r in got] == ["a", "c"]
@@ -48,11 +64,18 @@ def test_trajectories_table_keeps_only_the_rows_asked_for():
 
 
 def test_rejections_table_records_reason_detail_and_size():
-    batch = decode_messages([trajectory_from_dict(_dict(trajectory_id="ok")), trajectory_from_dict(_dict(session_id="s", worker_id="w"))])
+    batch = decode_messages(
+        [trajectory_from_dict(_dict(trajectory_id="ok")), trajectory_from_dict(_dict(session_id="s", worker_id="w"))]
+    )
     table = rejections_table(batch, [(1, "NONFINITE_LOGPROB", "output_logprobs[0] = nan")], "ingest", 5.0)
     assert table.schema == REJECTION_SCHEMA
     [r] = table.to_pylist()
-    assert (r["trajectory_id"], r["reason"], r["detail"], r["stage"]) == ("t", "NONFINITE_LOGPROB", "output_logprobs[0] = nan", "ingest")
+    assert (r["trajectory_id"], r["reason"], r["detail"], r["stage"]) == (
+        "t",
+        "NONFINITE_LOGPROB",
+        "output_logprobs[0] = nan",
+        "ingest",
+    )
     assert (r["session_id"], r["worker_id"], r["num_output_tokens"], r["rejected_at"]) == ("s", "w", 3, 5.0)
 
 

@@ -74,8 +74,16 @@ def assert_decodes_like_the_ordinary_parse(data: bytes) -> None:
 
 
 def traj(**fields) -> pb.Trajectory:
-    d = dict(trajectory_id="t", model_id="m", prompt_token_ids=[1, 200, 70000], output_token_ids=[5, 151935, 0],
-             output_logprobs=[-0.5, -1.0, -2.0], output_versions=[3, 3, 4], temperature=0.7, top_p=1.0)
+    d = dict(
+        trajectory_id="t",
+        model_id="m",
+        prompt_token_ids=[1, 200, 70000],
+        output_token_ids=[5, 151935, 0],
+        output_logprobs=[-0.5, -1.0, -2.0],
+        output_versions=[3, 3, 4],
+        temperature=0.7,
+        top_p=1.0,
+    )
     d.update(fields)
     return trajectory_from_dict(d)
 
@@ -112,23 +120,30 @@ def test_the_view_is_the_trajectory_field_for_field_with_the_packed_arrays_as_by
 # ---- packed encodings (what every protobuf library writes) ---------------------------------------
 
 
-@pytest.mark.parametrize("fields", [
-    {},
-    dict(prompt_token_ids=[], output_token_ids=[], output_logprobs=[], output_versions=[]),
-    dict(output_token_ids=[-1, -(2**31), 2**31 - 1, 0]),  # negative int32: ten-byte varints
-    dict(output_versions=[0, 2**40, 2**63 - 1], output_token_ids=[1, 2, 3]),
-    dict(output_versions=[-5, 1, 127]),
-    dict(output_token_ids=[0, 1, 127], prompt_token_ids=[127]),  # every byte < 128: the one-byte path
-    dict(output_logprobs=[float("nan"), float("-inf"), -0.0, 3.5e38]),
-    dict(reward=float("nan"), top_k=-1, attempt=7, group_size=4, consumed=True, created_at=1.5e9),
-])
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {},
+        dict(prompt_token_ids=[], output_token_ids=[], output_logprobs=[], output_versions=[]),
+        dict(output_token_ids=[-1, -(2**31), 2**31 - 1, 0]),  # negative int32: ten-byte varints
+        dict(output_versions=[0, 2**40, 2**63 - 1], output_token_ids=[1, 2, 3]),
+        dict(output_versions=[-5, 1, 127]),
+        dict(output_token_ids=[0, 1, 127], prompt_token_ids=[127]),  # every byte < 128: the one-byte path
+        dict(output_logprobs=[float("nan"), float("-inf"), -0.0, 3.5e38]),
+        dict(reward=float("nan"), top_k=-1, attempt=7, group_size=4, consumed=True, created_at=1.5e9),
+    ],
+)
 def test_one_packed_trajectory_decodes_like_the_ordinary_parse(fields):
     assert_decodes_like_the_ordinary_parse(encode_submit_request([traj(**fields)]))
 
 
 def test_a_batch_with_empty_and_multibyte_rows_keeps_each_row_apart():
-    msgs = [traj(trajectory_id="a"), traj(trajectory_id="b", output_token_ids=[], prompt_token_ids=[]),
-            traj(trajectory_id="c", output_token_ids=[300] * 5, output_versions=[1] * 2), traj(trajectory_id="d")]
+    msgs = [
+        traj(trajectory_id="a"),
+        traj(trajectory_id="b", output_token_ids=[], prompt_token_ids=[]),
+        traj(trajectory_id="c", output_token_ids=[300] * 5, output_versions=[1] * 2),
+        traj(trajectory_id="d"),
+    ]
     data = encode_submit_request(msgs)
     assert_decodes_like_the_ordinary_parse(data)
     batch = decode_request(data)
@@ -156,29 +171,40 @@ def test_an_empty_request_is_an_empty_batch():
 
 
 def test_unpacked_arrays_are_decoded_by_the_ordinary_parse():
-    unpacked = (field(1, 2, varint_bytes(1) + b"u") + b"".join(field(12, 0, varint_bytes(v)) for v in (5, 300, 7))
-                + b"".join(field(13, 5, struct.pack("<f", -1.0)) for _ in range(3))
-                + b"".join(field(14, 0, varint_bytes(2)) for _ in range(3)))
+    unpacked = (
+        field(1, 2, varint_bytes(1) + b"u")
+        + b"".join(field(12, 0, varint_bytes(v)) for v in (5, 300, 7))
+        + b"".join(field(13, 5, struct.pack("<f", -1.0)) for _ in range(3))
+        + b"".join(field(14, 0, varint_bytes(2)) for _ in range(3))
+    )
     assert_decodes_like_the_ordinary_parse(request(unpacked))
     assert decode_request(request(unpacked)).tokens.values.tolist() == [5, 300, 7]
 
 
 def test_a_packed_array_sent_in_pieces_is_their_concatenation():
-    pieces = (length_delimited(1, b"p") + length_delimited(12, varint_bytes(1) + varint_bytes(300))
-              + length_delimited(12, varint_bytes(2)) + length_delimited(13, struct.pack("<2f", -1, -2))
-              + length_delimited(13, struct.pack("<f", -3)))
+    pieces = (
+        length_delimited(1, b"p")
+        + length_delimited(12, varint_bytes(1) + varint_bytes(300))
+        + length_delimited(12, varint_bytes(2))
+        + length_delimited(13, struct.pack("<2f", -1, -2))
+        + length_delimited(13, struct.pack("<f", -3))
+    )
     assert_decodes_like_the_ordinary_parse(request(pieces))
     batch = decode_request(request(pieces))
     assert batch.tokens.values.tolist() == [1, 300, 2] and batch.logprobs.values.tolist() == [-1, -2, -3]
 
 
-@pytest.mark.parametrize("records", [
-    length_delimited(12, b"\x85") + length_delimited(12, b"\x00"),  # one varint (5) split across two records
-    length_delimited(14, b"\xff\xff") + length_delimited(14, b"\x01"),
-    length_delimited(11, b"\x80") + length_delimited(11, b"\x01") + length_delimited(12, b"\x01"),
-    length_delimited(13, struct.pack("<f", -1.0)[:3]) + length_delimited(13, struct.pack("<f", -1.0)[3:]),
-    length_delimited(13, struct.pack("<2f", -1, -2)[:6]) + length_delimited(13, struct.pack("<2f", -1, -2)[6:]),
-], ids=["tokens", "versions", "prompt", "float-3+1", "float-6+2"])
+@pytest.mark.parametrize(
+    "records",
+    [
+        length_delimited(12, b"\x85") + length_delimited(12, b"\x00"),  # one varint (5) split across two records
+        length_delimited(14, b"\xff\xff") + length_delimited(14, b"\x01"),
+        length_delimited(11, b"\x80") + length_delimited(11, b"\x01") + length_delimited(12, b"\x01"),
+        length_delimited(13, struct.pack("<f", -1.0)[:3]) + length_delimited(13, struct.pack("<f", -1.0)[3:]),
+        length_delimited(13, struct.pack("<2f", -1, -2)[:6]) + length_delimited(13, struct.pack("<2f", -1, -2)[6:]),
+    ],
+    ids=["tokens", "versions", "prompt", "float-3+1", "float-6+2"],
+)
 def test_a_value_split_across_two_packed_records_is_refused_like_protobuf_refuses_it(records):
     """Each record of a packed field must decode on its own (protobuf: a record ending inside a value
     is corrupt), so the concatenation must not be read as a different, valid value."""
@@ -191,9 +217,15 @@ def test_a_value_split_across_two_packed_records_is_refused_like_protobuf_refuse
 def test_empty_records_and_whole_values_in_several_records_take_the_bulk_path(monkeypatch):
     calls = []
     monkeypatch.setattr(prepare, "parse_message", lambda *args: calls.append(args) or parse_message(*args))
-    pieces = (length_delimited(1, b"e") + length_delimited(12, b"") + length_delimited(12, b"\x85\x00")
-              + length_delimited(12, b"") + length_delimited(12, b"\x01") + length_delimited(13, b"")
-              + length_delimited(13, struct.pack("<2f", -1, -2)))
+    pieces = (
+        length_delimited(1, b"e")
+        + length_delimited(12, b"")
+        + length_delimited(12, b"\x85\x00")
+        + length_delimited(12, b"")
+        + length_delimited(12, b"\x01")
+        + length_delimited(13, b"")
+        + length_delimited(13, struct.pack("<2f", -1, -2))
+    )
     data = request(pieces, pieces)
     assert decode_request(data).tokens.values.tolist() == [5, 1, 5, 1]
     assert calls == []
@@ -205,13 +237,16 @@ def test_unknown_field_numbers_are_still_accepted():
     assert_decodes_like_the_ordinary_parse(request(newer_client))
 
 
-@pytest.mark.parametrize("bad", [
-    length_delimited(12, b"\x80\x80"),  # a varint that never ends
-    length_delimited(12, b"\x81") + length_delimited(1, b"x"),
-    length_delimited(13, b"\x00\x00\x80"),  # 3 bytes of float32
-    length_delimited(12, b"\xff" * 11 + b"\x01"),  # an 12-byte varint
-    field(19, 0, varint_bytes(1)),  # reward (double) sent as a varint
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        length_delimited(12, b"\x80\x80"),  # a varint that never ends
+        length_delimited(12, b"\x81") + length_delimited(1, b"x"),
+        length_delimited(13, b"\x00\x00\x80"),  # 3 bytes of float32
+        length_delimited(12, b"\xff" * 11 + b"\x01"),  # an 12-byte varint
+        field(19, 0, varint_bytes(1)),  # reward (double) sent as a varint
+    ],
+)
 def test_broken_payloads_get_the_ordinary_parse_error(bad):
     data = request(traj().SerializeToString() + bad)
     with pytest.raises(MalformedRequest):
@@ -233,7 +268,7 @@ def c_decode(encoded: bytes, capacity: int) -> tuple[int, list[int]]:
     varint = pytest.importorskip("rollbook.store._varint", reason="the C helper is not built here")
     out = np.zeros(capacity, dtype=np.int64)
     n = varint.decode(encoded, out)
-    return n, out[:max(n, 0)].tolist()
+    return n, out[: max(n, 0)].tolist()
 
 
 def test_the_c_helper_decodes_varints_like_protobuf():
@@ -243,13 +278,16 @@ def test_the_c_helper_decodes_varints_like_protobuf():
     assert c_decode(b"", 0) == (0, [])
 
 
-@pytest.mark.parametrize("encoded, capacity", [
-    (b"\x80", 1),  # cut off
-    (b"\x01\x80\x80", 2),
-    (b"\xff" * 9 + b"\x02", 1),  # bits above 64
-    (b"\xff" * 10 + b"\x01", 1),  # eleven bytes
-    (b"\x01\x02\x03", 2),  # more values than room
-])
+@pytest.mark.parametrize(
+    "encoded, capacity",
+    [
+        (b"\x80", 1),  # cut off
+        (b"\x01\x80\x80", 2),
+        (b"\xff" * 9 + b"\x02", 1),  # bits above 64
+        (b"\xff" * 10 + b"\x01", 1),  # eleven bytes
+        (b"\x01\x02\x03", 2),  # more values than room
+    ],
+)
 def test_the_c_helper_declines_what_it_cannot_take_exactly(encoded, capacity):
     assert c_decode(encoded, capacity)[0] == -1
 
@@ -270,10 +308,15 @@ int32s = st.lists(st.integers(-(2**31), 2**31 - 1), max_size=20)
 int64s = st.lists(st.integers(-(2**63), 2**63 - 1), max_size=20)
 floats = st.lists(st.floats(width=32, allow_nan=True, allow_infinity=True), max_size=20)
 trajectories = st.builds(
-    traj, trajectory_id=st.text(max_size=5), prompt_token_ids=int32s | st.lists(st.integers(0, 127), max_size=20),
-    output_token_ids=int32s | st.lists(st.integers(0, 151_935), max_size=20), output_logprobs=floats,
+    traj,
+    trajectory_id=st.text(max_size=5),
+    prompt_token_ids=int32s | st.lists(st.integers(0, 127), max_size=20),
+    output_token_ids=int32s | st.lists(st.integers(0, 151_935), max_size=20),
+    output_logprobs=floats,
     output_versions=int64s | st.lists(st.integers(0, 9), max_size=20),
-    reward=st.none() | st.floats(allow_nan=True), top_k=st.none() | st.integers(-(2**31), 2**31 - 1))
+    reward=st.none() | st.floats(allow_nan=True),
+    top_k=st.none() | st.integers(-(2**31), 2**31 - 1),
+)
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -336,8 +379,9 @@ def test_records_cut_only_between_values_are_accepted_as_the_concatenation(msgs,
             values = list(getattr(m, name))
             cuts = sorted(data.draw(st.lists(st.integers(0, len(values)), max_size=3), label="cuts"))
             bounds = [0, *cuts, len(values)]
-            records += b"".join(length_delimited(ARRAY_NUMBERS[name], packed_payload(name, values[a:b]))
-                                for a, b in zip(bounds, bounds[1:]))
+            records += b"".join(
+                length_delimited(ARRAY_NUMBERS[name], packed_payload(name, values[a:b])) for a, b in zip(bounds, bounds[1:])
+            )
         encoded.append(scalars.SerializeToString() + records)
     want = reference(request(*encoded))
     assert_same_batch(want, reference(encode_submit_request(msgs)))

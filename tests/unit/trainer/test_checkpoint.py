@@ -13,8 +13,9 @@ from rollbook.trainer.checkpoint import TrainerState, load_checkpoint, save_chec
 
 
 def _model():
-    return build_tiny_model(TinyModelSpec(vocab_size=32, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1,
-                                          intermediate_size=16), seed=0)
+    return build_tiny_model(
+        TinyModelSpec(vocab_size=32, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=16), seed=0
+    )
 
 
 def test_the_newest_keep_last_checkpoints_are_kept(tmp_path):
@@ -51,10 +52,12 @@ def test_the_warm_start_prints_progress_and_no_progress_bars(tmp_path, capfd):
     tasks = make_tasks(ArithmeticDomain(num_digits=1), "train", 20, 0, allow_fewer=True)
     spec = TinyModelSpec(vocab_size=64, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=16)
     steps = 2 * PROGRESS_EVERY
-    cached_warm_start(tmp_path / "base-student", lambda: build_tiny_model(spec, seed=0), tasks, steps=steps,
-                      batch_size=4, lr=1e-3, seed=0)
-    cached_warm_start(tmp_path / "base-student", lambda: build_tiny_model(spec, seed=0), tasks, steps=steps,
-                      batch_size=4, lr=1e-3, seed=0)  # the cached copy loads
+    cached_warm_start(
+        tmp_path / "base-student", lambda: build_tiny_model(spec, seed=0), tasks, steps=steps, batch_size=4, lr=1e-3, seed=0
+    )
+    cached_warm_start(
+        tmp_path / "base-student", lambda: build_tiny_model(spec, seed=0), tasks, steps=steps, batch_size=4, lr=1e-3, seed=0
+    )  # the cached copy loads
     out, err = capfd.readouterr()
     assert f"warm start base-student: step {PROGRESS_EVERY}/{steps}" in out
     assert f"warm start base-student: step {steps}/{steps}" in out

@@ -25,15 +25,18 @@ def batch(num_groups: int, group_size: int = 4, seed: int = 0) -> pa.Table:
     rng = np.random.default_rng(seed)
     n = num_groups * group_size
     outputs = [rng.integers(3, VOCAB, rng.integers(2, 9)).tolist() for _ in range(n)]
-    return pa.table({
-        "group_id": [f"g{i // group_size}" for i in range(n)],
-        "prompt_token_ids": [rng.integers(3, VOCAB, rng.integers(2, 6)).tolist() for _ in range(n)],
-        "output_token_ids": outputs,
-        "output_logprobs": [(-rng.uniform(0.5, 4.0, len(o))).tolist() for o in outputs],
-        "output_versions": [[0] * len(o) for o in outputs],
-        "advantage": pa.array(rng.normal(size=n), pa.float32()),
-        "temperature": [1.0] * n, "domain": ["d"] * n,
-    })
+    return pa.table(
+        {
+            "group_id": [f"g{i // group_size}" for i in range(n)],
+            "prompt_token_ids": [rng.integers(3, VOCAB, rng.integers(2, 6)).tolist() for _ in range(n)],
+            "output_token_ids": outputs,
+            "output_logprobs": [(-rng.uniform(0.5, 4.0, len(o))).tolist() for o in outputs],
+            "output_versions": [[0] * len(o) for o in outputs],
+            "advantage": pa.array(rng.normal(size=n), pa.float32()),
+            "temperature": [1.0] * n,
+            "domain": ["d"] * n,
+        }
+    )
 
 
 def _config(tmp: pathlib.Path, **kw) -> TrainerConfig:
@@ -58,8 +61,7 @@ def _rank(rank: int, world: int, init_method: str, out: str, num_groups: int, kw
         trainer = DistributedTrainer(_config(pathlib.Path(out), **kw), object() if rank == 0 else None, model=_model())
         trainer._table = table
         stats = trainer.update(_Rows.from_table(table))
-        torch.save({"params": trainer.model.state_dict(), "grads": _grads(trainer.model), "stats": stats},
-                   f"{out}/rank{rank}.pt")
+        torch.save({"params": trainer.model.state_dict(), "grads": _grads(trainer.model), "stats": stats}, f"{out}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()
 
@@ -95,8 +97,11 @@ def _assert_same(a: dict, b: dict) -> None:
         torch.testing.assert_close(b["params"][name], tensor, rtol=0, atol=1e-4 * 2, msg=lambda m, n=name: f"{n}: {m}")
 
 
-@pytest.mark.parametrize("grad_clip,loss", [(1e6, {}), (0.05, {}), (1e6, {"kl_coef": 0.5, "kl_estimator": "k1"})],
-                         ids=["unclipped", "clipped", "kl-penalty"])
+@pytest.mark.parametrize(
+    "grad_clip,loss",
+    [(1e6, {}), (0.05, {}), (1e6, {"kl_coef": 0.5, "kl_estimator": "k1"})],
+    ids=["unclipped", "clipped", "kl-penalty"],
+)
 def test_two_ranks_with_half_the_groups_each_take_the_step_of_one_rank_with_all(tmp_path, grad_clip, loss):
     one = _one_rank(tmp_path / "one", 6, grad_clip=grad_clip, lr=1e-2, loss=loss)
     ranks = _two_ranks(tmp_path, 6, grad_clip=grad_clip, lr=1e-2, loss=loss)

@@ -23,8 +23,9 @@ VOCAB = TOKENIZER.vocab_size
 
 
 def _train(run_dir: pathlib.Path, **overrides) -> Trainer:
-    config = TrainerConfig(run_dir=str(run_dir), num_samples=4, model={"vocab_size": VOCAB}, lr=0.05,
-                           **{"num_steps": 3, **overrides})
+    config = TrainerConfig(
+        run_dir=str(run_dir), num_samples=4, model={"vocab_size": VOCAB}, lr=0.05, **{"num_steps": 3, **overrides}
+    )
     trainer = Trainer(config, FakeStore(), model=build_tiny_model(TinyModelSpec(vocab_size=VOCAB), seed=2))
     trainer.run()
     return trainer
@@ -33,8 +34,10 @@ def _train(run_dir: pathlib.Path, **overrides) -> Trainer:
 def _load(directory: pathlib.Path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    return (AutoModelForCausalLM.from_pretrained(directory, local_files_only=True),
-            AutoTokenizer.from_pretrained(directory, local_files_only=True))
+    return (
+        AutoModelForCausalLM.from_pretrained(directory, local_files_only=True),
+        AutoTokenizer.from_pretrained(directory, local_files_only=True),
+    )
 
 
 def _checkpoint_weights(run_dir: pathlib.Path, step: int) -> dict:
@@ -148,8 +151,10 @@ def test_the_checkpoint_keeps_the_models_hf_config(tmp_path):
     assert config["vocab_size"] == VOCAB and config["model_type"] == "llama"
 
 
-@pytest.mark.parametrize("step, every, final, due", [(2, 2, False, True), (3, 2, False, False), (3, None, True, True),
-                                                     (2, None, True, False), (3, None, False, False)])
+@pytest.mark.parametrize(
+    "step, every, final, due",
+    [(2, 2, False, True), (3, 2, False, False), (3, None, True, True), (2, None, True, False), (3, None, False, False)],
+)
 def test_export_due(step, every, final, due):
     from rollbook.trainer.export import export_due
 

@@ -82,8 +82,15 @@ def test_add_kl_penalty_weights_the_term_and_reports_the_total():
 
 
 def _trainer(tmp_path, *, kl_coef: float, estimator: str = "k3", num_steps: int = 3) -> Trainer:
-    config = TrainerConfig(run_dir=str(tmp_path), num_steps=num_steps, num_samples=4, model={"vocab_size": 32}, lr=0.05,
-                           export_final=False, loss={"kl_coef": kl_coef, "kl_estimator": estimator})
+    config = TrainerConfig(
+        run_dir=str(tmp_path),
+        num_steps=num_steps,
+        num_samples=4,
+        model={"vocab_size": 32},
+        lr=0.05,
+        export_final=False,
+        loss={"kl_coef": kl_coef, "kl_estimator": estimator},
+    )
     return Trainer(config, FakeStore(), model=build_tiny_model(TinyModelSpec(vocab_size=32), seed=3))
 
 
@@ -102,10 +109,15 @@ def test_with_the_initial_policy_as_reference_the_first_step_reports_kl_0_then_i
 
 def test_the_kl_term_is_in_the_loss_a_reference_elsewhere_shows_it(tmp_path):
     far = build_tiny_model(TinyModelSpec(vocab_size=32), seed=7)  # another initialisation: KL > 0 from step 0
-    config = TrainerConfig(run_dir=str(tmp_path), num_steps=1, num_samples=4, model={"vocab_size": 32},
-                           export_final=False, loss={"kl_coef": 0.5, "kl_estimator": "k3"})
-    history = Trainer(config, FakeStore(), model=build_tiny_model(TinyModelSpec(vocab_size=32), seed=3),
-                      reference=far).run()
+    config = TrainerConfig(
+        run_dir=str(tmp_path),
+        num_steps=1,
+        num_samples=4,
+        model={"vocab_size": 32},
+        export_final=False,
+        loss={"kl_coef": 0.5, "kl_estimator": "k3"},
+    )
+    history = Trainer(config, FakeStore(), model=build_tiny_model(TinyModelSpec(vocab_size=32), seed=3), reference=far).run()
     step = history[0]
     assert step["kl/mean"] > 0.01
     assert step["loss/total"] == pytest.approx(step["ppo/loss"] + 0.5 * step["kl/mean"], rel=1e-4, abs=1e-6)

@@ -23,13 +23,20 @@ class FakeStore:
         self.leases += 1
         rng = np.random.default_rng(self.leases)
         outputs = [rng.integers(3, 20, 3).tolist() for _ in range(4)]
-        table = pa.table({
-            "prompt_token_ids": [[1, 5]] * 4, "output_token_ids": outputs,
-            "output_logprobs": [[-1.0] * 3] * 4, "output_versions": [[kw["trainer_version"]] * 3] * 4,
-            "advantage": pa.array([1.0, -1.0, 0.5, -0.5], pa.float32()), "temperature": [1.0] * 4,
-            "domain": ["d"] * 4, "original_reward": [1.0, 0.0, 1.0, 0.0], "reward": [1.0, -1.0, 0.5, -0.5],
-            "min_version": [kw["trainer_version"]] * 4,
-        })
+        table = pa.table(
+            {
+                "prompt_token_ids": [[1, 5]] * 4,
+                "output_token_ids": outputs,
+                "output_logprobs": [[-1.0] * 3] * 4,
+                "output_versions": [[kw["trainer_version"]] * 3] * 4,
+                "advantage": pa.array([1.0, -1.0, 0.5, -0.5], pa.float32()),
+                "temperature": [1.0] * 4,
+                "domain": ["d"] * 4,
+                "original_reward": [1.0, 0.0, 1.0, 0.0],
+                "reward": [1.0, -1.0, 0.5, -0.5],
+                "min_version": [kw["trainer_version"]] * 4,
+            }
+        )
         self.calls.append(("pull", kw["step"]))
         return PulledBatch(f"lease-{self.leases}", table, {})
 

@@ -52,9 +52,7 @@ def test_ppo_proximal_equals_behavior_gives_clipped_token_mean_of_hand_arithmeti
     # token 2: max(-2*1.1, -2*1.1) = -2.2
     # loss = (-1.2 + 0.8 - 2.2) / 3 = -0.8667; clip_frac = 2/3
     inputs = _ppo_inputs(_t(1.5, 0.5, 1.1), _t(1.0, 1.0, 1.0))
-    loss, stats = decoupled_ppo_loss(
-        **inputs, advantages=_t(1.0, -1.0, 2.0), loss_mask=_ones_mask(3), eps_clip=0.2
-    )
+    loss, stats = decoupled_ppo_loss(**inputs, advantages=_t(1.0, -1.0, 2.0), loss_mask=_ones_mask(3), eps_clip=0.2)
     torch.testing.assert_close(loss, torch.tensor(-2.6 / 3), **TOL)
     torch.testing.assert_close(stats["ppo/clip_frac"], torch.tensor(2 / 3), **TOL)
     torch.testing.assert_close(stats["ppo/num_valid_tokens"], torch.tensor(3.0), **TOL)
@@ -65,9 +63,7 @@ def test_ppo_behavior_weight_multiplies_each_token_loss():
     # loss = (2*-1.2 + 0.5*0.8 + 1*-2.2) / 3 = (-2.4 + 0.4 - 2.2) / 3 = -1.4
     # importance weight mean = 3.5/3, max = 2
     inputs = _ppo_inputs(_t(1.5, 0.5, 1.1), _t(2.0, 0.5, 1.0))
-    loss, stats = decoupled_ppo_loss(
-        **inputs, advantages=_t(1.0, -1.0, 2.0), loss_mask=_ones_mask(3), eps_clip=0.2
-    )
+    loss, stats = decoupled_ppo_loss(**inputs, advantages=_t(1.0, -1.0, 2.0), loss_mask=_ones_mask(3), eps_clip=0.2)
     torch.testing.assert_close(loss, torch.tensor(-1.4), **TOL)
     torch.testing.assert_close(stats["ppo/importance_weight_mean"], torch.tensor(3.5 / 3), **TOL)
     torch.testing.assert_close(stats["ppo/importance_weight_max"], torch.tensor(2.0), **TOL)
@@ -128,8 +124,12 @@ def test_cap_mask_zeroes_dropped_token_gradient_and_clamp_scales_it_by_cap(actio
     # mask: token 1 dropped -> 0;  clamp: token 1 uses w = 5 -> -5/3
     inputs = _ppo_inputs(_t(1.1, 1.0, 1.0), _t(2.0, 8.0, 1.0))
     loss, _ = decoupled_ppo_loss(
-        **inputs, advantages=_t(1.0, 1.0, 1.0), loss_mask=_ones_mask(3), eps_clip=0.2,
-        behavior_weight_cap=5.0, behavior_weight_action=action,
+        **inputs,
+        advantages=_t(1.0, 1.0, 1.0),
+        loss_mask=_ones_mask(3),
+        eps_clip=0.2,
+        behavior_weight_cap=5.0,
+        behavior_weight_action=action,
     )
     loss.backward()
     torch.testing.assert_close(inputs["logprobs"].grad, _t(*expected), **TOL)
@@ -157,7 +157,10 @@ def test_dual_clipped_token_gets_zero_gradient():
     # token 0 above is bounded by the constant -c*A: no gradient; token 2 keeps -A*u/3 = 0.5*2/3
     inputs = _ppo_inputs(_t(5.0, 0.1, 2.0), _t(1.0, 1.0, 1.0))
     loss, _ = decoupled_ppo_loss(
-        **inputs, advantages=_t(-1.0, 1.0, -0.5), loss_mask=_ones_mask(3), eps_clip=0.2,
+        **inputs,
+        advantages=_t(-1.0, 1.0, -0.5),
+        loss_mask=_ones_mask(3),
+        eps_clip=0.2,
         dual_clip=3.0,
     )
     loss.backward()
@@ -168,8 +171,12 @@ def test_dual_clipped_token_gets_zero_gradient():
 
 
 def _reference_clipped_ppo(
-    logp: list[float], old_logp: list[float], adv: list[float], mask: list[bool],
-    eps_low: float, eps_high: float,
+    logp: list[float],
+    old_logp: list[float],
+    adv: list[float],
+    mask: list[bool],
+    eps_low: float,
+    eps_high: float,
 ) -> tuple[float, list[float]]:
     """Textbook PPO-clip (Schulman 2017) in plain floats: -mean(min(r*A, clip(r)*A)) and grad."""
     n = max(sum(mask), 1)
@@ -191,9 +198,7 @@ def test_ppo_with_proximal_equal_behavior_matches_reference_clipped_ppo():
     mask = torch.tensor([True, True, False, True, True])
     loss, _ = decoupled_ppo_loss(logp, old, old, adv, mask, eps_clip=0.2, eps_clip_high=0.28)
     loss.backward()
-    ref_loss, ref_grad = _reference_clipped_ppo(
-        logp.tolist(), old.tolist(), adv.tolist(), mask.tolist(), 0.2, 0.28
-    )
+    ref_loss, ref_grad = _reference_clipped_ppo(logp.tolist(), old.tolist(), adv.tolist(), mask.tolist(), 0.2, 0.28)
     torch.testing.assert_close(loss.item(), ref_loss, atol=1e-12, rtol=1e-10)
     torch.testing.assert_close(logp.grad.tolist(), ref_grad, atol=1e-12, rtol=1e-10)
 
@@ -212,16 +217,19 @@ _token = st.tuples(
     eps_low=st.floats(0.05, 0.5),
     eps_high=st.floats(0.05, 0.5),
 )
-def test_ppo_with_proximal_equal_behavior_matches_reference_for_any_tokens(
-    tokens, eps_low, eps_high
-):
+def test_ppo_with_proximal_equal_behavior_matches_reference_for_any_tokens(tokens, eps_low, eps_high):
     old, log_u, adv, mask = (list(column) for column in zip(*tokens))
     logp = [o + d for o, d in zip(old, log_u)]
     logp_t = torch.tensor(logp, dtype=torch.float64, requires_grad=True)
     old_t = torch.tensor(old, dtype=torch.float64)
     loss, _ = decoupled_ppo_loss(
-        logp_t, old_t, old_t, torch.tensor(adv, dtype=torch.float64), torch.tensor(mask),
-        eps_clip=eps_low, eps_clip_high=eps_high,
+        logp_t,
+        old_t,
+        old_t,
+        torch.tensor(adv, dtype=torch.float64),
+        torch.tensor(mask),
+        eps_clip=eps_low,
+        eps_clip_high=eps_high,
     )
     loss.backward()
     ref_loss, ref_grad = _reference_clipped_ppo(logp, old, adv, mask, eps_low, eps_high)
@@ -254,9 +262,7 @@ def test_token_mean_ignores_masked_tokens_even_when_they_hold_nan_or_inf():
     loss.backward()
     keep = [0, 2, 3]
     sub_logp = logp.detach()[keep].requires_grad_()
-    sub_loss, _ = decoupled_ppo_loss(
-        sub_logp, prox[keep], behav[keep], adv[keep], _ones_mask(3), eps_clip=0.2
-    )
+    sub_loss, _ = decoupled_ppo_loss(sub_logp, prox[keep], behav[keep], adv[keep], _ones_mask(3), eps_clip=0.2)
     sub_loss.backward()
     torch.testing.assert_close(loss, sub_loss, **TOL)
     torch.testing.assert_close(logp.grad[keep], sub_logp.grad, **TOL)
@@ -266,8 +272,12 @@ def test_token_mean_ignores_masked_tokens_even_when_they_hold_nan_or_inf():
 def test_no_valid_tokens_gives_zero_loss_that_still_backpropagates():
     logp = _t(-1.0, -2.0, -3.0).requires_grad_()
     loss, stats = decoupled_ppo_loss(
-        logp, _t(-1.5, -2.0, -1.0), _t(-1.0, -1.0, -1.0), _t(1.0, 2.0, 3.0),
-        torch.zeros(3, dtype=torch.bool), eps_clip=0.2,
+        logp,
+        _t(-1.5, -2.0, -1.0),
+        _t(-1.0, -1.0, -1.0),
+        _t(1.0, 2.0, 3.0),
+        torch.zeros(3, dtype=torch.bool),
+        eps_clip=0.2,
     )
     loss.backward()
     torch.testing.assert_close(loss, torch.tensor(0.0), atol=0.0, rtol=0.0)
@@ -305,8 +315,12 @@ def _extreme_inputs() -> dict[str, torch.Tensor]:
 def test_extreme_log_ratios_never_give_inf_or_nan_in_ppo_loss_grad_or_stats():
     inputs = _extreme_inputs()
     loss, stats = decoupled_ppo_loss(
-        **inputs, advantages=_t(1e3, -1e3, 1.0, -1.0, 2.0), eps_clip=0.2, dual_clip=3.0,
-        behavior_weight_cap=5.0, behavior_weight_action="clamp",
+        **inputs,
+        advantages=_t(1e3, -1e3, 1.0, -1.0, 2.0),
+        eps_clip=0.2,
+        dual_clip=3.0,
+        behavior_weight_cap=5.0,
+        behavior_weight_action="clamp",
     )
     loss.backward()
     assert torch.isfinite(loss)
@@ -316,9 +330,7 @@ def test_extreme_log_ratios_never_give_inf_or_nan_in_ppo_loss_grad_or_stats():
 
 def test_extreme_log_ratios_never_give_inf_or_nan_in_mopd_loss_grad_or_stats():
     inputs = _extreme_inputs()
-    loss, stats = mopd_loss(
-        **inputs, teacher_logprobs=_t(0.0, float("-inf"), -1e4, -1.0, -1e30), adv_clip=5.0
-    )
+    loss, stats = mopd_loss(**inputs, teacher_logprobs=_t(0.0, float("-inf"), -1e4, -1.0, -1e30), adv_clip=5.0)
     loss.backward()
     assert torch.isfinite(loss)
     assert torch.isfinite(inputs["logprobs"].grad).all()
@@ -359,9 +371,7 @@ def test_mopd_on_policy_loss_is_minus_mean_clipped_teacher_gap():
     # logp = prox = behav, so rho = 1; teacher - logp = [0.5, -7, 3], c = 5 -> A_T = [0.5, -5, 3]
     # loss = -(0.5 - 5 + 3) / 3 = 0.5; gap mean = (0.5 - 7 + 3) / 3 = -3.5/3; adv_clip_frac = 1/3
     logp = _t(-1.0, -2.0, -0.5)
-    loss, stats = mopd_loss(
-        logp, logp, logp, logp + _t(0.5, -7.0, 3.0), _ones_mask(3), adv_clip=5.0
-    )
+    loss, stats = mopd_loss(logp, logp, logp, logp + _t(0.5, -7.0, 3.0), _ones_mask(3), adv_clip=5.0)
     torch.testing.assert_close(loss, torch.tensor(0.5), **TOL)
     torch.testing.assert_close(stats["mopd/teacher_gap_mean"], torch.tensor(-3.5 / 3), **TOL)
     torch.testing.assert_close(stats["mopd/adv_clip_frac"], torch.tensor(1 / 3), **TOL)
@@ -387,8 +397,12 @@ def test_mopd_behavior_weight_cap_masks_or_clamps(action, expected):
     inputs = _ppo_inputs(_t(1.0, 1.0, 1.0), _t(2.0, 8.0, 1.0))
     teacher = inputs["logprobs"].detach() + 1.0
     loss, stats = mopd_loss(
-        **inputs, teacher_logprobs=teacher, loss_mask=_ones_mask(3), adv_clip=5.0,
-        behavior_weight_cap=5.0, behavior_weight_action=action,
+        **inputs,
+        teacher_logprobs=teacher,
+        loss_mask=_ones_mask(3),
+        adv_clip=5.0,
+        behavior_weight_cap=5.0,
+        behavior_weight_action=action,
     )
     torch.testing.assert_close(loss, torch.tensor(expected), **TOL)
     capped_frac = stats["mopd/behavior_weight_capped_frac"]
@@ -402,9 +416,7 @@ def test_mix_teacher_logprobs_equals_log_of_weighted_probability_sum():
     probs = [[0.5, 0.1, 0.2], [0.25, 0.3, 0.6], [0.125, 0.6, 0.2]]  # [K=3 teachers, T=3 tokens]
     weights = [1.0, 2.0, 1.0]  # normalized: [0.25, 0.5, 0.25]
     # token 0: 0.25*0.5 + 0.5*0.25 + 0.25*0.125 = 0.28125
-    expected = [
-        math.log(sum(w / 4.0 * probs[k][t] for k, w in enumerate(weights))) for t in range(3)
-    ]
+    expected = [math.log(sum(w / 4.0 * probs[k][t] for k, w in enumerate(weights))) for t in range(3)]
     mixed = mix_teacher_logprobs(torch.tensor(probs).log(), weights)
     torch.testing.assert_close(mixed, torch.tensor(expected), **TOL)
     torch.testing.assert_close(mixed[0], torch.tensor(math.log(0.28125)), **TOL)
@@ -417,9 +429,7 @@ def test_mix_is_invariant_to_weight_scale_and_identity_for_one_teacher():
     torch.testing.assert_close(mix_teacher_logprobs(logps[:1], [0.7]), logps[0], **TOL)
 
 
-@pytest.mark.parametrize(
-    "weights", [[1.0, 0.0, 1.0], [1.0, -1.0, 1.0], [1.0, float("nan"), 1.0], [1.0, 1.0]]
-)
+@pytest.mark.parametrize("weights", [[1.0, 0.0, 1.0], [1.0, -1.0, 1.0], [1.0, float("nan"), 1.0], [1.0, 1.0]])
 def test_mix_rejects_non_positive_non_finite_or_miscounted_weights(weights):
     with pytest.raises(ValueError):
         mix_teacher_logprobs(torch.zeros(3, 4), weights)
@@ -440,13 +450,17 @@ def test_combined_loss_is_weighted_sum_with_merged_stats():
 
 def test_stats_are_flat_slash_keys_with_detached_scalar_tensors():
     inputs = _ppo_inputs(_t(1.5, 0.5, 1.1), _t(2.0, 0.5, 1.0))
-    _, stats = decoupled_ppo_loss(
-        **inputs, advantages=_t(1.0, -1.0, 2.0), loss_mask=_ones_mask(3), eps_clip=0.2
-    )
+    _, stats = decoupled_ppo_loss(**inputs, advantages=_t(1.0, -1.0, 2.0), loss_mask=_ones_mask(3), eps_clip=0.2)
     expected = {
-        "ppo/loss", "ppo/num_valid_tokens", "ppo/num_loss_tokens", "ppo/clip_frac",
-        "ppo/dual_clip_frac", "ppo/behavior_weight_capped_frac", "ppo/importance_weight_mean",
-        "ppo/importance_weight_max", "ppo/approx_kl",
+        "ppo/loss",
+        "ppo/num_valid_tokens",
+        "ppo/num_loss_tokens",
+        "ppo/clip_frac",
+        "ppo/dual_clip_frac",
+        "ppo/behavior_weight_capped_frac",
+        "ppo/importance_weight_mean",
+        "ppo/importance_weight_max",
+        "ppo/approx_kl",
     }
     assert stats.keys() == expected
     assert all(v.ndim == 0 and not v.requires_grad for v in stats.values())

@@ -45,7 +45,8 @@ def test_layout_concatenates_sequences_and_indexes_the_predicting_positions():
 
 def test_per_sequence_fields_broadcast_and_per_token_fields_concatenate():
     [packed] = pack_sequences(
-        PROMPTS, OUTPUTS,
+        PROMPTS,
+        OUTPUTS,
         behavior_logprobs=[[-1.0, -2.0], [-3.0, -4.0, -5.0, -6.0], [-7.0]],
         versions=[[0, 1], [1, 1, 1, 2], [3]],
         advantages=[0.5, -1.0, 2.0],

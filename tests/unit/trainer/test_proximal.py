@@ -77,8 +77,6 @@ def test_fresh_tokens_get_unit_behavior_weight_in_decoupled_ppo():
     logp = behav + torch.tensor([1.1, 0.9]).log()
     alpha = loglinear_alpha(torch.tensor([4, 4]), proximal_version=4, current_version=5)
     prox = loglinear_proximal_logprobs(behav, logp, alpha)
-    loss, stats = decoupled_ppo_loss(
-        logp, prox, behav, torch.tensor([1.0, -1.0]), torch.ones(2, dtype=torch.bool), eps_clip=0.2
-    )
+    loss, stats = decoupled_ppo_loss(logp, prox, behav, torch.tensor([1.0, -1.0]), torch.ones(2, dtype=torch.bool), eps_clip=0.2)
     torch.testing.assert_close(loss, torch.tensor(-0.1), **TOL)
     torch.testing.assert_close(stats["ppo/importance_weight_max"], torch.tensor(1.0), **TOL)

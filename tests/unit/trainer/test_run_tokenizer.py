@@ -32,8 +32,14 @@ def _auto(directory: pathlib.Path):
 def _run_config(tmp_path: pathlib.Path, **rollout) -> RunConfig:
     data = tmp_path / "rows.jsonl"
     data.write_text('{"prompt": "What is 2 times 3?", "answer": "6"}\n')
-    return RunConfig(run_dir=str(tmp_path / "run"), rollout={
-        "dataset": {"train_files": [str(data)], "default_domain": "math"}, "rewards": {"math": {"kind": "math"}}, **rollout})
+    return RunConfig(
+        run_dir=str(tmp_path / "run"),
+        rollout={
+            "dataset": {"train_files": [str(data)], "default_domain": "math"},
+            "rewards": {"math": {"kind": "math"}},
+            **rollout,
+        },
+    )
 
 
 def test_export_tokenizer_prefers_the_runs_tokenizer_then_the_models_then_the_characters(tmp_path):
@@ -56,8 +62,9 @@ def test_export_tokenizer_prefers_the_runs_tokenizer_then_the_models_then_the_ch
 def test_the_loop_exports_the_configured_tokenizer_not_the_character_one(tmp_path):
     tok = save_bpe_tokenizer(tmp_path / "tok")
     vocab = len(_auto(tok))
-    config = TrainerConfig(run_dir=str(tmp_path / "run"), num_samples=4, num_steps=1, model={"vocab_size": vocab},
-                           tokenizer=str(tok))
+    config = TrainerConfig(
+        run_dir=str(tmp_path / "run"), num_samples=4, num_steps=1, model={"vocab_size": vocab}, tokenizer=str(tok)
+    )
     size_for_tokenizer(config)
     student = build_student(config.model)
     Trainer(config, FakeStore(), model=student).run()

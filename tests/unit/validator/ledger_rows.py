@@ -23,10 +23,23 @@ def connect() -> duckdb.DuckDBPyConnection:
 
 
 def traj(tid: str, **fields) -> dict:
-    t = {"trajectory_id": tid, "session_id": "s", "group_id": "", "group_size": 1, "request_id": f"r-{tid}",
-         "consumed": True, "model_id": "m", "prompt_token_ids": [1], "output_token_ids": [2, 3],
-         "output_logprobs": [-0.1, -0.2], "output_versions": [0, 0], "temperature": 1.0, "top_p": 1.0,
-         "reward": 1.0, "created_at": T0}
+    t = {
+        "trajectory_id": tid,
+        "session_id": "s",
+        "group_id": "",
+        "group_size": 1,
+        "request_id": f"r-{tid}",
+        "consumed": True,
+        "model_id": "m",
+        "prompt_token_ids": [1],
+        "output_token_ids": [2, 3],
+        "output_logprobs": [-0.1, -0.2],
+        "output_versions": [0, 0],
+        "temperature": 1.0,
+        "top_p": 1.0,
+        "reward": 1.0,
+        "created_at": T0,
+    }
     t.update(fields)
     return t
 
@@ -46,10 +59,19 @@ def rejected(con) -> dict[str, str]:
     return dict(con.execute("SELECT trajectory_id, reason FROM rejections").fetchall())
 
 
-def pull(con, *, now: float, version: int = 0, eta: int = 10, n: int = 100, lease_s: float = 5.0,
-         config: ValidatorConfig | None = None):
-    req = pb.PullBatchRequest(trainer_id="t", trainer_version=version, max_staleness=eta, num_samples=n, num_groups=0,
-                      step=0, model_id="m", lease_seconds=lease_s)
+def pull(
+    con, *, now: float, version: int = 0, eta: int = 10, n: int = 100, lease_s: float = 5.0, config: ValidatorConfig | None = None
+):
+    req = pb.PullBatchRequest(
+        trainer_id="t",
+        trainer_version=version,
+        max_staleness=eta,
+        num_samples=n,
+        num_groups=0,
+        step=0,
+        model_id="m",
+        lease_seconds=lease_s,
+    )
     return lease_batch(con, req, config or ValidatorConfig(), now)
 
 

@@ -71,21 +71,36 @@ def trajectories(draw) -> pb.Trajectory:
     lp = st.floats(-20, 0, width=32) if draw(st.booleans()) else float32s | st.sampled_from([-9999.0, 1e-5, 2e-4])
     logprobs = draw(st.lists(lp, min_size=lengths[1], max_size=lengths[1]))
     plausible_versions = draw(st.booleans())
-    versions = draw(st.lists(small_versions if plausible_versions else small_versions | any_version,
-                             min_size=lengths[2], max_size=lengths[2]))
+    versions = draw(
+        st.lists(small_versions if plausible_versions else small_versions | any_version, min_size=lengths[2], max_size=lengths[2])
+    )
     if plausible_versions:
         versions.sort()
     msg = pb.Trajectory(
-        trajectory_id=draw(st.text(min_size=1, max_size=40) | ids), session_id=draw(ids), group_id=draw(ids),
-        request_id=draw(ids), group_size=draw(st.integers(*UINT32)), attempt=draw(st.integers(*UINT32)),
-        consumed=draw(st.booleans()), task_id=draw(ids), domain=draw(ids),
+        trajectory_id=draw(st.text(min_size=1, max_size=40) | ids),
+        session_id=draw(ids),
+        group_id=draw(ids),
+        request_id=draw(ids),
+        group_size=draw(st.integers(*UINT32)),
+        attempt=draw(st.integers(*UINT32)),
+        consumed=draw(st.booleans()),
+        task_id=draw(ids),
+        domain=draw(ids),
         model_id=draw(st.sampled_from(["tiny", "big", "unknown", ""]) | ids),
-        prompt_token_ids=draw(token_lists()), output_token_ids=tokens, output_logprobs=logprobs,
-        output_versions=versions, finish_reason=draw(ids), worker_id=draw(ids),
+        prompt_token_ids=draw(token_lists()),
+        output_token_ids=tokens,
+        output_logprobs=logprobs,
+        output_versions=versions,
+        finish_reason=draw(ids),
+        worker_id=draw(ids),
         created_at=draw(st.floats(allow_nan=True, allow_infinity=True)),
     )
-    for name, strategy in (("temperature", float32s), ("top_p", float32s), ("top_k", st.integers(*INT32)),
-                           ("reward", st.floats())):
+    for name, strategy in (
+        ("temperature", float32s),
+        ("top_p", float32s),
+        ("top_k", st.integers(*INT32)),
+        ("reward", st.floats()),
+    ):
         if draw(st.integers(0, 3)):  # set three times in four
             setattr(msg, name, draw(strategy))
     return msg
@@ -105,21 +120,33 @@ def near_valid_for(draw, registry: FakeRegistry) -> pb.Trajectory:
     vocab, published = registry.vocab["tiny"], registry.versions["tiny"]
     n = draw(st.integers(1, 30))
     msg = pb.Trajectory(
-        trajectory_id=draw(st.text(min_size=1, max_size=20)), model_id="tiny",
+        trajectory_id=draw(st.text(min_size=1, max_size=20)),
+        model_id="tiny",
         prompt_token_ids=draw(st.lists(st.integers(0, vocab - 1), max_size=10)),
         output_token_ids=draw(st.lists(st.integers(0, vocab - 1), min_size=n, max_size=n)),
         output_logprobs=draw(st.lists(st.floats(-30, 0, width=32), min_size=n, max_size=n)),
         output_versions=sorted(draw(st.lists(st.sampled_from(published), min_size=n, max_size=n))),
-        temperature=draw(st.floats(0, 2, width=32)), top_p=draw(st.floats(0, 1, width=32, exclude_min=True)),
-        reward=draw(st.floats(-1e6, 1e6)), group_size=draw(st.integers(0, 8)),
+        temperature=draw(st.floats(0, 2, width=32)),
+        top_p=draw(st.floats(0, 1, width=32, exclude_min=True)),
+        reward=draw(st.floats(-1e6, 1e6)),
+        group_size=draw(st.integers(0, 8)),
     )
     wild = {
-        "trajectory_id": ids, "group_id": ids, "model_id": st.sampled_from(["tiny", "other", ""]),
-        "prompt_token_ids": token_lists(), "output_token_ids": token_lists(),
+        "trajectory_id": ids,
+        "group_id": ids,
+        "model_id": st.sampled_from(["tiny", "other", ""]),
+        "prompt_token_ids": token_lists(),
+        "output_token_ids": token_lists(),
         "output_logprobs": st.lists(float32s | st.sampled_from([-9999.0, 1e-5, 2e-4]), max_size=30),
-        "output_versions": st.lists(small_versions | any_version, max_size=30), "reward": st.floats(),
-        "temperature": st.none() | float32s, "top_p": st.none() | float32s, "top_k": st.integers(*INT32),
-        "created_at": st.floats(), "group_size": st.integers(*UINT32), "finish_reason": ids, "task_id": ids,
+        "output_versions": st.lists(small_versions | any_version, max_size=30),
+        "reward": st.floats(),
+        "temperature": st.none() | float32s,
+        "top_p": st.none() | float32s,
+        "top_k": st.integers(*INT32),
+        "created_at": st.floats(),
+        "group_size": st.integers(*UINT32),
+        "finish_reason": ids,
+        "task_id": ids,
     }
     for name in draw(st.lists(st.sampled_from(sorted(wild)), max_size=3, unique=True)):
         value = draw(wild[name])
@@ -141,8 +168,9 @@ def near_valid(draw) -> tuple[pb.Trajectory, FakeRegistry]:
 registries = st.builds(
     FakeRegistry,
     vocab=st.dictionaries(st.sampled_from(["tiny", "big", ""]), st.integers(1, 100), max_size=3),
-    versions=st.dictionaries(st.sampled_from(["tiny", "big", ""]), st.lists(small_versions | any_version, max_size=6),
-                             max_size=3),
+    versions=st.dictionaries(
+        st.sampled_from(["tiny", "big", ""]), st.lists(small_versions | any_version, max_size=6), max_size=3
+    ),
 )
 configs = st.builds(
     IngestConfig,
@@ -216,8 +244,17 @@ REGISTRY = FakeRegistry(vocab={"tiny": 64}, versions={"tiny": [0, 1, 3]})
 
 
 def _valid(n: int) -> pb.Trajectory:
-    return pb.Trajectory(trajectory_id="t", model_id="tiny", prompt_token_ids=[1, 2], output_token_ids=[5] * n,
-                         output_logprobs=[-0.5] * n, output_versions=[0] * n, temperature=1.0, top_p=1.0, reward=0.5)
+    return pb.Trajectory(
+        trajectory_id="t",
+        model_id="tiny",
+        prompt_token_ids=[1, 2],
+        output_token_ids=[5] * n,
+        output_logprobs=[-0.5] * n,
+        output_versions=[0] * n,
+        temperature=1.0,
+        top_p=1.0,
+        reward=0.5,
+    )
 
 
 def _set(name: str, value):
@@ -231,14 +268,17 @@ def _clear(*names: str):
 def _put(name: str, value):
     def put(m, i):
         getattr(m, name)[i] = value
+
     return put
 
 
 def _versions_from(value: int):
     """output_versions[i:] = value (stays non-decreasing for value >= 0)."""
+
     def put(m, i):
         v = list(m.output_versions)
         m.output_versions[:] = v[:i] + [value] * (len(v) - i)
+
     return put
 
 
@@ -276,8 +316,7 @@ BREAKS = {
 
 
 def test_every_ingest_code_has_a_break():
-    assert set(BREAKS) == set(Reason) - {Reason.RETRY_ORPHAN, Reason.INCOMPLETE_GROUP, Reason.STALE,
-                                          Reason.SINGLETON_DROPPED}
+    assert set(BREAKS) == set(Reason) - {Reason.RETRY_ORPHAN, Reason.INCOMPLETE_GROUP, Reason.STALE, Reason.SINGLETON_DROPPED}
 
 
 @pytest.mark.parametrize("code", sorted(BREAKS))

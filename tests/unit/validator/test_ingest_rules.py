@@ -40,8 +40,17 @@ REGISTRY = FakeRegistry()
 
 
 def minimal(**fields) -> dict:
-    t = dict(trajectory_id="t", model_id="m", prompt_token_ids=[1, 2], output_token_ids=[3, 4, 5],
-             output_logprobs=[-0.1, -0.2, -0.3], output_versions=[0, 1, 1], temperature=1.0, top_p=1.0, reward=1.0)
+    t = dict(
+        trajectory_id="t",
+        model_id="m",
+        prompt_token_ids=[1, 2],
+        output_token_ids=[3, 4, 5],
+        output_logprobs=[-0.1, -0.2, -0.3],
+        output_versions=[0, 1, 1],
+        temperature=1.0,
+        top_p=1.0,
+        reward=1.0,
+    )
     t.update(fields)
     return t
 
@@ -119,21 +128,37 @@ def test_breaking_one_rule_gets_exactly_its_code(code, overrides):
     assert got[1], "the detail explains the code"
 
 
-@pytest.mark.parametrize("overrides", [
-    dict(output_logprobs=[-0.1, 5e-5, 0.0]),            # within the rounding tolerance
-    dict(output_versions=[0, 0, 0]),
-    dict(output_versions=[3, 3, 3]),                    # the latest published version
-    dict(model_id="gappy", output_versions=[0, 2, 2]),  # mixed versions, all published
-    dict(prompt_token_ids=[]),
-    dict(reward=None),                                  # reward may arrive later
-    dict(output_token_ids=[0, VOCAB - 1, 5], prompt_token_ids=[VOCAB - 1]),
-    dict(trajectory_id="t" * 16, session_id="s" * 16),  # at the id length limit
-    dict(task_id="t" * 16, worker_id="w" * 16, domain="d" * 16, finish_reason="f" * 16),
-    dict(temperature=0.0, top_p=1.0, top_k=-1),         # greedy
-    dict(top_k=0, reward=1e6, created_at=1.7e9, group_size=65_536),
-    dict(output_token_ids=[3] * 8, output_logprobs=[-0.1] * 8, output_versions=[0] * 8),  # at the token limit
-], ids=["tiny-positive", "one-version", "latest-version", "mixed-published", "no-prompt", "no-reward",
-        "vocab-edges", "id-at-limit", "strings-at-limit", "greedy", "scalars-at-limit", "output-at-limit"])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        dict(output_logprobs=[-0.1, 5e-5, 0.0]),  # within the rounding tolerance
+        dict(output_versions=[0, 0, 0]),
+        dict(output_versions=[3, 3, 3]),  # the latest published version
+        dict(model_id="gappy", output_versions=[0, 2, 2]),  # mixed versions, all published
+        dict(prompt_token_ids=[]),
+        dict(reward=None),  # reward may arrive later
+        dict(output_token_ids=[0, VOCAB - 1, 5], prompt_token_ids=[VOCAB - 1]),
+        dict(trajectory_id="t" * 16, session_id="s" * 16),  # at the id length limit
+        dict(task_id="t" * 16, worker_id="w" * 16, domain="d" * 16, finish_reason="f" * 16),
+        dict(temperature=0.0, top_p=1.0, top_k=-1),  # greedy
+        dict(top_k=0, reward=1e6, created_at=1.7e9, group_size=65_536),
+        dict(output_token_ids=[3] * 8, output_logprobs=[-0.1] * 8, output_versions=[0] * 8),  # at the token limit
+    ],
+    ids=[
+        "tiny-positive",
+        "one-version",
+        "latest-version",
+        "mixed-published",
+        "no-prompt",
+        "no-reward",
+        "vocab-edges",
+        "id-at-limit",
+        "strings-at-limit",
+        "greedy",
+        "scalars-at-limit",
+        "output-at-limit",
+    ],
+)
 def test_edges_that_stay_legal(overrides):
     assert verdict(minimal(**overrides)) is None
 
@@ -157,7 +182,9 @@ def test_check_batch_matches_check_on_every_case_mixed_with_valid_rows():
     for i, (_, overrides) in enumerate(CASES.values()):
         dicts += [minimal(trajectory_id=f"ok{i}"), minimal(**overrides)]
     msgs = [trajectory_from_dict(d) for d in dicts]
-    assert ingest.check_batch(decode_messages(msgs), REGISTRY, CONFIG) == [ingest.check(decode(m), REGISTRY, CONFIG) for m in msgs]
+    assert ingest.check_batch(decode_messages(msgs), REGISTRY, CONFIG) == [
+        ingest.check(decode(m), REGISTRY, CONFIG) for m in msgs
+    ]
 
 
 _mutation = st.sampled_from([{}] * 3 + [o for _, o in CASES.values()])
@@ -171,7 +198,9 @@ def test_check_batch_matches_check_on_random_batches(specs):
         t = minimal(output_token_ids=list(range(n)), output_logprobs=[-0.5] * n, output_versions=[v] * n)
         t.update(mutation)
         msgs.append(trajectory_from_dict(t))
-    assert ingest.check_batch(decode_messages(msgs), REGISTRY, CONFIG) == [ingest.check(decode(m), REGISTRY, CONFIG) for m in msgs]
+    assert ingest.check_batch(decode_messages(msgs), REGISTRY, CONFIG) == [
+        ingest.check(decode(m), REGISTRY, CONFIG) for m in msgs
+    ]
 
 
 def test_check_batch_flags_negative_and_out_of_vocab_prompt_tokens_like_check():
@@ -189,10 +218,29 @@ def test_check_batch_flags_negative_and_out_of_vocab_prompt_tokens_like_check():
             return VersionSet(np.array([0], dtype=np.int64))
 
     prompts = [[], [-1], [5, -1], [1, 2], [150], [], [99]]
-    msgs = [trajectory_from_dict(dict(
-        trajectory_id=f"p{i}", model_id="m", prompt_token_ids=p, output_token_ids=[1], output_logprobs=[-1.0],
-        output_versions=[0], temperature=1.0, top_p=1.0)) for i, p in enumerate(prompts)]
+    msgs = [
+        trajectory_from_dict(
+            dict(
+                trajectory_id=f"p{i}",
+                model_id="m",
+                prompt_token_ids=p,
+                output_token_ids=[1],
+                output_logprobs=[-1.0],
+                output_versions=[0],
+                temperature=1.0,
+                top_p=1.0,
+            )
+        )
+        for i, p in enumerate(prompts)
+    ]
     expected = [check(decode(m), Registry(), IngestConfig()) for m in msgs]
     assert check_batch(decode_messages(msgs), Registry(), IngestConfig()) == expected
-    assert [v[0] if v else None for v in expected] == [None, "INVALID_TOKEN_ID", "INVALID_TOKEN_ID", None,
-                                                      "TOKEN_OUT_OF_VOCAB", None, None]
+    assert [v[0] if v else None for v in expected] == [
+        None,
+        "INVALID_TOKEN_ID",
+        "INVALID_TOKEN_ID",
+        None,
+        "TOKEN_OUT_OF_VOCAB",
+        None,
+        None,
+    ]

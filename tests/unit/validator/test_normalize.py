@@ -34,9 +34,7 @@ def _std(values: list[float], unbiased: bool) -> float:
     return math.sqrt(math.fsum((v - mean) ** 2 for v in values) / (n - ddof)) if n > ddof else 0.0
 
 
-def reference(
-    rewards: list[float], ids: list[str], cfg: NormConfig
-) -> tuple[list[float], list[bool], list[float]]:
+def reference(rewards: list[float], ids: list[str], cfg: NormConfig) -> tuple[list[float], list[bool], list[float]]:
     """Returns (normalized, dropped, tolerance per row); tolerance grows with the row's condition number."""
     n_rows = len(rewards)
     out, dropped, tol = list(rewards), [False] * n_rows, [0.0] * n_rows
@@ -285,9 +283,7 @@ def test_input_and_original_are_never_changed(batch: Batch, cfg: NormConfig) -> 
 @quiet
 @PROPERTY
 @given(batch=batches(), cfg=configs, data=st.data())
-def test_permuting_rows_permutes_the_output_bit_for_bit(
-    batch: Batch, cfg: NormConfig, data: st.DataObject
-) -> None:
+def test_permuting_rows_permutes_the_output_bit_for_bit(batch: Batch, cfg: NormConfig, data: st.DataObject) -> None:
     rewards, ids = batch
     perm = np.array(data.draw(st.permutations(range(len(ids)))))
     result = normalize_rewards(rewards, ids, cfg)

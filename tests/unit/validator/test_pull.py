@@ -31,8 +31,16 @@ def test_pull_serves_whole_groups_oldest_first_within_num_samples(con):
 
 def test_a_pull_must_name_its_model_and_trainer(con):
     for missing in ("model_id", "trainer_id"):
-        req = pb.PullBatchRequest(trainer_id="t", trainer_version=0, max_staleness=0, num_samples=1, num_groups=0, step=0,
-                          model_id="m", lease_seconds=1.0)
+        req = pb.PullBatchRequest(
+            trainer_id="t",
+            trainer_version=0,
+            max_staleness=0,
+            num_samples=1,
+            num_groups=0,
+            step=0,
+            model_id="m",
+            lease_seconds=1.0,
+        )
         setattr(req, missing, "")
         with pytest.raises(InvalidPull, match=missing):
             lease_batch(con, req, ValidatorConfig(), T0)
