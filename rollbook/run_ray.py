@@ -243,6 +243,7 @@ def run_ray(config: RunConfig, address: str, keys: dict) -> dict:
                 model=config.trainer.model,
                 rollout=rollout,
                 batch_size=max(per_worker, rollout.group_size),
+                version_share=1 / rc.num_workers,  # the trainer's announced num_samples, split over the actors
                 spool_dir=str(run_dir / f"spool-{i}"),
                 max_idle_s=0,
             )
@@ -257,7 +258,7 @@ def run_ray(config: RunConfig, address: str, keys: dict) -> dict:
                 options["resources"] = rc.worker_resources[i % len(rc.worker_resources)]
             workers.append(rollout_cls.options(**options).remote(wcfg))
         ray.get([w.where.remote() for w in workers])  # constructed: imports done, polling for weights
-        ranks, _ = _start_ranks(trainer_cls, config, weight_port, attempt=0)
+        ranks, trainer_node_ids = _start_ranks(trainer_cls, config, weight_port, attempt=0)
         attempts = 0
         while True:
             try:
@@ -278,9 +279,9 @@ def run_ray(config: RunConfig, address: str, keys: dict) -> dict:
                 log.warning(
                     "a trainer rank failed (%s); starting the group again from the last checkpoint", str(exc).splitlines()[0]
                 )
-                ranks, _ = _start_ranks(trainer_cls, config, weight_port, attempt=attempts)
+                ranks, trainer_node_ids = _start_ranks(trainer_cls, config, weight_port, attempt=attempts)
         summary["workers"] = [_stop_worker(w) for w in workers]
-        summary["trainer_node_ids"] = [info["node_id"] for info in ray.get([a.where.remote() for a, _ in ranks])]
+        summary["trainer_node_ids"] = trainer_node_ids
         return summary
     finally:
         for w in workers:
@@ -304,9 +305,10 @@ def _stop_worker(worker) -> dict:
 
 
 def _start_ranks(trainer_cls, config: RunConfig, weight_port: int, attempt: int):
-    """The trainer group's actors (named ``rollbook-trainer-RANK-RUNDIR-ATTEMPT``) and their ``run``
-    refs; rank 0's weight server on ``weight_port`` (kept across restarts so the rollout actors keep
-    fetching from the same address)."""
+    """The trainer group's actors (named ``rollbook-trainer-RANK-RUNDIR-ATTEMPT``) with their ``run``
+    refs, and the node id of each rank (asked before ``run`` starts: a rank may die after the last
+    step, and an actor answers nothing else while ``run`` holds it); rank 0's weight server on
+    ``weight_port`` (kept across restarts so the rollout actors keep fetching from the same address)."""
     import ray
 
     rc = config.ray
@@ -319,11 +321,12 @@ def _start_ranks(trainer_cls, config: RunConfig, weight_port: int, attempt: int)
         trainer_cls.options(**options, name=f"rollbook-trainer-{rank}-{name}-{attempt}").remote(config, rank, world)
         for rank in range(world)
     ]
-    head = ray.get(actors[0].where.remote())
+    infos = ray.get([a.where.remote() for a in actors])
+    head = infos[0]
     init_method = f"tcp://{head['ip']}:{head['rendezvous_port']}"
     weight_server = f"{rc.weight_host}:{weight_port}"
     refs = [a.run.remote(init_method, weight_server) for a in actors]
-    return list(zip(actors, refs, strict=True)), weight_server
+    return list(zip(actors, refs, strict=True)), [info["node_id"] for info in infos]
 
 
 def _kill(ranks, pause_s: float = 1.0) -> None:

@@ -19,6 +19,7 @@ none published yet).
 from __future__ import annotations
 
 import logging
+import math
 import pathlib
 import signal
 import threading
@@ -52,6 +53,14 @@ class WorkerConfig(BaseModel):
         ge=1,
         description="The trainer's samples per version (the staleness gate's batch); "
         "replaced by the trainer's num_samples once it announces it through the store.",
+    )
+    version_share: float = Field(
+        1.0,
+        gt=0,
+        le=1,
+        description="This worker's share of each version's samples when several workers feed one trainer: the gate "
+        "admits ceil(version_share x the trainer's num_samples) per version (at least one group). The ray placement "
+        "sets 1/num_workers; 1 = this worker alone may fill a batch.",
     )
     spool_dir: str = Field("runs/default/spool", description="Local spool for trajectories while the store is unreachable.")
     spool_max_bytes: int = Field(256 << 20, ge=1 << 16, description="Spool bound; admission stops when it is full.")
@@ -233,7 +242,11 @@ class TrainerContract:
             )
             return self.announced is not None
         eta = self.config.rollout.max_staleness if info.max_staleness is None else info.max_staleness
-        batch = info.samples_per_version or self.config.batch_size
+        if info.samples_per_version:
+            share = math.ceil(info.samples_per_version * self.config.version_share)
+            batch = max(share, self.config.rollout.group_size)
+        else:
+            batch = self.config.batch_size
         if (eta, batch) != self.announced:
             own = (self.config.rollout.max_staleness, self.config.batch_size)
             if (eta, batch) != own or self.announced is not None:

@@ -216,7 +216,14 @@ class NetworkReceiver:
     def __init__(self, target: str, *, timeout_s: float = 120.0, tls: "ClientTLS | None" = None) -> None:
         from rollbook.tls import channel
 
-        options: list[tuple[str, object]] = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+        options: list[tuple[str, object]] = [
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            # A worker often starts before the trainer serves: gRPC's reconnect backoff would grow
+            # toward 120 s and leave it on no weights long after the server is up; keep it short.
+            ("grpc.initial_reconnect_backoff_ms", 200),
+            ("grpc.min_reconnect_backoff_ms", 200),
+            ("grpc.max_reconnect_backoff_ms", 2000),
+        ]
         self._channel = channel(target, tls, options)
         self._stub = weights_pb2_grpc.WeightServiceStub(self._channel)
         self._timeout_s = timeout_s

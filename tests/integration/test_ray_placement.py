@@ -138,7 +138,7 @@ def test_a_killed_rollout_actor_and_a_killed_trainer_rank_lose_and_repeat_nothin
 
     from rollbook.run import run
 
-    steps = 6
+    steps = 12  # the rank is killed after step 3: nine steps left, so the kill lands mid-run
     config = small_config(tmp_path / "run")
     config.num_steps = config.trainer.num_steps = steps
     config.trainer.lease_seconds = 5.0  # the failed step's lease comes back soon

@@ -101,3 +101,16 @@ def test_nothing_announced_yet_keeps_the_workers_bound_and_the_start_waits_for_i
     contract.wait_for_announcement(threading.Event(), timeout_s=30)
     timer.join()
     assert (gate.max_staleness, gate.batch_size) == (1, 8) and contract.announced == (1, 8)
+
+
+def test_a_worker_sharing_the_trainer_admits_its_share_of_each_version():
+    """Two workers feeding one trainer of 16 samples per version (the ray placement): each gates on 8,
+    so neither can fill a batch alone and leave the other idle; never below one group."""
+    config = WorkerConfig(weights="shm:x", batch_size=8, version_share=0.5, rollout={"max_staleness": 0, "group_size": 4})
+    gate = StalenessGate(0, 8)
+    assert TrainerContract(FakeStore(_info(0, 16)), config, gate).refresh(0)
+    assert (gate.max_staleness, gate.batch_size) == (0, 8)
+    small = WorkerConfig(weights="shm:x", batch_size=4, version_share=0.25, rollout={"max_staleness": 0, "group_size": 4})
+    gate = StalenessGate(0, 4)
+    assert TrainerContract(FakeStore(_info(0, 8)), small, gate).refresh(0)
+    assert gate.batch_size == 4  # ceil(8 / 4) = 2 is below a group of 4
