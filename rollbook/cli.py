@@ -453,7 +453,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     from rollbook import env
+    from rollbook.lifetime import tie_to_parent
 
+    tie_to_parent()  # a child of `rollbook run` stops when it dies, even by SIGKILL
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra and not getattr(args, "takes_overrides", False):

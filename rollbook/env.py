@@ -15,6 +15,8 @@
 ``ROLLBOOK_TLS_CLIENT_KEY``     client: PEM key of ``ROLLBOOK_TLS_CLIENT_CERT``
 ``ROLLBOOK_TLS_SERVER_NAME``    client: the name checked in the server's certificate
 ``ROLLBOOK_BENCH_NOVALIDATE``   ``1``: the store skips the evidence rules (benchmarks only)
+``ROLLBOOK_PARENT_PID``         set by ``rollbook run`` in its children: they stop when it dies
+                                (rollbook/lifetime.py); not for users to set
 ``ROLLBOOK_QUERY_<FIELD>``      store: any ``query_*`` field of ``StoreConfig`` (SQL sandbox limits,
                                 docs/sql.md), e.g. ``ROLLBOOK_QUERY_TIMEOUT_S=5``
 ==============================  ===================================================================
@@ -42,6 +44,7 @@ VARIABLES = (
     "ROLLBOOK_TLS_CLIENT_KEY",
     "ROLLBOOK_TLS_SERVER_NAME",
     "ROLLBOOK_BENCH_NOVALIDATE",
+    "ROLLBOOK_PARENT_PID",
 )
 
 

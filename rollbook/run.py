@@ -33,6 +33,7 @@ import threading
 from rollbook import env as rollbook_env
 from rollbook.config import RunConfig, write_resolved
 from rollbook.errors import CommandError
+from rollbook.lifetime import child_env
 from rollbook.run_support import MetricsLog, check_inputs, heldout_text, install_weights, step_line, steps_done
 
 log = logging.getLogger("rollbook.run")
@@ -86,7 +87,7 @@ class StoreProcess:
         if tls is not None:
             args += ["--tls-cert", tls.cert, "--tls-key", tls.key] + (["--tls-client-ca", tls.client_ca] if tls.client_ca else [])
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "rollbook.cli", "serve", *args], stdout=subprocess.PIPE, text=True, env=env
+            [sys.executable, "-m", "rollbook.cli", "serve", *args], stdout=subprocess.PIPE, text=True, env=child_env(env)
         )
         line = self.proc.stdout.readline().strip()
         if not line.startswith("listening on "):

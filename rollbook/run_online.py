@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Literal
 from rollbook import env as rollbook_env
 from rollbook.config import OnlineConfig, RunConfig
 from rollbook.errors import CommandError
+from rollbook.lifetime import child_env
 from rollbook.run_support import MetricsLog, heldout_text, install_weights, step_line
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -128,7 +129,7 @@ class ProxyProcess:
             [sys.executable, "-m", "rollbook.cli", "proxy", "--config", str(config_path), "--log-level", "WARNING"],
             stdout=subprocess.PIPE,
             text=True,
-            env=env,
+            env=child_env(env),
         )
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline().strip()
@@ -204,6 +205,8 @@ def run_online(config: RunConfig, client, address: str, keys: dict) -> dict:
     agent_proc = subprocess.Popen(
         [
             sys.executable,
+            "-m",
+            "rollbook.lifetime",  # the agent stops with this process, even when it is SIGKILLed
             str(agent),
             "--proxy",
             proxy.url,
@@ -228,7 +231,7 @@ def run_online(config: RunConfig, client, address: str, keys: dict) -> dict:
         ],
         stdout=agent_log,
         stderr=subprocess.STDOUT,
-        env=agent_env,
+        env=child_env(agent_env),
     )
     print(
         f"agent: {agent} (pid {agent_proc.pid}), {online.concurrency} x {online.group_size} sessions at once, "

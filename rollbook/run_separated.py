@@ -14,6 +14,7 @@ import uuid
 
 from rollbook import env as rollbook_env
 from rollbook.config import RunConfig
+from rollbook.lifetime import child_env
 from rollbook.run_support import MetricsLog, heldout_text, install_weights, step_line
 
 
@@ -52,7 +53,7 @@ def run_separated(config: RunConfig, client, address: str, keys: dict) -> dict:
     path = write_worker_config(worker_cfg, run_dir / "worker.json")
     worker = subprocess.Popen(
         [sys.executable, "-m", "rollbook.cli", "rollout", "--config", str(path)],
-        env=rollbook_env.with_keys(dict(os.environ), {"worker_key": keys["worker_key"]}),
+        env=child_env(rollbook_env.with_keys(dict(os.environ), {"worker_key": keys["worker_key"]})),
     )  # the worker role only
     try:
         first = {"step": trainer.state.step, **judge.evaluate()}

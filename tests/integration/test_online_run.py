@@ -90,6 +90,7 @@ def test_online_run_trains_on_the_agents_sessions(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)  # three runs of ~3 min on a quiet machine (531 s in all): 600 s fails a loaded one
 def test_online_run_raises_the_agents_heldout_reward(tmp_path):
     gains, report = [], []
     for seed in SEEDS:

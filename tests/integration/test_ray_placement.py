@@ -179,6 +179,7 @@ def test_a_killed_rollout_actor_and_a_killed_trainer_rank_lose_and_repeat_nothin
 LEARNING_SEEDS = (0, 1, 2)
 
 
+@pytest.mark.timeout(2400)  # three runs, each ~3 min on a quiet machine; pytest's 600 s default fails a loaded one
 def test_ray_placement_with_two_ranks_raises_heldout_and_training_reward_over_seeds(tmp_path):
     """Acceptance 1 and 2 ("learns"): the quick-start workload under ``--placement ray`` (a local Ray
     instance, two rollout actors, two gloo trainer ranks), 30 steps per seed. As in test_learning.py,

@@ -1,5 +1,6 @@
-"""``rollbook run`` stopped with SIGTERM (``kill PID``, a scheduler's cancel) takes its children with it:
-the ``rollbook serve`` it started does not live on as an orphan holding the ledger and its port.
+"""``rollbook run`` stopped with SIGTERM (``kill PID``, a scheduler's cancel) or killed with SIGKILL (the
+OOM killer, a timeout) takes its children with it: the ``rollbook serve`` it started does not live
+on as an orphan holding the ledger and its port, nor does a script it runs (rollbook/lifetime.py).
 
 Run: ``python -m pytest tests/integration/test_run_signals.py -q``.
 """
@@ -36,8 +37,9 @@ def _alive(pid: int) -> bool:
     return state != "Z"  # a zombie has exited; its parent has not reaped it yet
 
 
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
 @pytest.mark.parametrize("placement", ["colocated", "separated"])
-def test_sigterm_stops_the_run_and_the_processes_it_started(tmp_path, placement):
+def test_a_signal_stops_the_run_and_the_processes_it_started(tmp_path, placement, sig):
     env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLBOOK_")}
     proc = subprocess.Popen(
         [
@@ -75,7 +77,7 @@ def test_sigterm_stops_the_run_and_the_processes_it_started(tmp_path, placement)
             raise AssertionError("run ended before starting its store:\n" + "".join(seen))
         children = _children(proc.pid)
         assert children, "run started no child process"
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(sig)
         proc.wait(timeout=60)
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and any(_alive(c) for c in children):
@@ -89,3 +91,37 @@ def test_sigterm_stops_the_run_and_the_processes_it_started(tmp_path, placement)
         for c in children:  # an orphan left by a failing run must not outlive the test
             if _alive(c):
                 os.kill(c, signal.SIGKILL)
+
+
+def test_a_script_run_through_lifetime_stops_when_its_parent_is_killed(tmp_path):
+    """The online mode's agent path: ``python -m rollbook.lifetime SCRIPT`` started by a parent that
+    then dies by SIGKILL, with no chance to clean up."""
+    script = tmp_path / "sleeper.py"
+    script.write_text("import time\nprint('up', flush=True)\ntime.sleep(600)\n")
+    parent_code = (
+        "import os, subprocess, sys, time\n"
+        "from rollbook.lifetime import child_env\n"
+        f"c = subprocess.Popen([sys.executable, '-m', 'rollbook.lifetime', {str(script)!r}], env=child_env(dict(os.environ)), stdout=subprocess.PIPE, text=True)\n"
+        "assert c.stdout.readline() == 'up\\n'\n"
+        "print(c.pid, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLBOOK_")}
+    parent = subprocess.Popen([sys.executable, "-c", parent_code], stdout=subprocess.PIPE, text=True, env=env)
+    child = 0
+    try:
+        assert parent.stdout is not None
+        child = int(parent.stdout.readline())
+        assert _alive(child)
+        parent.kill()
+        parent.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and _alive(child):
+            time.sleep(0.2)
+        assert not _alive(child), "the script outlived its killed parent"
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait()
+        if child and _alive(child):
+            os.kill(child, signal.SIGKILL)

@@ -86,15 +86,22 @@ def _grads(model: torch.nn.Module) -> dict:
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def _assert_same(a: dict, b: dict) -> None:
+def _assert_same(a: dict, b: dict, lr: float = 1e-2) -> None:
     """Gradients (after the all-reduce and the clip) within float32 summation-order noise; parameters
-    within 1 % of one AdamW step (lr 1e-2): Adam's first step is about lr * sign(g), so a
-    near-zero gradient element may flip on summation-order noise alone. AdamW is blind to the
-    gradient's scale, so the gradients are the check of the loss normalization."""
+    within 1 % of one AdamW step wherever the gradient is clearly above that noise. Adam's first step
+    is ``lr * g / (|g| + eps)``: an element whose gradient is itself near the noise (|g| <= 1e-5)
+    may move anywhere in ``[-lr, lr]`` on summation order alone (seen: 2.5 % of lr under load), so
+    there the check is only Adam's bound. AdamW is blind to the gradient's scale, so the gradients are
+    the check of the loss normalization."""
     for name, tensor in a["grads"].items():
         torch.testing.assert_close(b["grads"][name], tensor, rtol=1e-4, atol=1e-7, msg=lambda m, n=name: f"grad {n}: {m}")
     for name, tensor in a["params"].items():
-        torch.testing.assert_close(b["params"][name], tensor, rtol=0, atol=1e-4 * 2, msg=lambda m, n=name: f"{n}: {m}")
+        grad = a["grads"].get(name)
+        determined = torch.ones_like(tensor, dtype=torch.bool) if grad is None else grad.abs() > 1e-5
+        torch.testing.assert_close(
+            b["params"][name][determined], tensor[determined], rtol=0, atol=lr * 1e-2, msg=lambda m, n=name: f"{n}: {m}"
+        )
+        assert float((b["params"][name] - tensor).abs().max()) <= 2 * lr * 1.001, name
 
 
 @pytest.mark.parametrize(
