@@ -41,6 +41,8 @@ placement:
 Not measured: the rollout side's fetch-and-load time per version, and Ray's object store as a
 weight channel (the ray placement uses the network channel; bench/weights.py compares channels).
 A loaded machine moves every timing; compare placements within one run, and read ``load_avg``.
+A run that fails (Ray may not start on a loaded machine) is reported with its ``error`` in the JSON and
+the table, the others are still measured, and the script exits non-zero.
 """
 
 from __future__ import annotations
@@ -293,8 +295,8 @@ COLUMNS = [  # (header, how to read it from a row)
     ("rejected", lambda r: r["rejected"]),
     ("held-out first", lambda r: _round(r["heldout_first"], 3)),
     ("held-out final", lambda r: _round(r["heldout_final"], 3)),
-    ("restart recovery s", lambda r: r["recovery"]["restart_recovery_s"] if r.get("recovery") else None),
-    ("exactly once", lambda r: r["recovery"]["exactly_once"] if r.get("recovery") else None),
+    ("restart recovery s", lambda r: (r["recovery"] or {}).get("restart_recovery_s")),
+    ("exactly once", lambda r: (r["recovery"] or {}).get("exactly_once")),
 ]
 
 
@@ -309,7 +311,11 @@ def _ray_and_driver(row: dict) -> str:
 
 def markdown(rows: list[dict], online: dict | None) -> str:
     lines = ["| " + " | ".join(h for h, _ in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    lines += ["| " + " | ".join(str(get(r)) for _, get in COLUMNS) + " |" for r in rows]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['placement']} | failed: {_last_line(r['error'])} |")
+        else:
+            lines.append("| " + " | ".join(str(get(r)) for _, get in COLUMNS) + " |")
     if online:
         keys = ["completions_received", "attempts", "accepted_rows", "served_rows", "retry_orphans", "served_equals_experienced"]
         lines += ["", "| online: " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
@@ -333,8 +339,8 @@ def write_png(rows: list[dict], path: pathlib.Path) -> None:
         ),
         ("greedy held-out reward", [[r["heldout_first"] for r in rows], [r["heldout_final"] for r in rows]], ["before", "final"]),
     ]
-    if all(r.get("recovery") for r in rows):
-        panels.append(("restart recovery (s)", [[r["recovery"]["restart_recovery_s"] or 0 for r in rows]], [None]))
+    if any(r.get("restart_recovery_s") for r in rows):
+        panels.append(("restart recovery (s)", [[r.get("restart_recovery_s") or 0 for r in rows]], [None]))
     fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.4))
     for ax, (title, series, labels) in zip(axes, panels):
         width = 0.8 / len(series)
@@ -377,15 +383,15 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     load = [round(os.getloadavg()[0], 2)]
     student = warm_start(work, args)
-    rows = []
+    rows, failed = [], []
     for name in args.placements.split(","):
         print(f"[placement bench] {name}: {args.steps} steps", file=sys.stderr, flush=True)
-        row = measure(name, work, student, args)
+        row = _or_error(measure, (name, work, student, args), {"placement": name, "steps": args.steps}, failed)
         row["recovery"] = row["restart_recovery_s"] = None
         if recovery:
             print(f"[placement bench] {name}: kill and restart", file=sys.stderr, flush=True)
-            row["recovery"] = recover(name, work, student, args)
-            row["restart_recovery_s"] = row["recovery"]["restart_recovery_s"]
+            row["recovery"] = _or_error(recover, (name, work, student, args), {}, failed)
+            row["restart_recovery_s"] = row["recovery"].get("restart_recovery_s")
         rows.append(row)
     report: dict = {"placements": rows}
     if online:
@@ -396,13 +402,31 @@ def main() -> None:
     load.append(round(os.getloadavg()[0], 2))
     report["machine"] = {"cpus": os.cpu_count(), "load_avg_1m_start_end": load}
     if args.png:
-        write_png(rows, pathlib.Path(args.png))
+        write_png([r for r in rows if "error" not in r], pathlib.Path(args.png))
     table = markdown(rows, report.get("online"))
     if args.json:
         print(json.dumps(report))
         print(table, file=sys.stderr)
     else:
         print(table)
+    if failed:
+        raise SystemExit(f"{len(failed)} run(s) failed (their error is in the JSON): " + "; ".join(failed))
+
+
+def _last_line(text: str) -> str:
+    return [line for line in text.splitlines() if line.strip()][-1].strip()
+
+
+def _or_error(run, run_args: tuple, partial: dict, failed: list[str]) -> dict:
+    """What ``run(*run_args)`` returns, or ``partial`` with the error of a run that failed (Ray can fail to
+    start on a loaded machine: "The current node timed out during startup"), so that the other
+    placements are still measured and reported; the bench exits non-zero at the end."""
+    try:
+        return run(*run_args)
+    except SystemExit as exc:
+        failed.append(f"{str(exc).splitlines()[0]} {_last_line(str(exc))}")
+        print(f"[placement bench] {exc}", file=sys.stderr, flush=True)
+        return {**partial, "error": str(exc)[-1500:]}
 
 
 if __name__ == "__main__":
