@@ -9,8 +9,10 @@ by this script and copied in, so every placement starts from the same weights bi
 placement:
 
 - ``trained_tok_s``: output tokens of acked leases over the span of the train steps (first
-  ``started_at`` to last ``finished_at`` in the ledger); ``wall_s``: the whole command, start-up,
-  evaluations and report included;
+  ``started_at`` to last ``finished_at`` in the ledger). The asynchronous placements generate up to
+  ``max_staleness + 1`` batches before the first step starts, outside that span, so
+  ``trained_tok_s_from_first_rollout`` divides by the time from the first trajectory's
+  ``created_at`` instead; ``wall_s``: the whole command, start-up, evaluations and report included;
 - memory (bench/proc_memory.py, every 0.5 s over the run's process tree): the peak resident set of
   the largest process of each role (``store``: ``rollbook serve`` and its SQL sandbox; ``trainer``:
   the ``rollbook run`` process itself for colocated, which also holds the rollout engine, and for
@@ -41,8 +43,9 @@ placement:
 Not measured: the rollout side's fetch-and-load time per version, and Ray's object store as a
 weight channel (the ray placement uses the network channel; bench/weights.py compares channels).
 A loaded machine moves every timing; compare placements within one run, and read ``load_avg``.
-A run that fails (Ray may not start on a loaded machine) is reported with its ``error`` in the JSON and
-the table, the others are still measured, and the script exits non-zero.
+A run whose local Ray instance did not start is started again (``ray_start_failures`` counts it; up
+to three starts). A run that fails otherwise is reported with its ``error`` in the JSON and the
+table, the others are still measured, and the script exits non-zero.
 """
 
 from __future__ import annotations
@@ -128,6 +131,33 @@ def warm_start(work: pathlib.Path, args: argparse.Namespace) -> pathlib.Path:
     return work / "warm" / "base-student"
 
 
+# what a `rollbook run --placement ray` log says when the local Ray instance did not come up (its GCS
+# or raylet; Ray waits a fixed 30 s for the raylet): seen in about one start in four on this machine
+RAY_START_FAILURES = ("The current node timed out during startup", "Timed out waiting for file")
+MAX_RAY_STARTS = 3
+
+
+class RayDidNotStart(SystemExit):
+    """A run that failed because its local Ray instance did not start (``RAY_START_FAILURES``)."""
+
+
+def with_ray_retries(run, name: str, placement: str, work: pathlib.Path, student: pathlib.Path, args: argparse.Namespace) -> dict:
+    """``run(placement, work, student, args)`` (``measure`` or ``recover``, whose run directory and log
+    are WORK/NAME and WORK/NAME.log), started again, up to ``MAX_RAY_STARTS`` times in all, when Ray did
+    not start; the failed attempts' logs are kept (``NAME.ray-start-failed-N.log``) and counted in
+    ``ray_start_failures``."""
+    for failures in range(MAX_RAY_STARTS):
+        try:
+            return {**run(placement, work, student, args), "ray_start_failures": failures}
+        except RayDidNotStart:
+            if failures + 1 == MAX_RAY_STARTS:
+                raise
+            (work / f"{name}.log").rename(work / f"{name}.ray-start-failed-{failures}.log")
+            shutil.rmtree(work / name)
+            print(f"[placement bench] {name}: Ray did not start; starting the run again", file=sys.stderr, flush=True)
+    raise AssertionError("unreachable")
+
+
 def fresh_run_dir(work: pathlib.Path, name: str, student: pathlib.Path) -> pathlib.Path:
     run_dir = work / name
     run_dir.mkdir(parents=True)
@@ -148,7 +178,9 @@ def finish(proc: subprocess.Popen, log: pathlib.Path, what: str, timeout: float)
         kill_group(proc)
         raise SystemExit(f"{what}: no end within {timeout:g} s; log {log}") from None
     if code != 0:
-        raise SystemExit(f"{what} failed ({code}):\n{log.read_text(errors='replace')[-3000:]}")
+        text = log.read_text(errors="replace")
+        failure = RayDidNotStart if any(s in text for s in RAY_START_FAILURES) else SystemExit
+        raise failure(f"{what} failed ({code}):\n{text[-3000:]}")
 
 
 def kill_group(proc: subprocess.Popen) -> None:
@@ -192,6 +224,9 @@ def measure(placement: str, work: pathlib.Path, student: pathlib.Path, args: arg
         "USING (trajectory_id) WHERE l.acked_at IS NOT NULL"
     ).fetchone()
     (span,) = con.execute("SELECT max(finished_at) - min(started_at) FROM train_steps").fetchone()
+    (since_first,) = con.execute(
+        "SELECT (SELECT max(finished_at) FROM train_steps) - (SELECT min(created_at) FROM trajectories)"
+    ).fetchone()
     rejected = dict(con.execute("SELECT reason, count(*) FROM rejections GROUP BY reason").fetchall())
     workers = dict(con.execute("SELECT worker_id, count(*) FROM trajectories GROUP BY worker_id").fetchall())
     con.close()
@@ -204,6 +239,7 @@ def measure(placement: str, work: pathlib.Path, student: pathlib.Path, args: arg
         "wall_s": round(wall, 1),
         "trained_tokens": int(tokens),
         "trained_tok_s": round(tokens / span, 1) if span else None,
+        "trained_tok_s_from_first_rollout": round(tokens / since_first, 1) if since_first else None,
         **memory.report(),
         "weight_sync_s_per_step": round(sum(publish) / len(publish), 4) if publish else None,
         "stale": rejected.get("STALE", 0),
@@ -228,6 +264,8 @@ def recover(placement: str, work: pathlib.Path, student: pathlib.Path, args: arg
     first = start(cmd, log)
     deadline = time.monotonic() + args.timeout
     while steps_done(run_dir) < args.kill_after:
+        if first.poll() is not None:
+            finish(first, log, f"{placement} recovery", 0)
         if first.poll() is not None or time.monotonic() > deadline:
             kill_group(first)
             raise SystemExit(f"{placement} recovery: {args.kill_after} steps never checkpointed; log {log}")
@@ -284,6 +322,7 @@ COLUMNS = [  # (header, how to read it from a row)
     ("steps", lambda r: r["steps"]),
     ("wall s", lambda r: r["wall_s"]),
     ("trained tok/s", lambda r: r["trained_tok_s"]),
+    ("from first rollout", lambda r: r["trained_tok_s_from_first_rollout"]),
     ("RSS MiB trainer", lambda r: r["peak_rss_mib_by_role"].get("trainer")),
     ("rollout", lambda r: r["peak_rss_mib_by_role"].get("rollout", "(in trainer)")),
     ("store", lambda r: r["peak_rss_mib_by_role"].get("store")),
@@ -386,11 +425,13 @@ def main() -> None:
     rows, failed = [], []
     for name in args.placements.split(","):
         print(f"[placement bench] {name}: {args.steps} steps", file=sys.stderr, flush=True)
-        row = _or_error(measure, (name, work, student, args), {"placement": name, "steps": args.steps}, failed)
+        row = _or_error(
+            with_ray_retries, (measure, name, name, work, student, args), {"placement": name, "steps": args.steps}, failed
+        )
         row["recovery"] = row["restart_recovery_s"] = None
         if recovery:
             print(f"[placement bench] {name}: kill and restart", file=sys.stderr, flush=True)
-            row["recovery"] = _or_error(recover, (name, work, student, args), {}, failed)
+            row["recovery"] = _or_error(with_ray_retries, (recover, f"{name}-recovery", name, work, student, args), {}, failed)
             row["restart_recovery_s"] = row["recovery"].get("restart_recovery_s")
         rows.append(row)
     report: dict = {"placements": rows}
@@ -418,9 +459,8 @@ def _last_line(text: str) -> str:
 
 
 def _or_error(run, run_args: tuple, partial: dict, failed: list[str]) -> dict:
-    """What ``run(*run_args)`` returns, or ``partial`` with the error of a run that failed (Ray can fail to
-    start on a loaded machine: "The current node timed out during startup"), so that the other
-    placements are still measured and reported; the bench exits non-zero at the end."""
+    """What ``run(*run_args)`` returns, or ``partial`` with the error of a run that failed, so that
+    the other placements are still measured and reported; the bench exits non-zero at the end."""
     try:
         return run(*run_args)
     except SystemExit as exc:

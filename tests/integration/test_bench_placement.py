@@ -77,6 +77,7 @@ def test_the_placement_bench_reports_every_figure_and_its_recovery_claims_hold_i
     assert set(rows) == {"colocated", "separated", "ray"}
     for name, row in rows.items():
         assert row["trained_tokens"] > 0 and row["trained_tok_s"] > 0, name
+        assert 0 < row["trained_tok_s_from_first_rollout"] <= row["trained_tok_s"], name  # a longer span, never shorter
         assert row["heldout_first"] is not None and row["heldout_final"] is not None, name
         assert row["weight_sync_s_per_step"] > 0, name
         roles = row["peak_rss_mib_by_role"]
