@@ -223,7 +223,9 @@ def run_ray(config: RunConfig, address: str, keys: dict) -> dict:
     started_here = not ray.is_initialized()
     if started_here:
         rollbook_env.prepare_local_ray()
-        ray.init(address=rc.address, num_cpus=num_cpus, include_dashboard=False, log_to_driver=True)
+        # "local", not None: None joins whatever cluster /tmp/ray/ray_current_cluster names (anyone's
+        # on a shared machine), and then refuses num_cpus
+        ray.init(address=rc.address or "local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=True)
     trainer_cls = ray.remote(TrainerRank)
     rollout_cls = ray.remote(RolloutActor)
     workers: list = []

@@ -13,7 +13,9 @@ One step (``Trainer.step``):
    (the KL penalty to the frozen reference policy, scored like the proximal log-probs);
 4. the step's statistics to ``train_steps`` (``ReportTrainStep``), then a checkpoint holding the
    lease, then ``AckBatch``, then a Hugging Face export when one is due (``trainer.export``), then
-   version ``v + 1`` to every weight publisher and ``PublishVersion``.
+   version ``v + 1`` to every weight publisher and ``PublishVersion`` (the time this takes, publishers,
+   checksum and RPC, is ``perf/publish_s`` in the returned statistics, not in ``train_steps``: the
+   step was reported before it).
 A kill -9 anywhere in between neither loses nor repeats a batch (see ``trainer.checkpoint``).
 """
 
@@ -196,7 +198,10 @@ class Trainer:
             export_model(
                 self.run_dir, self.state.step, self.model, cfg.model, keep_last=cfg.export_keep_last, tokenizer_dir=cfg.tokenizer
             )
+        published = time.perf_counter()
         self._publish()
+        # after ReportTrainStep, so in what step() returns (metrics.jsonl), not in train_steps.stats
+        stats["perf/publish_s"] = time.perf_counter() - published
         stats["step"] = self.state.step - 1
         log.info(
             "step %d  reward %.3f  loss %.4f  clip %.3f  tokens/s %.0f",

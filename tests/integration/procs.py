@@ -83,6 +83,23 @@ def trajectory(tid: str, *, model_id: str, n: int = 4, version: int = 0, reward:
     return t
 
 
+# One row over a ledger (test_trainer_crash.py, test_bench_placement.py): how many trajectories trained
+# once / twice, acked leases no reported step owns, and the reported steps with whether each one's
+# lease was acked.
+AUDIT = """
+    WITH per_row AS (SELECT t.trajectory_id, count(l.acked_at) AS acked
+                     FROM trajectories t LEFT JOIN leases l USING (trajectory_id) GROUP BY ALL)
+    SELECT (SELECT count(*) FROM per_row) AS trajectories,
+           (SELECT count(*) FROM per_row WHERE acked = 1) AS acked_once,
+           (SELECT count(*) FROM per_row WHERE acked > 1) AS acked_twice,
+           (SELECT count(*) FROM leases WHERE acked_at IS NOT NULL
+              AND lease_id NOT IN (SELECT lease_id FROM train_steps)) AS acked_outside_steps,
+           (SELECT list(step ORDER BY step) FROM train_steps) AS steps,
+           (SELECT count(*) FROM train_steps s WHERE NOT EXISTS (
+              SELECT 1 FROM leases l WHERE l.lease_id = s.lease_id AND l.acked_at IS NOT NULL)) AS steps_without_acked_lease
+"""
+
+
 def rows(client: StoreClient, sql: str) -> list[dict]:
     """A query's result as a list of dicts."""
     return client.query(sql).to_pylist()

@@ -1,6 +1,10 @@
-"""``bench/placement.py`` still runs all three placements end to end (real store, real trainer, a
-local Ray instance for ``ray``) and prints one JSON line plus the markdown table. Tiny sizes: this
-checks the benchmark works, not how fast anything is."""
+"""``bench/placement.py --json --png`` runs all three placements end to end (real store, real trainer,
+a local Ray instance for ``ray``), the kill-and-restart of each and the online scenario, and prints
+one JSON line, the markdown tables and a PNG. Tiny sizes: this checks that the benchmark works and
+that what it reports is true of the ledgers it leaves, not how fast anything is.
+
+Run: python -m pytest tests/integration/test_bench_placement.py -q   (several minutes: six runs)
+"""
 
 from __future__ import annotations
 
@@ -9,19 +13,27 @@ import pathlib
 import subprocess
 import sys
 
+import duckdb
 import pytest
+
+from tests.integration.procs import AUDIT
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.slow
 
+KILL_AFTER, STEPS_AFTER_KILL = 2, 3
 
-def test_the_placement_bench_runs_every_placement_and_prints_json_and_a_table(tmp_path):
+
+def test_the_placement_bench_reports_every_figure_and_its_recovery_claims_hold_in_the_ledgers(tmp_path):
+    png = tmp_path / "placement.png"
     done = subprocess.run(
         [
             sys.executable,
             str(ROOT / "bench" / "placement.py"),
             "--json",
+            "--png",
+            str(png),
             "--steps",
             "2",
             "--samples",
@@ -32,6 +44,12 @@ def test_the_placement_bench_runs_every_placement_and_prints_json_and_a_table(tm
             "2",
             "--ranks",
             "2",
+            "--kill-after",
+            str(KILL_AFTER),
+            "--steps-after-kill",
+            str(STEPS_AFTER_KILL),
+            "--kill-delay",
+            "0",  # tiny steps: a later kill could find the run already done
             "--work-dir",
             str(tmp_path),
             "--",
@@ -50,16 +68,55 @@ def test_the_placement_bench_runs_every_placement_and_prints_json_and_a_table(tm
         ],
         capture_output=True,
         text=True,
-        timeout=900,
+        timeout=1800,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     [line] = done.stdout.strip().splitlines()
-    rows = {r["placement"]: r for r in json.loads(line)["placements"]}
+    report = json.loads(line)
+    rows = {r["placement"]: r for r in report["placements"]}
     assert set(rows) == {"colocated", "separated", "ray"}
     for name, row in rows.items():
         assert row["trained_tokens"] > 0 and row["trained_tok_s"] > 0, name
-        assert row["heldout_final"] is not None and row["peak_rss_mib_largest_process"] > 0, name
-    assert (
-        rows["ray"]["workers"] >= 1 and rows["colocated"]["workers"] == 1
-    )  # two steps: the second actor may not have submitted yet
-    assert "| placement |" in done.stderr
+        assert 0 < row["trained_tok_s_from_first_rollout"] <= row["trained_tok_s"], name  # a longer span, never shorter
+        assert row["heldout_first"] is not None and row["heldout_final"] is not None, name
+        assert row["weight_sync_s_per_step"] > 0, name
+        roles = row["peak_rss_mib_by_role"]
+        assert roles["store"] > 0 and roles["trainer"] > 0, (name, roles)
+        assert row["largest_process_mib"] == max(roles.values()) and row["peak_pss_mib_total"] > 0, name
+        assert row["restart_recovery_s"] is not None and row["restart_recovery_s"] > 0, (name, row["recovery"])
+    # colocated samples in the trainer's process; the others have rollout processes of their own
+    assert "rollout" not in rows["colocated"]["peak_rss_mib_by_role"]
+    assert rows["separated"]["processes_by_role"]["rollout"] == 1
+    assert rows["ray"]["processes_by_role"]["rollout"] == 2 and rows["ray"]["processes_by_role"]["trainer"] >= 2
+    assert rows["ray"]["peak_rss_mib_by_role"]["ray"] > 0 and rows["ray"]["peak_rss_mib_by_role"]["driver"] > 0
+    assert rows["ray"]["workers"] >= 1 and rows["colocated"]["workers"] == 1  # two steps: an actor may not have submitted yet
+
+    steps = KILL_AFTER + STEPS_AFTER_KILL
+    for name, row in rows.items():
+        recovery = row["recovery"]
+        assert recovery["exactly_once"] is True and recovery["checkpointed_steps_at_kill"] >= KILL_AFTER, (name, recovery)
+        con = duckdb.connect(str(tmp_path / f"{name}-recovery" / "rollbook.duckdb"), read_only=True)
+        cursor = con.execute(AUDIT)
+        audit = dict(zip([c[0] for c in cursor.description], cursor.fetchone(), strict=True))
+        con.close()
+        assert audit["acked_twice"] == audit["acked_outside_steps"] == audit["steps_without_acked_lease"] == 0, (name, audit)
+        assert audit["steps"] == list(range(steps)), (name, audit)
+    # the kill and the restart really happened: a second start evaluated at the checkpoint's step
+    for name in ("colocated", "separated", "ray"):
+        log = (tmp_path / f"{name}-recovery.log").read_text()
+        assert "held-out reward before step 0" in log, log[-3000:]
+        assert f"held-out reward before step {rows[name]['recovery']['checkpointed_steps_at_kill']}" in log, log[-3000:]
+    assert "starting the group again from the last checkpoint" in (tmp_path / "ray-recovery.log").read_text()
+
+    online = report["online"]
+    assert online["completions_received"] == online["accepted_rows"] == online["served_rows"] == 12
+    assert online["attempts"] > online["completions_received"], "no retry was injected"
+    assert online["retry_orphans"] == online["attempts"] - online["completions_received"]
+    assert online["served_equals_experienced"] is True
+
+    from PIL import Image
+
+    with Image.open(png) as image:
+        image.load()  # decodes every pixel
+        assert image.size[0] > 400 and image.size[1] > 200
+    assert "| placement |" in done.stderr and "served_equals_experienced" in done.stderr

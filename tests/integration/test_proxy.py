@@ -15,12 +15,11 @@ import pathlib
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
-from typing import Any
 
 import pytest
 
+from bench import online_retries
+from bench.online_retries import http
 from rollbook.rollout.proxy_render import CharRenderer
 from rollbook.tasks import TOKENIZER
 from tests.integration.conftest import StoreProcess, _readline, clean_env
@@ -93,34 +92,6 @@ class ProxyProcess:
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait(30)
-
-
-def http(
-    url: str,
-    method: str = "GET",
-    body: Any = None,
-    key: str | None = None,
-    raw: bytes | None = None,
-    headers: dict | None = None,
-    timeout: float = 60,
-) -> tuple[int, Any]:
-    """(status, parsed JSON body) of one request; HTTP errors are returned, not raised."""
-    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
-    request = urllib.request.Request(
-        url,
-        data=data,
-        method=method,
-        headers={"content-type": "application/json", **(headers or {}), **({"authorization": f"Bearer {key}"} if key else {})},
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            return response.status, json.loads(response.read() or b"null")
-    except urllib.error.HTTPError as exc:
-        text = exc.read()
-        try:
-            return exc.code, json.loads(text)
-        except ValueError:
-            return exc.code, text
 
 
 @pytest.fixture
@@ -201,101 +172,32 @@ def test_the_example_agent_s_turns_tokens_versions_and_rewards_are_in_the_store(
 
 
 def status(proxy: ProxyProcess) -> dict:
-    code, body = http(proxy.url + "/rollbook/admin/version", key=ADMIN)
-    assert code == 200, body
-    return body
+    return online_retries.status(proxy.url, ADMIN)
 
 
 def wait_idle(proxy: ProxyProcess, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        s = status(proxy)
-        if s["running"] == s["waiting"] == s["pending_submissions"] == s["held"] == 0:
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"proxy not idle: {status(proxy)}")
+    online_retries.wait_idle(proxy.url, ADMIN, timeout)
 
 
 def test_served_rows_are_exactly_the_completions_the_agent_received_despite_timeouts_and_retries(store, proxy):
-    """The online falsifier of the AReaL 2.1 review. The admin pause holds attempts at admission
-    until the client's 0.4 s timeout fires; the openai client retries (``x-stainless-retry-count``);
-    on resume the abandoned attempts still generate, and are recorded as not consumed."""
-    import threading
-
-    from examples.arithmetic_agent import play
-
-    plan = [(12, 34, "g0", 2), (12, 34, "g0", 2), (3, 4, "g1", 2), (3, 4, "g1", 2), (8, 8, "solo", 1), (9, 1, "", 1)]
-    episodes: dict[int, object] = {}
-    errors: list[BaseException] = []
-
-    def agent(i: int) -> None:
-        a, b, group, size = plan[i]
-        try:
-            episodes[i] = play(
-                proxy.url,
-                a,
-                b,
-                group_id=group,
-                group_size=size,
-                turns=2,
-                stream=bool(i % 2),
-                start_key=WORKER,
-                max_tokens=4,
-                client_kwargs={"timeout": 0.4, "max_retries": 12},
-                reward_after_end=True,
-            )
-        except BaseException as exc:
-            errors.append(exc)
-
-    agents = [threading.Thread(target=agent, args=(i,)) for i in range(len(plan))]
-    for t in agents:
-        t.start()
-    pauses = 0
-    while any(t.is_alive() for t in agents):  # hold attempts past the client's timeout, then let new ones through
-        assert http(proxy.url + "/rollbook/admin/pause", "POST", {}, key=ADMIN)[0] == 200
-        pauses += 1
-        held_from, deadline = time.monotonic(), time.monotonic() + 3.0
-        while (
-            (status(proxy)["waiting"] < 1 or time.monotonic() - held_from < 0.7)
-            and time.monotonic() < deadline
-            and any(t.is_alive() for t in agents)
-        ):
-            time.sleep(0.05)
-        assert http(proxy.url + "/rollbook/admin/resume", "POST", {}, key=ADMIN)[0] == 200
-        time.sleep(0.3)
-    for t in agents:
-        t.join()
-    assert not errors, errors
-    wait_idle(proxy)
-
-    received: dict[str, tuple[float, str]] = {}  # trajectory id -> (reward, group)
-    every_attempt: set[str] = set()
-    for i, ep in episodes.items():
-        summary = http(proxy.url + f"/rollbook/sessions/{ep.session_id}", key=ADMIN)[1]
-        for call in summary["calls"]:
-            every_attempt.update(tid for a in call["attempts"] for tid in a["trajectory_ids"])
-        for turn, (completion_id, reward) in enumerate(zip(ep.completion_ids, ep.rewards)):
-            attempt = int(completion_id.rsplit("-a", 1)[1])
-            received[f"{ep.session_id}/turn-{turn}.0/a{attempt}"] = (reward, plan[i][2])
+    """The online falsifier of the AReaL 2.1 review (bench/online_retries.py). The admin pause holds
+    attempts at admission until the client's 0.4 s timeout fires; the openai client retries
+    (``x-stainless-retry-count``); on resume the abandoned attempts still generate, and are recorded
+    as not consumed."""
+    plan = online_retries.PLAN
+    episodes, pauses = online_retries.play_with_injected_retries(proxy.url, WORKER, ADMIN, plan)
+    received, every_attempt = online_retries.experienced(proxy.url, ADMIN, episodes)
     assert len(received) == 12
     assert len(every_attempt) > len(received), "no retry happened: the injection did not work"
 
-    served: dict[str, dict] = {}
     with store.client() as client:
-        for step in range(20):
-            batch = client.pull_batch(
-                trainer_id="t", trainer_version=0, max_staleness=4, num_samples=64, step=step, model_id=MODEL, lease_seconds=60
-            )
-            if batch.num_rows == 0:
-                break
-            for row in batch.table.to_pylist():
-                assert row["trajectory_id"] not in served
-                served[row["trajectory_id"]] = row
-            client.ack_batch(batch.lease_id, "t")
+        rows = online_retries.pull_all(client, MODEL)
+    served = {row["trajectory_id"]: row for row in rows}
+    assert len(served) == len(rows)  # no row served twice
     assert set(served) == set(received)
     assert {tid: row["original_reward"] for tid, row in served.items()} == {tid: r for tid, (r, _) in received.items()}
-    for tid, (reward, group) in received.items():
-        if group in ("solo", ""):  # singletons keep their reward (not centered to 0)
+    for tid, (reward, i) in received.items():
+        if plan[i][2] in ("solo", ""):  # singletons keep their reward (not centered to 0)
             assert served[tid]["reward"] == reward
     assert {r["trajectory_id"]: r["consumed"] for r in sql(store, "SELECT trajectory_id, consumed FROM trajectories")} == {
         tid: True for tid in received

@@ -25,7 +25,7 @@ import time
 
 import pytest
 
-from tests.integration.procs import ServeProcess, child_env, rows, trajectory
+from tests.integration.procs import AUDIT, ServeProcess, child_env, rows, trajectory
 
 MODEL = "crash-model"
 VOCAB = 64
@@ -99,21 +99,6 @@ def store(tmp_path):
     client.close()
     proc.stop()
 
-
-# One row: how many trajectories trained once / twice, acked leases no reported step owns, and the
-# reported steps with whether each one's lease was acked.
-AUDIT = """
-    WITH per_row AS (SELECT t.trajectory_id, count(l.acked_at) AS acked
-                     FROM trajectories t LEFT JOIN leases l USING (trajectory_id) GROUP BY ALL)
-    SELECT (SELECT count(*) FROM per_row) AS trajectories,
-           (SELECT count(*) FROM per_row WHERE acked = 1) AS acked_once,
-           (SELECT count(*) FROM per_row WHERE acked > 1) AS acked_twice,
-           (SELECT count(*) FROM leases WHERE acked_at IS NOT NULL
-              AND lease_id NOT IN (SELECT lease_id FROM train_steps)) AS acked_outside_steps,
-           (SELECT list(step ORDER BY step) FROM train_steps) AS steps,
-           (SELECT count(*) FROM train_steps s WHERE NOT EXISTS (
-              SELECT 1 FROM leases l WHERE l.lease_id = s.lease_id AND l.acked_at IS NOT NULL)) AS steps_without_acked_lease
-"""
 
 # a lease the trainer pulled but has not reported yet: it cannot be checkpointed (report comes first)
 UNREPORTED = """SELECT l.lease_id FROM leases l WHERE l.acked_at IS NULL

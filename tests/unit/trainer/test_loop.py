@@ -89,3 +89,21 @@ def test_proximal_behavior_turns_the_decoupling_off(tmp_path):
     # the fake sampler logged -1.0 per token; a fresh 32-token model gives about -log(32) = -3.5
     assert stats["recompute"]["proximal/behavior_gap"] > 1.0
     assert stats["behavior"]["proximal/behavior_gap"] == 0.0
+
+
+def test_perf_publish_s_is_the_time_spent_publishing_the_new_version(tmp_path, monkeypatch):
+    """A fake clock that only the publisher advances: ``perf/publish_s`` is exactly the 2.5 s the
+    publisher took (so it is measured around the publishers, not around the whole step)."""
+    import time
+
+    clock = [100.0]
+    monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
+
+    def slow_publisher(version, state_dict):
+        clock[0] += 2.5
+
+    config = TrainerConfig(run_dir=str(tmp_path), num_steps=2, num_samples=4, model={"vocab_size": 32})
+    trainer = Trainer(config, FakeStore(), model=build_tiny_model(TinyModelSpec(vocab_size=32)), publishers=[slow_publisher])
+    trainer.start()
+    stats = trainer.step()
+    assert stats is not None and stats["perf/publish_s"] == 2.5
