@@ -79,7 +79,7 @@ def test_csv_with_messages_tests_and_bad_rows(tmp_path):
         b"task_id,messages,tests,domain\n"
         b'c1,"[{""role"": ""user"", ""content"": ""Write add(a, b).""}]","[""assert add(1, 2) == 3""]",code\n'
         b'c2,"[{""role"": ""user""}]","[]",code\n'  # 3: message without content
-        b'c3,"not json","[""assert True""]",code\n'  # 4: plain text is a prompt? no: messages must be a list
+        b'c3,"not json","[""assert 1 == 1""]",code\n'  # 4: plain text is a prompt? no: messages must be a list
         b'c4,"[{""role"": ""user"", ""content"": ""multi\\nline""}]","def f(): return 1\nassert f() == 1",code\n'  # 5-6: quoted newline
         b'c5,"[{""role"": ""user"", ""content"": ""x\xff""}]","[]",code\n'  # 7: undecodable
         b"c6,only-two-values\n"  # 8: short row
