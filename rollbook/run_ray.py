@@ -14,7 +14,8 @@ placements, as Ray actors on any nodes of a cluster.
   rollbook/weights/network.py) and evaluates held-out reward into RUN_DIR/metrics.jsonl;
 - rollout workers: ``ray.num_workers`` actors (``RolloutActor``), each the loop of ``rollbook rollout``
   (rollout/main.py ``run_worker``: weights from the network channel, staleness gate, spooling
-  submitter) with its own worker_id, seed and spool directory RUN_DIR/spool-I.
+  submitter) with its own worker_id, seed and spool directory RUN_DIR/spool-I; rank 0 waits for each to
+  hold the first weights before its first pull, so every actor feeds the run from step 0.
 
 Failures: a rollout actor that dies is restarted by Ray (``ray.max_restarts``) with the same
 arguments, so it reopens the same spool and, first thing, resends what was spooled and not yet
@@ -63,7 +64,7 @@ class TrainerRank:
             "pid": os.getpid(),
         }
 
-    def run(self, init_method: str, weight_server: str) -> dict:
+    def run(self, init_method: str, weight_server: str, rollout_names: tuple[str, ...] = ()) -> dict:
         import torch.distributed as dist
 
         from rollbook.trainer.distributed import init_group
@@ -80,10 +81,45 @@ class TrainerRank:
                 follow(trainer_cfg, build=lambda: build_models(cfg))
                 return {}
             judge = _Judge(cfg)
-            train_rank(trainer_cfg, build=lambda: build_models(cfg), publishers=[judge.install], on_step=judge.on_step)
+            train_rank(
+                trainer_cfg,
+                build=lambda: build_models(cfg),
+                publishers=[judge.install],
+                on_step=judge.on_step,
+                on_start=lambda: _wait_for_first_weights(rollout_names),
+            )
             return {"first": judge.first, "last": judge.metrics.last_eval()}
         finally:
             dist.destroy_process_group()
+
+
+FIRST_WEIGHTS_WAIT_S = 300.0  # rank 0's wait for every rollout actor to hold the first weights
+
+
+def _wait_for_first_weights(names: tuple[str, ...], timeout_s: float = FIRST_WEIGHTS_WAIT_S) -> None:
+    """Before the first pull: wait until every rollout actor holds the weights just published, so that
+    all of them feed the run from its first step (on a loaded machine an actor still importing torch
+    could otherwise find a short run already over). An actor that is gone or still without weights
+    after ``timeout_s`` is reported and not waited for: the others feed the run."""
+    import ray
+
+    if not names:
+        return
+    log.info("waiting for %d rollout actor(s) to take the first weights", len(names))
+    refs, missing = {}, []
+    for name in names:
+        try:
+            refs[name] = ray.get_actor(name).wait_for_weights.remote(timeout_s)
+        except ValueError:  # no actor of that name (dead for good)
+            missing.append(name)
+    for name, ref in refs.items():
+        try:
+            if not ray.get(ref, timeout=timeout_s + 30):
+                missing.append(name)
+        except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError, ray.exceptions.GetTimeoutError):
+            missing.append(name)
+    if missing:
+        log.warning("rollout actor(s) %s hold no weights after %.0f s; training without waiting for them", missing, timeout_s)
 
 
 class _Judge:
@@ -135,6 +171,7 @@ class RolloutActor:
         from rollbook.rollout.main import run_worker
 
         self._stop = threading.Event()
+        self._weights = threading.Event()
         self._result: dict = {}
         self._error: BaseException | None = None
 
@@ -143,7 +180,7 @@ class RolloutActor:
 
             try:
                 _replay_spool(worker_config)
-                self._result = run_worker(worker_config, self._stop)
+                self._result = run_worker(worker_config, self._stop, on_weights=lambda _: self._weights.set())
             except CommandError as exc:  # no first weights: an error unless the run ended first
                 if not self._stop.is_set():
                     self._error = exc
@@ -160,6 +197,15 @@ class RolloutActor:
         import ray
 
         return {"node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
+
+    def wait_for_weights(self, timeout_s: float) -> bool:
+        """True once the loop holds its first weights (at once for a restarted actor that has them);
+        False after ``timeout_s`` or if the loop ended without them."""
+        deadline = time.monotonic() + timeout_s
+        while not self._weights.wait(0.2):
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                return False
+        return True
 
     def stop(self, timeout_s: float = 120.0) -> dict:
         self._stop.set()
@@ -231,8 +277,9 @@ def run_ray(config: RunConfig, address: str, keys: dict) -> dict:
     workers: list = []
     ranks: list = []
     try:
-        # the rollout actors first, polling the weight address rank 0 will serve, so that every one of
-        # them takes version 0 as it appears (rather than one actor feeding the first steps alone)
+        # the rollout actors first, polling the weight address rank 0 will serve; rank 0 then waits
+        # until each holds version 0 before its first pull (_wait_for_first_weights), so that no actor
+        # still starting up on a loaded machine finds a short run already over
         weight_port = _free_port(rc.weight_host)
         weight_server = f"{rc.weight_host}:{weight_port}"
         per_worker = math.ceil(config.trainer.num_samples / rc.num_workers)
@@ -253,7 +300,7 @@ def run_ray(config: RunConfig, address: str, keys: dict) -> dict:
                 "num_cpus": rc.worker_cpus,
                 "max_restarts": rc.max_restarts,
                 "max_task_retries": -1,
-                "name": f"rollbook-rollout-{i}-{run_dir.name}",
+                "name": _rollout_name(i, run_dir.name),
                 "runtime_env": {"env_vars": {"ROLLBOOK_WORKER_KEY": keys["worker_key"]}},
             }
             if rc.worker_resources:
@@ -327,8 +374,13 @@ def _start_ranks(trainer_cls, config: RunConfig, weight_port: int, attempt: int)
     head = infos[0]
     init_method = f"tcp://{head['ip']}:{head['rendezvous_port']}"
     weight_server = f"{rc.weight_host}:{weight_port}"
-    refs = [a.run.remote(init_method, weight_server) for a in actors]
+    rollout_names = tuple(_rollout_name(i, name) for i in range(rc.num_workers))
+    refs = [a.run.remote(init_method, weight_server, rollout_names) for a in actors]
     return list(zip(actors, refs, strict=True)), [info["node_id"] for info in infos]
+
+
+def _rollout_name(index: int, run_name: str) -> str:
+    return f"rollbook-rollout-{index}-{run_name}"
 
 
 def _kill(ranks, pause_s: float = 1.0) -> None:

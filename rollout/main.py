@@ -24,6 +24,7 @@ import pathlib
 import signal
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -91,7 +92,11 @@ def open_channel(spec: str):
     raise ConfigError(f"weights must be 'shm:NAME' or 'grpc:HOST:PORT', got {spec!r}")
 
 
-def run_worker(config: WorkerConfig, stop: threading.Event | None = None) -> dict:
+def run_worker(
+    config: WorkerConfig, stop: threading.Event | None = None, on_weights: Callable[[int], None] | None = None
+) -> dict:
+    """The worker's loop until ``stop`` (SIGINT/SIGTERM when None). ``on_weights`` is told the version
+    of the first weights once the engine holds them (a launcher's barrier: rollbook/run_ray.py)."""
     import torch
 
     from rollbook.models import build_student
@@ -112,6 +117,8 @@ def run_worker(config: WorkerConfig, stop: threading.Event | None = None) -> dic
     load_into(model, snapshot)
     engine = NativeEngine(model, version=snapshot.version, seed=config.rollout.seed)
     worker = RolloutWorker(engine, config.rollout, model_id=config.model_id)
+    if on_weights is not None:
+        on_weights(engine.version)
     try:
         return _loop(config, stop, channel, engine, worker)
     finally:
@@ -178,7 +185,9 @@ def _loop(config: WorkerConfig, stop: threading.Event, channel, engine, worker) 
                     engine.version,
                     sub.stats().metrics(),
                 )
-        sub.flush(timeout=120)
+        # a stopping worker's store may have ended with its run: spooled rows wait for the next start
+        if not sub.flush(timeout=120, while_reachable=True):
+            sub.close(timeout=1.0)
         stats = {
             **worker.stats.metrics(),
             **sub.stats().metrics(),

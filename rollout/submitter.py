@@ -53,6 +53,9 @@ log = logging.getLogger("rollbook.rollout")
 # up at once; the submitter keeps the batch in its spool and retries it with backoff.
 RETRYABLE = CLIENT_RETRYABLE | {grpc.StatusCode.RESOURCE_EXHAUSTED}
 
+# ``flush(while_reachable=True)``: how long the store may stay unreachable before the flush gives up
+UNREACHABLE_GRACE_S = 2.0
+
 
 class SubmitterFailed(RuntimeError):
     """The delivery thread stopped on a non-retryable error; pending batches are still in the spool."""
@@ -147,9 +150,16 @@ class Submitter:
         deadline = None if timeout is None else time.monotonic() + timeout
         return [self._put(items[i : i + self.batch_size], deadline) for i in range(0, len(items), self.batch_size)]
 
-    def flush(self, timeout: float | None = None) -> bool:
-        """Wait until every spooled batch is delivered; False if ``timeout`` seconds pass first."""
+    def flush(self, timeout: float | None = None, *, while_reachable: bool = False) -> bool:
+        """Wait until every spooled batch is delivered; False if ``timeout`` seconds pass first.
+
+        ``while_reachable``: also give up (False) once the store has been unreachable for
+        ``UNREACHABLE_GRACE_S``: a worker stopping because its run ended, store included, should not
+        wait out ``timeout`` on a store that is gone. The batches stay in the spool, and the next
+        ``Submitter`` on the same directory sends them (the store's idempotency makes any resend a
+        DUPLICATE)."""
         deadline = None if timeout is None else time.monotonic() + timeout
+        unreachable_since: float | None = None
         while True:
             self._raise_if_failed()
             if self._stop.is_set() and len(self.spool):
@@ -159,6 +169,21 @@ class Submitter:
                 return True
             if deadline is not None and time.monotonic() >= deadline:
                 return False
+            if while_reachable:
+                now = time.monotonic()
+                if self._store_ready(timeout=0.2):
+                    unreachable_since = None
+                elif unreachable_since is None:
+                    unreachable_since = now
+                elif now - unreachable_since >= UNREACHABLE_GRACE_S:
+                    log.warning(
+                        "submitter: store %s unreachable for %.1f s while flushing; %d batch(es) stay in spool %s",
+                        self.client.address,
+                        now - unreachable_since,
+                        len(self.spool),
+                        self.spool.directory,
+                    )
+                    return False
 
     def stats(self) -> SubmitterStats:
         """A snapshot of the counters (an ongoing outage counts up to now)."""
@@ -170,7 +195,10 @@ class Submitter:
         return snap
 
     def close(self, timeout: float = 10.0) -> None:
-        """Stop delivering. Undelivered batches stay in the spool; call ``flush`` first to send them."""
+        """Stop delivering. Undelivered batches stay in the spool; call ``flush`` first to send them.
+        A second call returns at once."""
+        if self._stop.is_set():
+            return
         self._stop.set()
         self._thread.join(timeout)
         # grpc's connectivity poller outlives a readiness probe by up to 0.2 s and raises in its

@@ -40,11 +40,13 @@ def train(config: TrainerConfig) -> list[dict]:
 
 
 def train_rank(
-    config: TrainerConfig, *, publishers: list | None = None, on_step=None, build=None, on_weight_port=None
+    config: TrainerConfig, *, publishers: list | None = None, on_step=None, build=None, on_weight_port=None, on_start=None
 ) -> list[dict]:
     """The trainer (rank 0 of a joined process group, or the only one): store client, weight
-    publishers, the loop. ``publishers``, ``on_step``, ``build`` (returns (student, teacher)) and
-    ``on_weight_port`` (told the weight server's bound port) let a launcher (rollbook/run_ray.py) add its own."""
+    publishers, the loop. ``publishers``, ``on_step``, ``build`` (returns (student, teacher)),
+    ``on_weight_port`` (told the weight server's bound port) and ``on_start`` (called once the first
+    version is published and announced, before the first pull) let a launcher (rollbook/run_ray.py)
+    add its own."""
     import torch
     import torch.distributed as dist
 
@@ -81,6 +83,8 @@ def train_rank(
         with StoreClient.from_env(config.server, trainer_key=config.trainer_key) as client:
             trainer = cls(config, client, model=student, teacher=teacher, publishers=publishers, on_step=on_step)
             _start(trainer, client, config)
+            if on_start is not None:
+                on_start()
             history = _run(trainer, config)
     finally:
         if weight_server is not None:

@@ -73,8 +73,9 @@ def test_ray_placement_spreads_rollout_over_two_nodes_and_trains_with_two_ranks(
 
     from rollbook.run import run
 
-    # eta = 0: each actor's staleness gate admits half a batch per version (the batch is split over the
-    # actors), so every step needs rows of both, however late one of them starts on a loaded machine
+    # rank 0 pulls only once both actors hold version 0 (run_ray._wait_for_first_weights), and eta = 0
+    # admits half a batch per actor per version, so neither can feed the short run alone while the
+    # other is still starting on a loaded machine (CI, 2026-12-01: one actor did, without the wait)
     summary = run(small_config(tmp_path / "run", max_staleness=0))
     assert all(w["rounds"] > 0 for w in summary["workers"]), summary["workers"]
     node_of = {n["NodeID"]: ("a" if "node_a" in n["Resources"] else "b") for n in ray.nodes()}

@@ -37,20 +37,13 @@ def _alive(pid: int) -> bool:
     return state != "Z"  # a zombie has exited; its parent has not reaped it yet
 
 
-# Known issue (next stop): a SIGKILLed separated run's rollout worker gets SIGTERM from the kernel and
-# exits, but first finishes its round and flushes its spool to a store that died with the run, retrying;
-# under load that took over the 30 s below (CI, 2026-12-01). The flush should give up at once on a
-# dead store (the spool keeps the rows). Not strict: it passes on a quiet machine.
-SLOW_FLUSH = pytest.mark.xfail(reason="rollout worker's stop-time flush retries a dead store", strict=False)
-
-
 @pytest.mark.parametrize(
     "placement,sig",
     [
         ("colocated", signal.SIGTERM),
         ("separated", signal.SIGTERM),
         ("colocated", signal.SIGKILL),
-        pytest.param("separated", signal.SIGKILL, marks=SLOW_FLUSH),
+        ("separated", signal.SIGKILL),
     ],
     ids=["colocated-sigterm", "separated-sigterm", "colocated-sigkill", "separated-sigkill"],
 )

@@ -182,3 +182,34 @@ def test_full_spool_stops_admission_during_an_outage_and_drops_nothing(tmp_path,
     assert stats.admission_wait_s > 4 and producer.blocked_s > 4
     assert_stored_exactly_once(client, store, generated)
     client.close()
+
+
+def test_a_flush_while_reachable_gives_up_on_a_dead_store_and_the_next_submitter_delivers(tmp_path, store):
+    """A stopping worker whose store ended with its run: ``flush(while_reachable=True)`` returns False
+    within seconds instead of its timeout, the batches stay in the spool, and a new ``Submitter`` on the
+    same directory delivers every one exactly once when the store is back."""
+    workload = generate_workload(32, model_id=MODEL, seed=7, bad_every=ALL_VALID)
+    generated = [t["trajectory_id"] for t in workload]
+    kill_store(store["proc"])
+    client = StoreClient(f"127.0.0.1:{store['port']}")
+    spool = Spool(tmp_path / "spool", max_bytes=64 << 20)
+    submitter = Submitter(client, spool, batch_size=16)
+    submitter.submit(workload)
+    t0 = time.monotonic()
+    assert submitter.flush(timeout=120, while_reachable=True) is False
+    gave_up_after = time.monotonic() - t0
+    submitter.close(timeout=1.0)
+    assert len(spool) == 2  # both batches kept
+    spool.close()
+    client.close()
+    assert gave_up_after < 60, gave_up_after  # not the timeout: it saw the store was gone
+
+    store["proc"], port = start_store(store["db"], store["port"])
+    client = StoreClient(f"127.0.0.1:{port}")
+    spool = Spool(tmp_path / "spool", max_bytes=64 << 20)
+    with Submitter(client, spool, batch_size=16) as again:
+        assert again.flush(timeout=60, while_reachable=True)
+        assert again.stats().delivered == len(generated)
+    spool.close()
+    assert_stored_exactly_once(client, store, generated)
+    client.close()
