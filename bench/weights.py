@@ -11,6 +11,15 @@ until ``receiver.fetch()`` has returned tensors of that version, median over ``-
   follows one AdamW step that trains only the last decoder layer (everything else frozen), the
   sparse case deltas are for; ``changed_fraction`` says how much of the buffer moved.
 Bytes are what crossed the channel: the flat buffer, or the delta payload. Never asserts on time.
+
+``--ray`` adds the choice the ray placement makes (rollbook/run_ray.py): the network channel against
+Ray's object store, each measured from publish until a Ray actor has loaded the version into its own
+copy of the model, with the actor on the publisher's node and on a second node of a two-node
+``ray.cluster_utils.Cluster`` on this machine (so Ray moves the object between two object stores):
+- ray_object_store_{same,other}_node: ``ray.put`` of the flat buffer, the actor ``ray.get``s it
+  and loads it (the put and the transfer both inside the span);
+- ray_network_full_{same,other}_node: ``NetworkPublisher.publish`` in the driver, the actor's
+  ``NetworkReceiver.fetch`` (checksummed) and the load.
 """
 
 from __future__ import annotations
@@ -33,6 +42,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--intermediate-size", type=int, default=1024)
     p.add_argument("--repeats", type=int, default=5, help="timed rounds per transport (median reported)")
     p.add_argument("--chunk-bytes", type=int, default=1 << 20)
+    p.add_argument("--ray", action="store_true", help="also Ray's object store against the network channel, into Ray actors")
     return p.parse_args(argv)
 
 
@@ -62,6 +72,8 @@ def main(argv: list[str] | None = None) -> None:
     _, result["shared_memory_checksummed"], _ = bench_local(state_dict, args.repeats, checksum=True)
     result["network_full"] = bench_network(model, args, delta=False)
     result["network_delta"] = bench_network(model, args, delta=True)
+    if args.ray:
+        result.update(bench_ray(spec, model, args))
     result["model_bytes"] = result["memcpy"]["bytes"]
     result["shm_over_memcpy"] = round(ratio, 3)
     if args.json:
@@ -149,6 +161,102 @@ def bench_network(model, args: argparse.Namespace, *, delta: bool) -> dict:
         row["changed_fraction"] = round(statistics.median(changed), 4)
         row["what_changed"] = "one AdamW step (lr 1e-4, wd 0.01) training only the last decoder layer"
     return row
+
+
+class _RayReceiver:
+    """A Ray actor holding its own copy of the model, as a rollout actor does."""
+
+    def __init__(self, spec) -> None:
+        import torch
+
+        from rollbook.models import build_tiny_model
+
+        torch.set_num_threads(1)
+        self.model = build_tiny_model(spec)
+        self.network = None
+
+    def ready(self) -> bool:
+        return True
+
+    def from_object_store(self, refs: list, layout_json: bytes, version: int) -> int:
+        import ray
+
+        from rollbook.weights.base import Layout, WeightSnapshot, load_into, tensor_views
+
+        flat = ray.get(refs[0])  # a read-only view of this node's object store (pulled here first if remote)
+        load_into(self.model, WeightSnapshot(version, tensor_views(Layout.from_json(layout_json), flat), b""))
+        return version
+
+    def from_network(self, target: str) -> int:
+        from rollbook.weights import NetworkReceiver
+        from rollbook.weights.base import load_into
+
+        if self.network is None:
+            self.network = NetworkReceiver(target)
+        snapshot = self.network.fetch()
+        load_into(self.model, snapshot)
+        return snapshot.version
+
+
+def bench_ray(spec, model, args: argparse.Namespace) -> dict:
+    """Object store against network channel, into an actor on this node and on another node."""
+    import numpy as np
+    import ray
+    import torch
+    from ray.cluster_utils import Cluster
+
+    from rollbook.env import prepare_local_ray
+    from rollbook.weights import NetworkPublisher, WeightStreamConfig, create_weight_server
+    from rollbook.weights.base import Layout, pack_into, tensor_views
+
+    prepare_local_ray()
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"here": 1}})
+    cluster.add_node(num_cpus=1, resources={"there": 1})
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, log_to_driver=False)
+    publisher = NetworkPublisher(WeightStreamConfig(chunk_bytes=args.chunk_bytes, anchor_every=1))
+    server, port = create_weight_server(publisher)
+    server.start()
+    state_dict = model.state_dict()
+    layout = Layout.from_state_dict(state_dict)
+    flat = np.zeros(layout.nbytes, dtype=np.uint8)
+    views = tensor_views(layout, flat)
+    versions = iter(range(1_000_000))
+    out: dict = {}
+    try:
+        for node in ("here", "there"):
+            actor = ray.remote(_RayReceiver).options(num_cpus=0.5, resources={node: 1}).remote(spec)
+            ray.get(actor.ready.remote())
+            where = "same_node" if node == "here" else "other_node"
+
+            def object_store(actor=actor) -> None:
+                v = next(versions)
+                pack_into(layout, state_dict, views)  # the trainer's tensors into one flat buffer
+                ref = ray.put(flat)
+                assert ray.get(actor.from_object_store.remote([ref], layout.to_json(), v)) == v
+                del ref
+
+            def network(actor=actor) -> None:
+                v = next(versions)
+                publisher.publish(v, state_dict)
+                assert ray.get(actor.from_network.remote(f"127.0.0.1:{port}")) == v
+
+            for name, fn in (("ray_object_store", object_store), ("ray_network_full", network)):
+                with torch.no_grad():
+                    for _ in range(2):  # first touch, buffers filled
+                        fn()
+                    times = [_timed(fn) for _ in range(args.repeats)]
+                out[f"{name}_{where}"] = {"seconds": statistics.median(times), "bytes": layout.nbytes}
+            ray.kill(actor)
+    finally:
+        server.stop(None)
+        ray.shutdown()
+        cluster.shutdown()
+    for where in ("same_node", "other_node"):
+        out[f"ray_object_store_over_network_{where}"] = round(
+            out[f"ray_object_store_{where}"]["seconds"] / out[f"ray_network_full_{where}"]["seconds"], 3
+        )
+    return out
 
 
 def _sparse_adamw_step(model):

@@ -150,9 +150,29 @@ class RayConfig(BaseModel):
         description="Times the trainer group is started again after a rank dies; it "
         "resumes from the last checkpoint (unacked leases expire and their rows return).",
     )
+    store_resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="Custom Ray resources of the node the store runs on (e.g. {store_node = 1}): the "
+        "store process then runs under a Ray actor there, its ledger RUN_DIR/rollbook.duckdb on that "
+        "node's disk; empty = beside `rollbook run` (the driver).",
+    )
+    store_cpus: float = Field(1.0, gt=0, description="CPUs the store's actor declares (with store_resources).")
+    store_host: str = Field(
+        "127.0.0.1",
+        description="With store_resources: the interface the store binds on its node. On a multi-node "
+        "cluster the node's private address; off loopback the store needs TLS: ROLLBOOK_TLS_CERT/"
+        "ROLLBOOK_TLS_KEY in that node's `ray start` environment, ROLLBOOK_TLS_CA in the others' (docs/security.md).",
+    )
+    weight_channel: Literal["object_store", "network"] = Field(
+        "object_store",
+        description="How rank 0's weights reach the rollout actors: 'object_store' (ray.put, a "
+        "board actor names the newest version; bench/weights.py --ray measured it 2.5-6x faster "
+        "into an actor) or 'network' (rank 0 serves the gRPC weight channel, full copies and "
+        "deltas, on weight_host).",
+    )
     weight_host: str = Field(
         "127.0.0.1",
-        description="Interface trainer rank 0 serves weights on; the rollout actors "
+        description="With weight_channel 'network': the interface trainer rank 0 serves weights on; the rollout actors "
         "fetch from it. On a multi-node cluster: the node's private address (the weight stream "
         "is unauthenticated without mutual TLS).",
     )

@@ -20,21 +20,28 @@ section reaches the store process as RUN_DIR/store.json (``rollbook serve --conf
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import pathlib
 import secrets
 import signal
-import subprocess
 import sys
 import threading
 
 from rollbook import env as rollbook_env
 from rollbook.config import RunConfig, write_resolved
 from rollbook.errors import CommandError
-from rollbook.lifetime import child_env
-from rollbook.run_support import MetricsLog, check_inputs, heldout_text, install_weights, step_line, steps_done
+from rollbook.run_support import (  # StoreProcess: imported from here by tests and tools too
+    MetricsLog,
+    StoreProcess,
+    check_inputs,
+    heldout_text,
+    install_weights,
+    step_line,
+    steps_done,
+)
 
 log = logging.getLogger("rollbook.run")
 
@@ -55,62 +62,8 @@ SUMMARY_SQL = [
 ]
 
 
-class StoreProcess:
-    """A ``rollbook serve`` child process on the run directory's ledger. The keys go to it through
-    the environment (never the command line, which other users can read in ``ps``); a role given no
-    key stays open (loopback only). ``tls`` (``rollbook.tls.ServerTLS``) turns TLS on; ``client()``
-    then needs ``client_tls``."""
-
-    def __init__(
-        self,
-        db: pathlib.Path,
-        *,
-        admin_key: str | None = None,
-        trainer_key: str | None = None,
-        worker_key: str | None = None,
-        reader_key: str | None = None,
-        port: int = 0,
-        env: dict[str, str] | None = None,
-        tls=None,
-        client_tls=None,
-        extra_args: tuple[str, ...] = (),
-        config_file: str | pathlib.Path | None = None,
-    ):
-        self.db = pathlib.Path(db)
-        self.keys = {"worker_key": worker_key, "trainer_key": trainer_key, "reader_key": reader_key, "admin_key": admin_key}
-        self.admin_key, self.trainer_key = admin_key, trainer_key
-        self.client_tls = client_tls
-        env = rollbook_env.with_keys(dict(os.environ if env is None else env), self.keys)
-        args = ["--db", str(db), "--port", str(port), "--log-level", "WARNING", *extra_args]
-        if config_file is not None:  # store policies (StoreConfig fields); the flags above win
-            args += ["--config", str(config_file)]
-        if tls is not None:
-            args += ["--tls-cert", tls.cert, "--tls-key", tls.key] + (["--tls-client-ca", tls.client_ca] if tls.client_ca else [])
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "rollbook.cli", "serve", *args], stdout=subprocess.PIPE, text=True, env=child_env(env)
-        )
-        line = self.proc.stdout.readline().strip()
-        if not line.startswith("listening on "):
-            self.proc.kill()
-            raise RuntimeError(f"store did not start (exit {self.proc.wait()}): {line!r}")
-        self.address = line.removeprefix("listening on ")
-
-    def client(self, **kwargs):
-        """A ``StoreClient`` holding every key."""
-        from rollbook.client import StoreClient
-
-        return StoreClient(self.address, **{**self.keys, "tls": self.client_tls, **kwargs})
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            self.proc.wait(timeout=60)
-
-
 def run(config: RunConfig) -> dict:
     import torch
-
-    from rollbook.client import StoreClient
 
     run_dir = pathlib.Path(config.run_dir)
     done = steps_done(run_dir)
@@ -127,30 +80,55 @@ def run(config: RunConfig) -> dict:
     write_resolved(config, run_dir)
     keys = _run_keys(run_dir)
     _exit_on_sigterm()
-    store = StoreProcess(run_dir / "rollbook.duckdb", **keys, config_file=write_store_config(config, run_dir))
-    print(f"store: {store.address}, ledger {run_dir / 'rollbook.duckdb'}", flush=True)
-    try:
-        client = StoreClient.from_env(store.address, **keys)
-        client.register_model(config.trainer.model_id, vocab_size=_vocab_size(config))
-        if config.online is not None:  # learn from an agent through rollbook proxy (docs/online.md)
-            from rollbook.run_online import run_online
-
-            summary = run_online(config, client, store.address, keys)
-        elif config.placement == "colocated":
-            summary = _colocated(config, client)
-        elif config.placement == "ray":
-            from rollbook.run_ray import run_ray
-
-            summary = run_ray(config, store.address, keys)
-        else:
-            from rollbook.run_separated import run_separated
-
-            summary = run_separated(config, client, store.address, keys)
-        _print_sql(client)
-        client.close()
-    finally:
-        store.stop()
+    with contextlib.ExitStack() as stack:
+        store = _start_store(config, run_dir, keys, stack)
+        try:
+            summary = _run_with_store(config, store, keys)
+        finally:
+            store.stop()
     _report(run_dir)
+    return summary
+
+
+def _start_store(config: RunConfig, run_dir: pathlib.Path, keys: dict, stack: contextlib.ExitStack):
+    """The run's store: a child process here, or, with ``ray.store_resources`` under the ray placement,
+    under a Ray actor on the node those resources name (Ray is started first, on ``stack``)."""
+    db, store_config = run_dir / "rollbook.duckdb", write_store_config(config, run_dir)
+    if config.placement == "ray" and config.online is None and config.ray.store_resources:
+        from rollbook.run_ray import RayStore, ray_session
+
+        stack.enter_context(ray_session(config))
+        on_ray = RayStore(config, db.resolve(), keys, store_config.resolve())
+        print(f"store: {on_ray.address} on Ray node {on_ray.node_id}, ledger {db} on that node", flush=True)
+        return on_ray
+    store = StoreProcess(db, **keys, config_file=store_config)
+    print(f"store: {store.address}, ledger {db}", flush=True)
+    return store
+
+
+def _run_with_store(config: RunConfig, store, keys: dict) -> dict:
+    """Register the model, run the placement against ``store``, print the summary's SQL answers."""
+    from rollbook.client import StoreClient
+
+    client = StoreClient.from_env(store.address, **keys)
+    client.register_model(config.trainer.model_id, vocab_size=_vocab_size(config))
+    if config.online is not None:  # learn from an agent through rollbook proxy (docs/online.md)
+        from rollbook.run_online import run_online
+
+        summary = run_online(config, client, store.address, keys)
+    elif config.placement == "colocated":
+        summary = _colocated(config, client)
+    elif config.placement == "ray":
+        from rollbook.run_ray import run_ray
+
+        summary = run_ray(config, store.address, keys)
+        summary["store_node_id"] = getattr(store, "node_id", None)  # None: beside the driver
+    else:
+        from rollbook.run_separated import run_separated
+
+        summary = run_separated(config, client, store.address, keys)
+    _print_sql(client)
+    client.close()
     return summary
 
 

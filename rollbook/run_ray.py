@@ -27,11 +27,13 @@ its rows return, so no batch is lost or trained twice. Ray is imported only here
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import pathlib
 import socket
 import time
+from typing import Any
 
 from rollbook import env as rollbook_env
 from rollbook.config import RunConfig
@@ -64,7 +66,9 @@ class TrainerRank:
             "pid": os.getpid(),
         }
 
-    def run(self, init_method: str, weight_server: str, rollout_names: tuple[str, ...] = ()) -> dict:
+    def run(self, init_method: str, weights: str, rollout_names: tuple[str, ...] = ()) -> dict:
+        """``weights``: where rank 0 publishes, the rollout actors' channel spec ('ray:BOARD' or
+        'grpc:HOST:PORT', rank 0 serving it)."""
         import torch.distributed as dist
 
         from rollbook.trainer.distributed import init_group
@@ -72,7 +76,8 @@ class TrainerRank:
         from rollbook.trainer.model_builders import build_models
 
         cfg = self.config
-        trainer_cfg = cfg.trainer.model_copy(update={"weight_server": weight_server if self.rank == 0 else None})
+        kind, _, where = weights.partition(":")
+        trainer_cfg = cfg.trainer.model_copy(update={"weight_server": where if self.rank == 0 and kind == "grpc" else None})
         init_group(
             self.rank, self.world_size, init_method, backend=trainer_cfg.dist_backend, timeout_s=trainer_cfg.dist_timeout_s
         )
@@ -81,10 +86,15 @@ class TrainerRank:
                 follow(trainer_cfg, build=lambda: build_models(cfg))
                 return {}
             judge = _Judge(cfg)
+            publishers = [judge.install]
+            if kind == "ray":  # the rollout actors first: the judge evaluates the first version at length
+                from rollbook.weights.ray_objects import RayObjectPublisher
+
+                publishers.insert(0, RayObjectPublisher(where).publish)
             train_rank(
                 trainer_cfg,
                 build=lambda: build_models(cfg),
-                publishers=[judge.install],
+                publishers=publishers,
                 on_step=judge.on_step,
                 on_start=lambda: _wait_for_first_weights(rollout_names),
             )
@@ -106,7 +116,8 @@ def _wait_for_first_weights(names: tuple[str, ...], timeout_s: float = FIRST_WEI
     if not names:
         return
     log.info("waiting for %d rollout actor(s) to take the first weights", len(names))
-    refs, missing = {}, []
+    refs: dict[str, Any] = {}
+    missing: list[str] = []
     for name in names:
         try:
             refs[name] = ray.get_actor(name).wait_for_weights.remote(timeout_s)
@@ -238,56 +249,149 @@ def run_ray(config: RunConfig, address: str, keys: dict) -> dict:
     """Start the actors, train to ``num_steps`` (starting the trainer group again after a rank
     dies, up to ``ray.trainer_restarts`` times), stop the workers; returns the first and last
     held-out evaluations."""
+    from rollbook.trainer.model_builders import build_models
+
+    run_dir = pathlib.Path(config.run_dir).resolve()
+    config = config.model_copy(update={"run_dir": str(run_dir)})
+    config.trainer = config.trainer.model_copy(
+        update={"run_dir": str(run_dir), "server": address, "trainer_key": keys.get("trainer_key")}
+    )
+    with ray_session(config):
+        build_models(config)  # the warm start, once, cached in the run directory before the ranks read it
+        return _run_actors(config, run_dir, address, keys)
+
+
+class StoreActor:
+    """The run's ``rollbook serve`` process (``rollbook.run.StoreProcess``) on the node Ray places this
+    actor on (``ray.store_resources``): the ledger RUN_DIR/rollbook.duckdb is on that node's disk. The
+    store process dies with the actor (rollbook/lifetime.py)."""
+
+    def __init__(self, db: str, keys: dict, config_file: str, host: str) -> None:
+        from rollbook.run_support import StoreProcess
+
+        self._store = StoreProcess(pathlib.Path(db), **keys, config_file=config_file, extra_args=("--host", host))
+        self._address = self._store.address
+
+    def where(self) -> dict:
+        import ray
+
+        return {"address": self._address, "node_id": ray.get_runtime_context().get_node_id()}
+
+    def stop(self) -> None:
+        self._store.stop()
+
+
+class RayStore:
+    """``StoreProcess``'s interface (``address``, ``stop``) for a store in a ``StoreActor``; the
+    driver's Ray session must be up (``ray_session``)."""
+
+    def __init__(self, config: RunConfig, db: pathlib.Path, keys: dict, config_file: pathlib.Path) -> None:
+        import ray
+
+        rc = config.ray
+        options: dict[str, Any] = {"num_cpus": rc.store_cpus, "resources": rc.store_resources, "max_restarts": 0}
+        actor_cls: Any = ray.remote(StoreActor)
+        self._actor = actor_cls.options(**options).remote(str(db), keys, str(config_file), rc.store_host)
+        where: dict = ray.get(self._actor.where.remote())
+        self.address, self.node_id = where["address"], where["node_id"]
+
+    def stop(self) -> None:
+        import ray
+
+        try:
+            ray.get(self._actor.stop.remote(), timeout=90)
+        finally:
+            ray.kill(self._actor)
+
+
+# How a local Ray instance that did not start says so on a loaded machine (Ray waits a fixed 30 s for
+# its raylet; seen in about one start in four here under load): ``ray_session`` starts it again
+RAY_START_FAILURES = ("The current node timed out during startup", "Timed out waiting for file")
+MAX_RAY_STARTS = 3
+
+
+@contextlib.contextmanager
+def ray_session(config: RunConfig):
+    """Ray for this run: the cluster at ``ray.address``, or a local instance with room for every
+    actor (started up to ``MAX_RAY_STARTS`` times when it times out starting), shut down at the end.
+    Inside a Ray job already (a test's cluster): that one, left running."""
     from rollbook.errors import CommandError
 
     try:
         import ray
     except ImportError:
         raise CommandError("placement 'ray' needs the ray package: pip install -c constraints.txt -e '.[bench]'") from None
-    from rollbook.rollout.main import WorkerConfig
-    from rollbook.trainer.model_builders import build_models
-
+    if ray.is_initialized():
+        yield
+        return
     rc = config.ray
     num_cpus = None
     if rc.address is None:  # a local instance: room for every actor asked for, or they would wait forever
         import os
 
-        needed = math.ceil(rc.num_workers * rc.worker_cpus + config.trainer.num_ranks * rc.trainer_cpus)
+        declared = {
+            f"{rc.num_workers} x ray.worker_cpus {rc.worker_cpus:g}": rc.num_workers * rc.worker_cpus,
+            f"{config.trainer.num_ranks} x ray.trainer_cpus {rc.trainer_cpus:g}": config.trainer.num_ranks * rc.trainer_cpus,
+        }
+        if rc.store_resources:
+            declared[f"ray.store_cpus {rc.store_cpus:g}"] = rc.store_cpus
+        needed = math.ceil(sum(declared.values()))
         num_cpus = rc.num_cpus or max(os.cpu_count() or 1, needed)
         if num_cpus < needed:
             raise CommandError(
-                f"ray.num_cpus {num_cpus} is fewer than the actors declare ({needed}: "
-                f"{rc.num_workers} x ray.worker_cpus {rc.worker_cpus:g} + {config.trainer.num_ranks} x "
-                f"ray.trainer_cpus {rc.trainer_cpus:g}); the actors would never be scheduled"
+                f"ray.num_cpus {num_cpus} is fewer than the actors declare ({needed}: {' + '.join(declared)}); "
+                "the actors would never be scheduled"
             )
-    run_dir = pathlib.Path(config.run_dir).resolve()
-    config = config.model_copy(update={"run_dir": str(run_dir)})
-    config.trainer = config.trainer.model_copy(
-        update={"run_dir": str(run_dir), "server": address, "trainer_key": keys.get("trainer_key")}
-    )
-    build_models(config)  # the warm start, once, cached in the run directory before the ranks read it
-    started_here = not ray.is_initialized()
-    if started_here:
-        rollbook_env.prepare_local_ray()
-        # "local", not None: None joins whatever cluster /tmp/ray/ray_current_cluster names (anyone's
-        # on a shared machine), and then refuses num_cpus
-        ray.init(address=rc.address or "local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=True)
+    rollbook_env.prepare_local_ray()
+    for attempt in range(1, MAX_RAY_STARTS + 1):
+        try:
+            # "local", not None: None joins whatever cluster /tmp/ray/ray_current_cluster names (anyone's
+            # on a shared machine), and then refuses num_cpus
+            ray.init(address=rc.address or "local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=True)
+            break
+        except Exception as exc:
+            if rc.address is not None or attempt == MAX_RAY_STARTS or not any(s in str(exc) for s in RAY_START_FAILURES):
+                raise
+            log.warning(
+                "Ray did not start (%s); starting it again (%d of %d)", str(exc).splitlines()[0], attempt + 1, MAX_RAY_STARTS
+            )
+            ray.shutdown()
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+def _run_actors(config: RunConfig, run_dir: pathlib.Path, address: str, keys: dict) -> dict:
+    import ray
+
+    from rollbook.errors import CommandError
+    from rollbook.rollout.main import WorkerConfig
+
+    rc = config.ray
     trainer_cls = ray.remote(TrainerRank)
     rollout_cls = ray.remote(RolloutActor)
     workers: list = []
     ranks: list = []
+    board = None
     try:
         # the rollout actors first, polling the weight address rank 0 will serve; rank 0 then waits
         # until each holds version 0 before its first pull (_wait_for_first_weights), so that no actor
         # still starting up on a loaded machine finds a short run already over
-        weight_port = _free_port(rc.weight_host)
-        weight_server = f"{rc.weight_host}:{weight_port}"
+        if rc.weight_channel == "object_store":
+            from rollbook.weights.ray_objects import create_board
+
+            board_name = f"rollbook-weights-{run_dir.name}"
+            board = create_board(board_name)  # here, so it outlives a trainer group that fails
+            weights = f"ray:{board_name}"
+        else:
+            weights = f"grpc:{rc.weight_host}:{_free_port(rc.weight_host)}"  # kept across trainer restarts
         per_worker = math.ceil(config.trainer.num_samples / rc.num_workers)
         for i in range(rc.num_workers):
             rollout = config.rollout.model_copy(update={"worker_id": f"ray-worker-{i}", "seed": config.rollout.seed + i})
             wcfg = WorkerConfig(
                 server=address,
-                weights=f"grpc:{weight_server}",
+                weights=weights,
                 model_id=config.trainer.model_id,
                 model=config.trainer.model,
                 rollout=rollout,
@@ -307,7 +411,7 @@ def run_ray(config: RunConfig, address: str, keys: dict) -> dict:
                 options["resources"] = rc.worker_resources[i % len(rc.worker_resources)]
             workers.append(rollout_cls.options(**options).remote(wcfg))
         ray.get([w.where.remote() for w in workers])  # constructed: imports done, polling for weights
-        ranks, trainer_node_ids = _start_ranks(trainer_cls, config, weight_port, attempt=0)
+        ranks, trainer_node_ids = _start_ranks(trainer_cls, config, weights, attempt=0)
         attempts = 0
         while True:
             try:
@@ -328,7 +432,7 @@ def run_ray(config: RunConfig, address: str, keys: dict) -> dict:
                 log.warning(
                     "a trainer rank failed (%s); starting the group again from the last checkpoint", str(exc).splitlines()[0]
                 )
-                ranks, trainer_node_ids = _start_ranks(trainer_cls, config, weight_port, attempt=attempts)
+                ranks, trainer_node_ids = _start_ranks(trainer_cls, config, weights, attempt=attempts)
         summary["workers"] = [_stop_worker(w) for w in workers]
         summary["trainer_node_ids"] = trainer_node_ids
         return summary
@@ -336,8 +440,8 @@ def run_ray(config: RunConfig, address: str, keys: dict) -> dict:
         for w in workers:
             ray.kill(w, no_restart=True)
         _kill(ranks, pause_s=0)
-        if started_here:
-            ray.shutdown()
+        if board is not None:
+            ray.kill(board)
 
 
 def _stop_worker(worker) -> dict:
@@ -353,11 +457,12 @@ def _stop_worker(worker) -> dict:
         return {"error": str(exc).splitlines()[0]}
 
 
-def _start_ranks(trainer_cls, config: RunConfig, weight_port: int, attempt: int):
+def _start_ranks(trainer_cls, config: RunConfig, weights: str, attempt: int):
     """The trainer group's actors (named ``rollbook-trainer-RANK-RUNDIR-ATTEMPT``) with their ``run``
     refs, and the node id of each rank (asked before ``run`` starts: a rank may die after the last
-    step, and an actor answers nothing else while ``run`` holds it); rank 0's weight server on
-    ``weight_port`` (kept across restarts so the rollout actors keep fetching from the same address)."""
+    step, and an actor answers nothing else while ``run`` holds it). ``weights`` is the same for
+    every start (the board, or rank 0's weight server address), so the rollout actors keep fetching
+    from it."""
     import ray
 
     rc = config.ray
@@ -373,9 +478,8 @@ def _start_ranks(trainer_cls, config: RunConfig, weight_port: int, attempt: int)
     infos = ray.get([a.where.remote() for a in actors])
     head = infos[0]
     init_method = f"tcp://{head['ip']}:{head['rendezvous_port']}"
-    weight_server = f"{rc.weight_host}:{weight_port}"
     rollout_names = tuple(_rollout_name(i, name) for i in range(rc.num_workers))
-    refs = [a.run.remote(init_method, weight_server, rollout_names) for a in actors]
+    refs = [a.run.remote(init_method, weights, rollout_names) for a in actors]
     return list(zip(actors, refs, strict=True)), [info["node_id"] for info in infos]
 
 

@@ -1,13 +1,19 @@
-"""What both placements of ``rollbook run`` (run.py: colocated, run_separated.py: separated) share:
-the metrics file, installing a published version into an in-process engine, the console line of a
-step, and reading how far a run directory's trainer got. Its own module so neither placement imports
-the other's internals."""
+"""What the placements of ``rollbook run`` (run.py: colocated, run_separated.py: separated, run_ray.py:
+ray) share: the store's child process (``StoreProcess``), the metrics file, installing a published
+version into an in-process engine, the console line of a step, and reading how far a run
+directory's trainer got. Its own module so no placement imports another's internals."""
 
 from __future__ import annotations
 
 import json
+import os
 import pathlib
+import subprocess
+import sys
 import time
+
+from rollbook import env as rollbook_env
+from rollbook.lifetime import child_env
 
 
 class MetricsLog:
@@ -109,3 +115,55 @@ def check_inputs(config) -> int:
             f"{vocab}: the model cannot read or emit all of its ids (model.vocab_size, model.path)"
         )
     return vocab
+
+
+class StoreProcess:
+    """A ``rollbook serve`` child process on the run directory's ledger. The keys go to it through
+    the environment (never the command line, which other users can read in ``ps``); a role given no
+    key stays open (loopback only). ``tls`` (``rollbook.tls.ServerTLS``) turns TLS on; ``client()``
+    then needs ``client_tls``."""
+
+    def __init__(
+        self,
+        db: pathlib.Path,
+        *,
+        admin_key: str | None = None,
+        trainer_key: str | None = None,
+        worker_key: str | None = None,
+        reader_key: str | None = None,
+        port: int = 0,
+        env: dict[str, str] | None = None,
+        tls=None,
+        client_tls=None,
+        extra_args: tuple[str, ...] = (),
+        config_file: str | pathlib.Path | None = None,
+    ):
+        self.db = pathlib.Path(db)
+        self.keys = {"worker_key": worker_key, "trainer_key": trainer_key, "reader_key": reader_key, "admin_key": admin_key}
+        self.admin_key, self.trainer_key = admin_key, trainer_key
+        self.client_tls = client_tls
+        env = rollbook_env.with_keys(dict(os.environ if env is None else env), self.keys)
+        args = ["--db", str(db), "--port", str(port), "--log-level", "WARNING", *extra_args]
+        if config_file is not None:  # store policies (StoreConfig fields); the flags above win
+            args += ["--config", str(config_file)]
+        if tls is not None:
+            args += ["--tls-cert", tls.cert, "--tls-key", tls.key] + (["--tls-client-ca", tls.client_ca] if tls.client_ca else [])
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "rollbook.cli", "serve", *args], stdout=subprocess.PIPE, text=True, env=child_env(env)
+        )
+        line = self.proc.stdout.readline().strip()
+        if not line.startswith("listening on "):
+            self.proc.kill()
+            raise RuntimeError(f"store did not start (exit {self.proc.wait()}): {line!r}")
+        self.address = line.removeprefix("listening on ")
+
+    def client(self, **kwargs):
+        """A ``StoreClient`` holding every key."""
+        from rollbook.client import StoreClient
+
+        return StoreClient(self.address, **{**self.keys, "tls": self.client_tls, **kwargs})
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(timeout=60)

@@ -45,7 +45,10 @@ class WorkerConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     server: str = Field("127.0.0.1:50551", description="Store address HOST:PORT.")
-    weights: str = Field(description="Weight channel: 'shm:NAME' (shared memory, one host) or 'grpc:HOST:PORT' (network).")
+    weights: str = Field(
+        description="Weight channel: 'shm:NAME' (shared memory, one host), 'grpc:HOST:PORT' (network) or "
+        "'ray:BOARD' (Ray's object store, inside a Ray job: the ray placement)."
+    )
     model_id: str = Field("tiny", description="Model id the trajectories are recorded under.")
     model: ModelConfig = Field(default_factory=ModelConfig, description="Architecture to build before the first weights arrive.")
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
@@ -87,9 +90,13 @@ def open_channel(spec: str):
         from rollbook.weights.network import NetworkReceiver
 
         return NetworkReceiver(where, tls=ClientTLS.from_env())
+    if kind == "ray":
+        from rollbook.weights.ray_objects import RayObjectReceiver
+
+        return RayObjectReceiver(where)
     from rollbook.errors import ConfigError
 
-    raise ConfigError(f"weights must be 'shm:NAME' or 'grpc:HOST:PORT', got {spec!r}")
+    raise ConfigError(f"weights must be 'shm:NAME', 'grpc:HOST:PORT' or 'ray:BOARD', got {spec!r}")
 
 
 def run_worker(

@@ -1,7 +1,8 @@
 """Acceptance 1 (issue 15): ``rollbook run --placement ray`` on a Ray cluster of two nodes on this
 machine (``ray.cluster_utils.Cluster``; custom resources force one rollout actor onto each node), a
-two-rank data-parallel trainer on the head node, weights over the network channel. The ledger must
-attribute rows to both workers, every step must have one acked lease, no row may train twice.
+two-rank data-parallel trainer on the head node, the store on the other node (``ray.store_resources``),
+weights over the network channel. The ledger must attribute rows to both workers, every step must
+have one acked lease, no row may train twice.
 
 Small settings so it fits .ci/run (two raylets and four actors on 2 cores: about two minutes)."""
 
@@ -76,11 +77,16 @@ def test_ray_placement_spreads_rollout_over_two_nodes_and_trains_with_two_ranks(
     # rank 0 pulls only once both actors hold version 0 (run_ray._wait_for_first_weights), and eta = 0
     # admits half a batch per actor per version, so neither can feed the short run alone while the
     # other is still starting on a loaded machine (CI, 2026-12-01: one actor did, without the wait)
-    summary = run(small_config(tmp_path / "run", max_staleness=0))
+    # the store on node b, chosen by config; weights over the network channel (the others: object store)
+    config = small_config(
+        tmp_path / "run", max_staleness=0, weight_channel="network", store_resources={"node_b": 1}, store_cpus=0.5
+    )
+    summary = run(config)
     assert all(w["rounds"] > 0 for w in summary["workers"]), summary["workers"]
     node_of = {n["NodeID"]: ("a" if "node_a" in n["Resources"] else "b") for n in ray.nodes()}
     assert sorted(node_of[w["node_id"]] for w in summary["workers"]) == ["a", "b"]  # a rollout actor on each node
     assert {node_of[n] for n in summary["trainer_node_ids"]} == {"a"}  # both ranks on the head node
+    assert node_of[summary["store_node_id"]] == "b"  # the store where ray.store_resources put it
     con = duckdb.connect(str(tmp_path / "run" / "rollbook.duckdb"), read_only=True)
     per_worker = dict(con.execute("SELECT worker_id, count(*) FROM trajectories GROUP BY ALL").fetchall())
     assert set(per_worker) == {"ray-worker-0", "ray-worker-1"}, per_worker
