@@ -40,11 +40,11 @@ placement:
   completions received, attempts, accepted and served rows, ``RETRY_ORPHAN`` rejections, and
   whether the rows PullBatch serves are exactly the completions received (computed, not asserted).
 
-Not measured: the rollout side's fetch-and-load time per version, and Ray's object store as a
-weight channel (the ray placement uses the network channel; bench/weights.py compares channels).
+Not measured: the rollout side's fetch-and-load time per version (bench/weights.py --ray measures
+the channels into a Ray actor; the ray placement publishes through Ray's object store).
 A loaded machine moves every timing; compare placements within one run, and read ``load_avg``.
-A run whose local Ray instance did not start is started again (``ray_start_failures`` counts it; up
-to three starts). A run that fails otherwise is reported with its ``error`` in the JSON and the
+A local Ray instance that timed out starting is started again by the launcher itself (up to three
+starts; ``ray_start_failures`` counts them from the run's log). A run that fails is reported with its ``error`` in the JSON and the
 table, the others are still measured, and the script exits non-zero.
 """
 
@@ -131,31 +131,10 @@ def warm_start(work: pathlib.Path, args: argparse.Namespace) -> pathlib.Path:
     return work / "warm" / "base-student"
 
 
-# what a `rollbook run --placement ray` log says when the local Ray instance did not come up (its GCS
-# or raylet; Ray waits a fixed 30 s for the raylet): seen in about one start in four on this machine
-RAY_START_FAILURES = ("The current node timed out during startup", "Timed out waiting for file")
-MAX_RAY_STARTS = 3
-
-
-class RayDidNotStart(SystemExit):
-    """A run that failed because its local Ray instance did not start (``RAY_START_FAILURES``)."""
-
-
-def with_ray_retries(run, name: str, placement: str, work: pathlib.Path, student: pathlib.Path, args: argparse.Namespace) -> dict:
-    """``run(placement, work, student, args)`` (``measure`` or ``recover``, whose run directory and log
-    are WORK/NAME and WORK/NAME.log), started again, up to ``MAX_RAY_STARTS`` times in all, when Ray did
-    not start; the failed attempts' logs are kept (``NAME.ray-start-failed-N.log``) and counted in
-    ``ray_start_failures``."""
-    for failures in range(MAX_RAY_STARTS):
-        try:
-            return {**run(placement, work, student, args), "ray_start_failures": failures}
-        except RayDidNotStart:
-            if failures + 1 == MAX_RAY_STARTS:
-                raise
-            (work / f"{name}.log").rename(work / f"{name}.ray-start-failed-{failures}.log")
-            shutil.rmtree(work / name)
-            print(f"[placement bench] {name}: Ray did not start; starting the run again", file=sys.stderr, flush=True)
-    raise AssertionError("unreachable")
+def ray_start_failures(log: pathlib.Path) -> int:
+    """Starts of the local Ray instance that timed out and were made again by the launcher
+    (rollbook/run_ray.py ``ray_session``, which logs each one)."""
+    return log.read_text(errors="replace").count("Ray did not start (")
 
 
 def fresh_run_dir(work: pathlib.Path, name: str, student: pathlib.Path) -> pathlib.Path:
@@ -179,8 +158,7 @@ def finish(proc: subprocess.Popen, log: pathlib.Path, what: str, timeout: float)
         raise SystemExit(f"{what}: no end within {timeout:g} s; log {log}") from None
     if code != 0:
         text = log.read_text(errors="replace")
-        failure = RayDidNotStart if any(s in text for s in RAY_START_FAILURES) else SystemExit
-        raise failure(f"{what} failed ({code}):\n{text[-3000:]}")
+        raise SystemExit(f"{what} failed ({code}):\n{text[-3000:]}")
 
 
 def kill_group(proc: subprocess.Popen) -> None:
@@ -249,6 +227,7 @@ def measure(placement: str, work: pathlib.Path, student: pathlib.Path, args: arg
         "heldout_first": evals[0]["eval/reward"] if evals else None,
         "heldout_final": evals[-1]["eval/reward"] if evals else None,
         "heldout_sampled_final": evals[-1].get("eval/sampled_reward") if evals else None,
+        "ray_start_failures": ray_start_failures(log),
     }
 
 
@@ -304,6 +283,7 @@ def recover(placement: str, work: pathlib.Path, student: pathlib.Path, args: arg
         "restart_recovery_s": round(first_after - restarted_at, 2) if first_after is not None else None,
         "audit": audit,
         "exactly_once": all(audit[k] == 0 for k in faults) and audit["steps"] == list(range(num_steps)),
+        "ray_start_failures": ray_start_failures(log),
         **({} if first_after else {"note": "no step finished after the restart: the kill came after the last one"}),
     }
 
@@ -408,7 +388,12 @@ def main() -> None:
     p.add_argument("--recovery", action=argparse.BooleanOptionalAction, default=None, help="default: on with --json")
     p.add_argument("--kill-after", type=int, default=2, help="checkpointed steps before the trainer is killed")
     p.add_argument("--kill-delay", type=float, default=0.5, help="seconds after that checkpoint before the kill")
-    p.add_argument("--steps-after-kill", type=int, default=2)
+    p.add_argument(
+        "--steps-after-kill",
+        type=int,
+        default=6,
+        help="steps asked for after --kill-after (a fast placement finishes several within --kill-delay)",
+    )
     p.add_argument("--online", action=argparse.BooleanOptionalAction, default=None, help="default: on with --json")
     p.add_argument("--png", default=None, help="write the bar chart here")
     p.add_argument("--timeout", type=float, default=1800, help="seconds for each run")
@@ -425,13 +410,11 @@ def main() -> None:
     rows, failed = [], []
     for name in args.placements.split(","):
         print(f"[placement bench] {name}: {args.steps} steps", file=sys.stderr, flush=True)
-        row = _or_error(
-            with_ray_retries, (measure, name, name, work, student, args), {"placement": name, "steps": args.steps}, failed
-        )
+        row = _or_error(measure, (name, work, student, args), {"placement": name, "steps": args.steps}, failed)
         row["recovery"] = row["restart_recovery_s"] = None
         if recovery:
             print(f"[placement bench] {name}: kill and restart", file=sys.stderr, flush=True)
-            row["recovery"] = _or_error(with_ray_retries, (recover, f"{name}-recovery", name, work, student, args), {}, failed)
+            row["recovery"] = _or_error(recover, (name, work, student, args), {}, failed)
             row["restart_recovery_s"] = row["recovery"].get("restart_recovery_s")
         rows.append(row)
     report: dict = {"placements": rows}

@@ -3,19 +3,25 @@ placements, as Ray actors on any nodes of a cluster.
 
     rollbook run --config configs/quickstart.toml --placement ray --ray.num_workers 2 --trainer.num_ranks 2
     ray start --head --port 6379 --resources '{"trainer_node": 1}'        # a real cluster: the head ...
+    ray start --address HEAD:6379 --resources '{"store_node": 1}'         # ... the ledger's machine ...
     ray start --address HEAD:6379 --resources '{"rollout_node": 1}'       # ... and each other machine
-    rollbook run ... --placement ray --ray.address HEAD:6379 --ray.weight_host HEAD_PRIVATE_IP
+    rollbook run ... --placement ray --ray.address HEAD:6379 --ray.store_resources '{store_node = 1}' ...
 
-- the store: the run's own ``rollbook serve`` process beside this driver (``rollbook/run.py``), on
-  the node the driver runs on (run it on the machine with the disk the ledger should live on);
+- the store: the run's own ``rollbook serve`` process beside this driver (``rollbook/run.py``), or,
+  with ``ray.store_resources``, under a ``StoreActor`` on the node they name (``RayStore``), bound
+  to ``ray.store_host``; its ledger is RUN_DIR/rollbook.duckdb on that node's disk;
 - the trainer: ``trainer.num_ranks`` actors (``TrainerRank``), one data-parallel group
-  (trainer/distributed.py, gloo); rank 0 pulls, reports, checkpoints, acks,
-  publishes every version on the network weight channel (full copies and deltas,
-  rollbook/weights/network.py) and evaluates held-out reward into RUN_DIR/metrics.jsonl;
+  (trainer/distributed.py, gloo); rank 0 pulls, reports, checkpoints, acks, publishes every version
+  (``ray.weight_channel``: Ray's object store, rollbook/weights/ray_objects.py, or the network
+  channel's full copies and deltas, rollbook/weights/network.py) and evaluates held-out reward into
+  RUN_DIR/metrics.jsonl;
 - rollout workers: ``ray.num_workers`` actors (``RolloutActor``), each the loop of ``rollbook rollout``
-  (rollout/main.py ``run_worker``: weights from the network channel, staleness gate, spooling
+  (rollout/main.py ``run_worker``: weights from that channel, staleness gate, spooling
   submitter) with its own worker_id, seed and spool directory RUN_DIR/spool-I; rank 0 waits for each to
   hold the first weights before its first pull, so every actor feeds the run from step 0.
+
+On several machines RUN_DIR must be one path they all share: rank 0 checkpoints there, the actors
+spool there, the store keeps the ledger there.
 
 Failures: a rollout actor that dies is restarted by Ray (``ray.max_restarts``) with the same
 arguments, so it reopens the same spool and, first thing, resends what was spooled and not yet
