@@ -268,7 +268,7 @@ def run_ray(config: RunConfig, address: str, keys: dict) -> dict:
 
 
 class StoreActor:
-    """The run's ``rollbook serve`` process (``rollbook.run.StoreProcess``) on the node Ray places this
+    """The run's ``rollbook serve`` process (``run_support.StoreProcess``) on the node Ray places this
     actor on (``ray.store_resources``): the ledger RUN_DIR/rollbook.duckdb is on that node's disk. The
     store process dies with the actor (rollbook/lifetime.py)."""
 
