@@ -52,6 +52,14 @@ class WarmStartConfig(BaseModel):
         "teacher_steps on its own domain only and routed to by domain (needs "
         "trainer.teacher_routing 'domain'); False: one teacher trained on every domain.",
     )
+    student_mix: dict[str, float] = Field(
+        default_factory=dict,
+        description="Share of each domain in the student's warm start: each problem of a supervised batch "
+        "picks its domain with these weights (normalized; a domain not named gets none), then a training "
+        "problem of that domain. Empty = all domains' training problems pooled, so a domain weighs as "
+        "many problems as it has. Domains reach their plateau's end at different steps; the mix lets one "
+        "student step count leave every domain part-learned (configs/demo.toml).",
+    )
     batch_size: int = Field(64, ge=1, description="Problems per supervised step.")
     lr: float = Field(3e-3, gt=0, description="Supervised learning rate.")
     seed: int = Field(1, description="Seed of the supervised data order (distinct from the RL task seed).")
@@ -252,6 +260,13 @@ class RunConfig(BaseModel):
                 "MOPD (trainer.loss.distill_coef > 0) needs a teacher: set warm_start.teacher_steps > 0 "
                 "or list [[trainer.teachers]]"
             )
+        mix = self.warm_start.student_mix
+        if mix:
+            unknown = sorted(set(mix) - set(self.rollout.domains))
+            if unknown:
+                raise ValueError(f"warm_start.student_mix names {unknown}, not in rollout.domains {self.rollout.domains}")
+            if any(w < 0 for w in mix.values()) or sum(mix.values()) <= 0:
+                raise ValueError(f"warm_start.student_mix {mix}: weights must be >= 0 with a positive sum")
         if self.rollout.dataset is not None:  # the warm start knows only the toy tasks and their tokenizer
             ws = self.warm_start
             asked = [f for f in ("student_steps", "teacher_steps") if f in ws.model_fields_set and getattr(ws, f) > 0]

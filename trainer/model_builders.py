@@ -50,6 +50,7 @@ def build_models(config: RunConfig) -> tuple[PreTrainedModel, TeacherScorer | No
             batch_size=ws.batch_size,
             lr=ws.lr,
             seed=ws.seed,
+            domain_weights=ws.student_mix or None,
         )
     if config.trainer.loss.distill_coef == 0:
         return student, None

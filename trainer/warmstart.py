@@ -12,10 +12,12 @@ transformers' own progress bars ("Writing model shards", "Loading weights") are 
 
 from __future__ import annotations
 
+import itertools
 import logging
 import pathlib
 import random
 import time
+from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
@@ -39,15 +41,19 @@ def supervised_steps(
     seed: int,
     on_progress=None,
     progress_every: int = PROGRESS_EVERY,
+    domain_weights: Mapping[str, float] | None = None,
 ) -> list[float]:
     """Cross-entropy on the answer tokens (prompt tokens are context only); returns the losses.
-    ``on_progress(step_done, loss)`` is called every ``progress_every`` steps and after the last."""
+    ``on_progress(step_done, loss)`` is called every ``progress_every`` steps and after the last.
+    ``domain_weights`` (``warm_start.student_mix``): each problem of a batch picks its domain with
+    these weights, then a problem of that domain; None or empty: problems drawn from ``tasks`` pooled."""
     rng = random.Random(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     history = []
     model.train()
+    draw = _weighted_draw(tasks, domain_weights, rng) if domain_weights else lambda: rng.choice(tasks)
     for _ in range(steps):
-        batch = [rng.choice(tasks) for _ in range(batch_size)]
+        batch = [draw() for _ in range(batch_size)]
         ids, labels = _padded(batch)
         logits = model(input_ids=ids, attention_mask=(ids != TOKENIZER.pad_token_id).long()).logits
         loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100)
@@ -58,6 +64,19 @@ def supervised_steps(
         if on_progress is not None and (len(history) % progress_every == 0 or len(history) == steps):
             on_progress(len(history), history[-1])
     return history
+
+
+def _weighted_draw(tasks: list[Task], weights: Mapping[str, float], rng: random.Random):
+    """A function drawing one problem: a domain by ``weights``, then one of its problems."""
+    by_domain: dict[str, list[Task]] = {}
+    for task in tasks:
+        by_domain.setdefault(task.domain, []).append(task)
+    names = [d for d, w in weights.items() if w > 0]
+    missing = [d for d in names if d not in by_domain]
+    if missing:
+        raise ValueError(f"domain weights name {missing}, which have no training problems")
+    cumulative = list(itertools.accumulate(weights[d] for d in names))
+    return lambda: rng.choice(by_domain[rng.choices(names, cum_weights=cumulative)[0]])
 
 
 def _padded(batch: list[Task]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -76,7 +95,17 @@ def _padded(batch: list[Task]) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, lab
 
 
-def cached_warm_start(path: pathlib.Path, build, tasks: list[Task], *, steps: int, batch_size: int, lr: float, seed: int):
+def cached_warm_start(
+    path: pathlib.Path,
+    build,
+    tasks: list[Task],
+    *,
+    steps: int,
+    batch_size: int,
+    lr: float,
+    seed: int,
+    domain_weights: Mapping[str, float] | None = None,
+):
     """Load the warm-started model from ``path`` or build it (``build()`` -> fresh model) and save it."""
     from transformers import AutoModelForCausalLM
 
@@ -94,6 +123,7 @@ def cached_warm_start(path: pathlib.Path, build, tasks: list[Task], *, steps: in
             batch_size=batch_size,
             lr=lr,
             seed=seed,
+            domain_weights=domain_weights,
             progress_every=max(PROGRESS_EVERY, steps // PROGRESS_LINES),
             on_progress=lambda done, loss: print(
                 f"warm start {path.name}: step {done}/{steps}  loss {loss:.3f}  {time.perf_counter() - started:.0f} s", flush=True

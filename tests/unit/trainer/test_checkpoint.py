@@ -62,3 +62,19 @@ def test_the_warm_start_prints_progress_and_no_progress_bars(tmp_path, capfd):
     assert f"warm start base-student: step {PROGRESS_EVERY}/{steps}" in out
     assert f"warm start base-student: step {steps}/{steps}" in out
     assert "Writing model shards" not in out + err and "%|" not in out + err, err
+
+
+def test_the_student_mix_draws_each_domain_by_its_weight_not_by_its_number_of_problems():
+    import random
+
+    from rollbook.tasks import ArithmeticDomain, ReverseDomain, make_tasks
+    from rollbook.trainer.warmstart import _weighted_draw
+
+    many = make_tasks(ArithmeticDomain(num_digits=2), "train", 900, 0, allow_fewer=True)
+    few = make_tasks(ReverseDomain(min_len=1, max_len=3, alphabet="abcde"), "train", 50, 0, allow_fewer=True)
+    assert len(many) > 5 * len(few)  # pooled, arithmetic would be most of every batch
+    draw = _weighted_draw(many + few, {"arithmetic": 1.0, "reverse": 3.0}, random.Random(0))
+    drawn = [draw().domain for _ in range(4000)]
+    assert 0.72 < drawn.count("reverse") / len(drawn) < 0.78
+    only = _weighted_draw(many + few, {"arithmetic": 0.0, "reverse": 1.0}, random.Random(0))
+    assert {only().domain for _ in range(200)} == {"reverse"}
