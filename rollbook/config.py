@@ -60,6 +60,21 @@ class WarmStartConfig(BaseModel):
         "many problems as it has. Domains reach their plateau's end at different steps; the mix lets one "
         "student step count leave every domain part-learned (configs/demo.toml).",
     )
+    student_target: float | None = Field(
+        None,
+        gt=0,
+        le=1,
+        description="Warm-start the student until every domain has reached this greedy accuracy on its own "
+        "training problems (checked every student_check_every steps on student_check_problems of them; "
+        "never on held-out problems), or for student_steps at most. A domain's plateau ends at a step that "
+        "varies with the seed, so a fixed step count leaves some seeds' student at zero on a domain; with "
+        "a target none is. Every domain keeps training until the last one is there (one taken out is "
+        "forgotten), so the first may be past it: student_mix evens their pace. None: exactly student_steps steps.",
+    )
+    student_check_every: int = Field(20, ge=1, description="Steps between the student_target checks.")
+    student_check_problems: int = Field(
+        64, ge=1, description="Training problems per domain the student_target check decodes greedily."
+    )
     batch_size: int = Field(64, ge=1, description="Problems per supervised step.")
     lr: float = Field(3e-3, gt=0, description="Supervised learning rate.")
     seed: int = Field(1, description="Seed of the supervised data order (distinct from the RL task seed).")

@@ -51,6 +51,10 @@ def build_models(config: RunConfig) -> tuple[PreTrainedModel, TeacherScorer | No
             lr=ws.lr,
             seed=ws.seed,
             domain_weights=ws.student_mix or None,
+            target=ws.student_target,
+            check_every=ws.student_check_every,
+            check_problems=ws.student_check_problems,
+            domains=build_domains(config.rollout),
         )
     if config.trainer.loss.distill_coef == 0:
         return student, None
