@@ -65,15 +65,16 @@ class WarmStartConfig(BaseModel):
         gt=0,
         le=1,
         description="Warm-start the student until every domain has reached this greedy accuracy on its own "
-        "training problems (checked every student_check_every steps on student_check_problems of them; "
-        "never on held-out problems), or for student_steps at most. A domain's plateau ends at a step that "
+        "training problems (checked every student_check_every steps on student_check_problems of them, "
+        "set apart from the warm start's batches; never on held-out problems), or for student_steps at most. A domain's plateau ends at a step that "
         "varies with the seed, so a fixed step count leaves some seeds' student at zero on a domain; with "
         "a target none is. Every domain keeps training until the last one is there (one taken out is "
         "forgotten), so the first may be past it: student_mix evens their pace. None: exactly student_steps steps.",
     )
     student_check_every: int = Field(20, ge=1, description="Steps between the student_target checks.")
     student_check_problems: int = Field(
-        64, ge=1, description="Training problems per domain the student_target check decodes greedily."
+        64, ge=1, description="Training problems per domain the student_target check decodes greedily (set apart: "
+        "the student's warm start does not train on them; at most half a domain's)."
     )
     batch_size: int = Field(64, ge=1, description="Problems per supervised step.")
     lr: float = Field(3e-3, gt=0, description="Supervised learning rate.")

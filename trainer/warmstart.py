@@ -54,8 +54,9 @@ def supervised_steps(
     these weights, then a problem of that domain; None or empty: problems drawn from ``tasks`` pooled.
 
     ``target`` (``warm_start.student_target``): every ``check_every`` steps, the greedy accuracy of
-    each domain not yet at the target on ``check_problems`` of its own training problems
-    (``greedy_accuracy``, verified by ``domains``); training stops at the first check where every
+    each domain not yet at the target on ``check_problems`` of its own training problems, set apart
+    from the ones it trains on (on those it trains on, a tiny model's accuracy runs ahead of the
+    held-out one: it memorizes; ``greedy_accuracy``, verified by ``domains``); training stops at the first check where every
     domain has reached ``target`` (at this check or an earlier one), or after ``steps``. A domain
     that reached it keeps training at its weight: taken out of the batches, a domain is forgotten
     within about a hundred steps of the others' (docs/RESULTS.md, "The MOPD demo"). ``on_check(step,
@@ -73,7 +74,12 @@ def supervised_steps(
     missing = [d for d in active if d not in by_domain]
     if missing:
         raise ValueError(f"domain weights name {missing}, which have no training problems")
-    probes = {d: random.Random(seed + 1).sample(ts, min(check_problems, len(ts))) for d, ts in by_domain.items()}
+    probes: dict[str, list[Task]] = {}
+    if target is not None:  # set apart: the check measures what generalizes, not what was memorized
+        for d, ts in by_domain.items():
+            probes[d] = random.Random(seed + 1).sample(ts, min(check_problems, len(ts) // 2))
+            kept = set(map(id, probes[d]))
+            by_domain[d] = [t for t in ts if id(t) not in kept]
     pooled = domain_weights is None or not domain_weights
     draw = (lambda: rng.choice(tasks)) if pooled and target is None else _weighted_draw(by_domain, weights, active, rng)
     for _ in range(steps):

@@ -89,8 +89,15 @@ def test_a_student_target_stops_the_warm_start_once_every_domain_has_reached_it(
     tasks = make_tasks(ArithmeticDomain(num_digits=1), "train", 40, 0, allow_fewer=True)
     tasks += make_tasks(ReverseDomain(min_len=1, max_len=3, alphabet="abcde"), "train", 40, 0, allow_fewer=True)
     checks = {"arithmetic": iter([0.1, 0.6]), "reverse": iter([0.0, 0.2, 0.9])}
-    monkeypatch.setattr(warmstart, "greedy_accuracy", lambda model, probe, domains=None: next(checks[probe[0].domain]))
+    probed: set[str] = set()
+
+    def check(model, probe, domains=None):
+        probed.update(t.task_id for t in probe)
+        return next(checks[probe[0].domain])
+
+    monkeypatch.setattr(warmstart, "greedy_accuracy", check)
     seen: list[tuple[int, list[str], list[str]]] = []
+    trained: list = []
     per_step = _domains_trained(
         monkeypatch,
         tasks,
@@ -100,6 +107,8 @@ def test_a_student_target_stops_the_warm_start_once_every_domain_has_reached_it(
         target=0.5,
         check_every=2,
         on_check=lambda done, accuracy, reached: seen.append((done, sorted(accuracy), reached)),
+        check_problems=5,
+        trained=trained,
     )
     assert seen == [
         (2, ["arithmetic", "reverse"], []),
@@ -108,6 +117,7 @@ def test_a_student_target_stops_the_warm_start_once_every_domain_has_reached_it(
     ]
     assert len(per_step) == 6 * 8
     assert "arithmetic" in per_step[4 * 8 :]  # still trained after reaching the target
+    assert len(probed) == 10 and not probed & {t.task_id for t in trained}  # the checked problems are set apart
 
 
 def _domains_trained(monkeypatch, tasks, weights, *, steps, batch_size=64, **kw) -> list[str]:
@@ -115,10 +125,12 @@ def _domains_trained(monkeypatch, tasks, weights, *, steps, batch_size=64, **kw)
     from rollbook.trainer import warmstart
 
     seen: list[str] = []
+    trained = kw.pop("trained", [])
     padded = warmstart._padded
 
     def spy(batch):
         seen.extend(t.domain for t in batch)
+        trained.extend(batch)
         return padded(batch)
 
     monkeypatch.setattr(warmstart, "_padded", spy)
