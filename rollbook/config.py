@@ -73,8 +73,10 @@ class WarmStartConfig(BaseModel):
     )
     student_check_every: int = Field(20, ge=1, description="Steps between the student_target checks.")
     student_check_problems: int = Field(
-        64, ge=1, description="Training problems per domain the student_target check decodes greedily (set apart: "
-        "the student's warm start does not train on them; at most half a domain's)."
+        64,
+        ge=1,
+        description="Training problems per domain the student_target check decodes greedily (set apart: "
+        "the student's warm start does not train on them; at most half a domain's).",
     )
     batch_size: int = Field(64, ge=1, description="Problems per supervised step.")
     lr: float = Field(3e-3, gt=0, description="Supervised learning rate.")
