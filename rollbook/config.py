@@ -71,6 +71,14 @@ class WarmStartConfig(BaseModel):
         "a target none is. Every domain keeps training until the last one is there (one taken out is "
         "forgotten), so the first may be past it: student_mix evens their pace. None: exactly student_steps steps.",
     )
+    student_reached_scale: float = Field(
+        1.0,
+        ge=0,
+        le=1,
+        description="With student_target: a domain that reached the target trains on at its student_mix "
+        "weight times this, while the others catch up (1: unchanged, so the first domain keeps learning and "
+        "may end near its ceiling; 0: taken out, and forgotten: see docs/RESULTS.md, 'The MOPD demo').",
+    )
     student_check_every: int = Field(20, ge=1, description="Steps between the student_target checks.")
     student_check_problems: int = Field(
         64,

@@ -55,6 +55,7 @@ def build_models(config: RunConfig) -> tuple[PreTrainedModel, TeacherScorer | No
             check_every=ws.student_check_every,
             check_problems=ws.student_check_problems,
             domains=build_domains(config.rollout),
+            reached_scale=ws.student_reached_scale,
         )
     if config.trainer.loss.distill_coef == 0:
         return student, None

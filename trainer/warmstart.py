@@ -47,6 +47,7 @@ def supervised_steps(
     check_problems: int = 64,
     domains: Mapping[str, TaskDomain] | None = None,
     on_check=None,
+    reached_scale: float = 1.0,
 ) -> list[float]:
     """Cross-entropy on the answer tokens (prompt tokens are context only); returns the losses.
     ``on_progress(step_done, loss)`` is called every ``progress_every`` steps and after the last.
@@ -58,8 +59,9 @@ def supervised_steps(
     from the ones it trains on (on those it trains on, a tiny model's accuracy runs ahead of the
     held-out one: it memorizes; ``greedy_accuracy``, verified by ``domains``); training stops at the first check where every
     domain has reached ``target`` (at this check or an earlier one), or after ``steps``. A domain
-    that reached it keeps training at its weight: taken out of the batches, a domain is forgotten
-    within about a hundred steps of the others' (docs/RESULTS.md, "The MOPD demo"). ``on_check(step,
+    that reached it keeps training, at its weight times ``reached_scale`` (1: unchanged; taken out
+    of the batches, 0, a domain was forgotten within about a hundred steps of the others' in a probe,
+    docs/RESULTS.md, "The MOPD demo"; a small share slows it while the others catch up). ``on_check(step,
     accuracies, reached)`` sees each check. None: exactly ``steps`` steps."""
     rng = random.Random(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
@@ -97,10 +99,16 @@ def supervised_steps(
         if target is not None and done % check_every == 0:
             accuracy = {d: greedy_accuracy(model, probes[d], domains) for d in pending}
             pending = [d for d in pending if accuracy[d] < target]
+            reached = [d for d in accuracy if d not in pending]
             if on_check is not None:
-                on_check(done, accuracy, [d for d in accuracy if d not in pending])
+                on_check(done, accuracy, reached)
             if not pending:
                 break
+            if reached and reached_scale != 1.0:
+                for d in reached:
+                    weights[d] *= reached_scale
+                active = [d for d, w in weights.items() if w > 0]
+                draw = _weighted_draw(by_domain, weights, active, rng)
     return history
 
 
@@ -171,6 +179,7 @@ def cached_warm_start(
     check_every: int = 25,
     check_problems: int = 64,
     domains: Mapping[str, TaskDomain] | None = None,
+    reached_scale: float = 1.0,
 ):
     """Load the warm-started model from ``path`` or build it (``build()`` -> fresh model) and save it.
     ``domain_weights`` .. ``domains``: as in ``supervised_steps`` (the student's mix and target)."""
@@ -200,6 +209,7 @@ def cached_warm_start(
             check_every=check_every,
             check_problems=check_problems,
             domains=domains,
+            reached_scale=reached_scale,
             on_check=lambda done, accuracy, reached: print(
                 f"warm start {path.name}: step {done}  greedy training accuracy "
                 + ", ".join(f"{d} {a:.2f}" for d, a in accuracy.items())

@@ -120,6 +120,36 @@ def test_a_student_target_stops_the_warm_start_once_every_domain_has_reached_it(
     assert len(probed) == 10 and not probed & {t.task_id for t in trained}  # the checked problems are set apart
 
 
+def test_a_domain_at_the_target_trains_on_at_a_reduced_share_with_reached_scale(monkeypatch):
+    from rollbook.tasks import ArithmeticDomain, ReverseDomain, make_tasks
+    from rollbook.trainer import warmstart
+
+    tasks = make_tasks(ArithmeticDomain(num_digits=1), "train", 40, 0, allow_fewer=True)
+    tasks += make_tasks(ReverseDomain(min_len=1, max_len=3, alphabet="abcde"), "train", 40, 0, allow_fewer=True)
+    calls = {"reverse": 0}
+
+    def check(model, probe, domains=None):  # arithmetic is there at the first check, reverse at step 40
+        if probe[0].domain == "arithmetic":
+            return 0.9
+        calls["reverse"] += 1
+        return 0.9 if calls["reverse"] == 20 else 0.0
+
+    monkeypatch.setattr(warmstart, "greedy_accuracy", check)
+    per_step = _domains_trained(
+        monkeypatch,
+        tasks,
+        {"arithmetic": 1.0, "reverse": 1.0},
+        steps=100,
+        batch_size=8,
+        target=0.5,
+        check_every=2,
+        reached_scale=0.1,
+    )
+    assert len(per_step) == 40 * 8
+    later = per_step[2 * 8 :]
+    assert 0 < later.count("arithmetic") / len(later) < 0.2  # about 0.1 / 1.1, still trained
+
+
 def _domains_trained(monkeypatch, tasks, weights, *, steps, batch_size=64, **kw) -> list[str]:
     """The domain of every problem ``supervised_steps`` trained on, in order."""
     from rollbook.trainer import warmstart
