@@ -77,7 +77,7 @@ class WarmStartConfig(BaseModel):
         le=1,
         description="With student_target: a domain that reached the target trains on at its student_mix "
         "weight times this, while the others catch up (1: unchanged, so the first domain keeps learning and "
-        "may end near its ceiling; 0: taken out, and forgotten: see docs/RESULTS.md, 'The MOPD demo').",
+        "may end near its ceiling; 0, and 0.1 on seed 0 of the demo: forgotten; see docs/RESULTS.md, 'The MOPD demo').",
     )
     student_check_every: int = Field(20, ge=1, description="Steps between the student_target checks.")
     student_check_problems: int = Field(
