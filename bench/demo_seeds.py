@@ -3,7 +3,7 @@ and a summary line per variant: held-out reward per domain at the start and the 
 summary.json (``rollbook report``).
 
     python bench/demo_seeds.py --json                           # MOPD + RL against RL alone, seeds 0-2
-    python bench/demo_seeds.py --json --variants mopd_rl,rl,mopd --seeds 0 1 2 --num_steps 30
+    python bench/demo_seeds.py --json --variants mopd_rl,rl,mopd --seeds 0 1 2 --num_steps 60
     python bench/demo_seeds.py --json --staleness 0 2 4         # the staleness table (separated placement),
                                                                 # decoupled objective against standard PPO
 
@@ -50,10 +50,8 @@ def run_one(out: pathlib.Path, name: str, seed: int, overrides: list[str], args,
         args.config,
         "--run_dir",
         str(run_dir),
-        "--num_steps",
-        str(args.num_steps),
-        "--eval_every",
-        str(args.eval_every),
+        *(["--num_steps", str(args.num_steps)] if args.num_steps is not None else []),
+        *(["--eval_every", str(args.eval_every)] if args.eval_every is not None else []),
         "--warm_start.seed",
         str(seed),
         "--trainer.model.seed",
@@ -98,8 +96,8 @@ def main() -> int:
     p.add_argument("--out", default="runs/demo-seeds")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--variants", default="mopd_rl,rl", help=f"comma-separated, of {sorted(VARIANTS)}")
-    p.add_argument("--num_steps", type=int, default=30)
-    p.add_argument("--eval_every", type=int, default=5)
+    p.add_argument("--num_steps", type=int, default=None, help="default: the config's")
+    p.add_argument("--eval_every", type=int, default=None, help="default: the config's")
     p.add_argument(
         "--staleness",
         type=int,
@@ -127,8 +125,8 @@ def main() -> int:
                         )
                     )
     else:
-        for variant in args.variants.split(","):
-            for seed in args.seeds:
+        for seed in args.seeds:  # seed by seed: a comparison cut short still pairs its variants
+            for variant in args.variants.split(","):
                 plan.append((variant, f"{variant}-s{seed}", seed, VARIANTS[variant]))
     results: dict[str, list[dict]] = {}
     for label, name, seed, overrides in plan:

@@ -52,6 +52,40 @@ class WarmStartConfig(BaseModel):
         "teacher_steps on its own domain only and routed to by domain (needs "
         "trainer.teacher_routing 'domain'); False: one teacher trained on every domain.",
     )
+    student_mix: dict[str, float] = Field(
+        default_factory=dict,
+        description="Share of each domain in the student's warm start: each problem of a supervised batch "
+        "picks its domain with these weights (normalized; a domain not named gets none), then a training "
+        "problem of that domain. Empty = all domains' training problems pooled, so a domain weighs as "
+        "many problems as it has. Domains reach their plateau's end at different steps; the mix lets one "
+        "student step count leave every domain part-learned (configs/demo.toml).",
+    )
+    student_target: float | None = Field(
+        None,
+        gt=0,
+        le=1,
+        description="Warm-start the student until every domain has reached this greedy accuracy on its own "
+        "training problems (checked every student_check_every steps on student_check_problems of them, "
+        "set apart from the warm start's batches; never on held-out problems), or for student_steps at most. A domain's plateau ends at a step that "
+        "varies with the seed, so a fixed step count leaves some seeds' student at zero on a domain; with "
+        "a target none is. Every domain keeps training until the last one is there (one taken out is "
+        "forgotten), so the first may be past it: student_mix evens their pace. None: exactly student_steps steps.",
+    )
+    student_reached_scale: float = Field(
+        1.0,
+        ge=0,
+        le=1,
+        description="With student_target: a domain that reached the target trains on at its student_mix "
+        "weight times this, while the others catch up (1: unchanged, so the first domain keeps learning and "
+        "may end near its ceiling; 0, and 0.1 on seed 0 of the demo: forgotten; see docs/RESULTS.md, 'The MOPD demo').",
+    )
+    student_check_every: int = Field(20, ge=1, description="Steps between the student_target checks.")
+    student_check_problems: int = Field(
+        64,
+        ge=1,
+        description="Training problems per domain the student_target check decodes greedily (set apart: "
+        "the student's warm start does not train on them; at most half a domain's).",
+    )
     batch_size: int = Field(64, ge=1, description="Problems per supervised step.")
     lr: float = Field(3e-3, gt=0, description="Supervised learning rate.")
     seed: int = Field(1, description="Seed of the supervised data order (distinct from the RL task seed).")
@@ -272,6 +306,13 @@ class RunConfig(BaseModel):
                 "MOPD (trainer.loss.distill_coef > 0) needs a teacher: set warm_start.teacher_steps > 0 "
                 "or list [[trainer.teachers]]"
             )
+        mix = self.warm_start.student_mix
+        if mix:
+            unknown = sorted(set(mix) - set(self.rollout.domains))
+            if unknown:
+                raise ValueError(f"warm_start.student_mix names {unknown}, not in rollout.domains {self.rollout.domains}")
+            if any(w < 0 for w in mix.values()) or sum(mix.values()) <= 0:
+                raise ValueError(f"warm_start.student_mix {mix}: weights must be >= 0 with a positive sum")
         if self.rollout.dataset is not None:  # the warm start knows only the toy tasks and their tokenizer
             ws = self.warm_start
             asked = [f for f in ("student_steps", "teacher_steps") if f in ws.model_fields_set and getattr(ws, f) > 0]

@@ -102,6 +102,14 @@ class TrainerConfig(BaseModel):
         8192, ge=64, description="Largest packed micro-batch (tokens); gradients accumulate across them."
     )
     lr: float = Field(1e-3, gt=0, description="AdamW learning rate.")
+    lr_warmup_steps: int = Field(
+        0,
+        ge=0,
+        description="Linear learning-rate warm-up: step k (0-based) updates at lr * min(1, (k + 1) / N), so the "
+        "first step takes lr / N and step N - 1 the full lr; 0 = the full lr from the first step. Follows the "
+        "checkpointed step, so a resumed run continues the schedule. A warm-started tiny model collapses under "
+        "a fresh AdamW at full lr (docs/RESULTS.md, 'The MOPD demo').",
+    )
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     grad_clip: float = Field(1.0, gt=0, description="Gradient-norm clip.")
     max_staleness: int = Field(

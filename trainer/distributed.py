@@ -170,6 +170,7 @@ class DistributedTrainer(Trainer):
     def update(self, rows: _Rows) -> dict:
         """This rank's share of the batch, with token-weighted gradients summed over the ranks."""
         cfg = self.config
+        lr = self._apply_lr()
         assert self._table is not None
         mine = shard_groups(self._table, self.rank, self.world_size)
         local = _subset(rows, mine) if mine else None
@@ -215,6 +216,7 @@ class DistributedTrainer(Trainer):
         out["proximal/behavior_gap"] = sum(g for _, g, _ in gathered) / max(1, sum(n for _, _, n in gathered))
         if teacher is not None and local is not None and proximal is not None:
             out.update(_teacher_gap_by_domain(local, teacher, proximal))  # this rank's share
+        out["optim/lr"] = lr
         out["dist/world_size"] = self.world_size
         return out
 

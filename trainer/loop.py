@@ -215,9 +215,17 @@ class Trainer:
             self.on_step(stats)
         return stats
 
+    def _apply_lr(self) -> float:
+        """Set the optimizer's learning rate for the step about to run (``lr_warmup_steps``); returns it."""
+        lr = warmup_lr(self.config.lr, self.config.lr_warmup_steps, self.state.step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        return lr
+
     def update(self, rows: _Rows) -> dict:
         """Proximal log-probs, then the minibatch updates; returns averaged statistics."""
         cfg = self.config
+        lr = self._apply_lr()
         proximal = self._proximal(rows)
         teacher = self._teacher_logprobs(rows) if cfg.loss.distill_coef > 0 else None
         reference = self._reference_logprobs(rows) if self.reference is not None else None
@@ -246,6 +254,7 @@ class Trainer:
             acc["grad/norm"].append(float(grad_norm))
             self.optimizer.step()
         out = {k: float(np.mean(v)) for k, v in acc.items()}
+        out["optim/lr"] = lr
         out["proximal/behavior_gap"] = float((proximal - rows.behavior).abs().mean())
         if teacher is not None:
             out.update(_teacher_gap_by_domain(rows, teacher, proximal))
@@ -345,6 +354,14 @@ class Trainer:
             max_staleness=self.config.max_staleness,
             samples_per_version=self.config.num_samples,
         )
+
+
+def warmup_lr(lr: float, warmup_steps: int, step: int) -> float:
+    """The learning rate of 0-based ``step`` under a linear warm-up of ``warmup_steps`` (0 = none):
+    ``lr * min(1, (step + 1) / warmup_steps)``."""
+    if warmup_steps <= 0:
+        return lr
+    return lr * min(1.0, (step + 1) / warmup_steps)
 
 
 def state_checksum(state: dict) -> str:

@@ -50,6 +50,12 @@ def build_models(config: RunConfig) -> tuple[PreTrainedModel, TeacherScorer | No
             batch_size=ws.batch_size,
             lr=ws.lr,
             seed=ws.seed,
+            domain_weights=ws.student_mix or None,
+            target=ws.student_target,
+            check_every=ws.student_check_every,
+            check_problems=ws.student_check_problems,
+            domains=build_domains(config.rollout),
+            reached_scale=ws.student_reached_scale,
         )
     if config.trainer.loss.distill_coef == 0:
         return student, None

@@ -12,16 +12,18 @@ transformers' own progress bars ("Writing model shards", "Loading weights") are 
 
 from __future__ import annotations
 
+import itertools
 import logging
 import pathlib
 import random
 import time
+from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
 
 from rollbook.models import quiet_transformers
-from rollbook.tasks import TOKENIZER, Task
+from rollbook.tasks import TOKENIZER, Task, TaskDomain, score
 
 log = logging.getLogger("rollbook.trainer")
 
@@ -39,15 +41,51 @@ def supervised_steps(
     seed: int,
     on_progress=None,
     progress_every: int = PROGRESS_EVERY,
+    domain_weights: Mapping[str, float] | None = None,
+    target: float | None = None,
+    check_every: int = 25,
+    check_problems: int = 64,
+    domains: Mapping[str, TaskDomain] | None = None,
+    on_check=None,
+    reached_scale: float = 1.0,
 ) -> list[float]:
     """Cross-entropy on the answer tokens (prompt tokens are context only); returns the losses.
-    ``on_progress(step_done, loss)`` is called every ``progress_every`` steps and after the last."""
+    ``on_progress(step_done, loss)`` is called every ``progress_every`` steps and after the last.
+    ``domain_weights`` (``warm_start.student_mix``): each problem of a batch picks its domain with
+    these weights, then a problem of that domain; None or empty: problems drawn from ``tasks`` pooled.
+
+    ``target`` (``warm_start.student_target``): every ``check_every`` steps, the greedy accuracy of
+    each domain not yet at the target on ``check_problems`` of its own training problems, set apart
+    from the ones it trains on (on those it trains on, a tiny model's accuracy runs ahead of the
+    held-out one: it memorizes; ``greedy_accuracy``, verified by ``domains``); training stops at the first check where every
+    domain has reached ``target`` (at this check or an earlier one), or after ``steps``. A domain
+    that reached it keeps training, at its weight times ``reached_scale`` (1: unchanged; taken out
+    of the batches, 0, a domain was forgotten within about a hundred steps of the others' in a probe,
+    docs/RESULTS.md, "The MOPD demo"; a small share slows it while the others catch up). ``on_check(step,
+    accuracies, reached)`` sees each check. None: exactly ``steps`` steps."""
     rng = random.Random(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    history = []
+    history: list[float] = []
     model.train()
+    by_domain: dict[str, list[Task]] = {}
+    for task in tasks:
+        by_domain.setdefault(task.domain, []).append(task)
+    weights = dict(domain_weights) if domain_weights else {d: float(len(ts)) for d, ts in by_domain.items()}
+    active = [d for d, w in weights.items() if w > 0]
+    pending = list(active)  # domains not yet at the target
+    missing = [d for d in active if d not in by_domain]
+    if missing:
+        raise ValueError(f"domain weights name {missing}, which have no training problems")
+    probes: dict[str, list[Task]] = {}
+    if target is not None:  # set apart: the check measures what generalizes, not what was memorized
+        for d, ts in by_domain.items():
+            probes[d] = random.Random(seed + 1).sample(ts, min(check_problems, len(ts) // 2))
+            kept = set(map(id, probes[d]))
+            by_domain[d] = [t for t in ts if id(t) not in kept]
+    pooled = domain_weights is None or not domain_weights
+    draw = (lambda: rng.choice(tasks)) if pooled and target is None else _weighted_draw(by_domain, weights, active, rng)
     for _ in range(steps):
-        batch = [rng.choice(tasks) for _ in range(batch_size)]
+        batch = [draw() for _ in range(batch_size)]
         ids, labels = _padded(batch)
         logits = model(input_ids=ids, attention_mask=(ids != TOKENIZER.pad_token_id).long()).logits
         loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100)
@@ -55,9 +93,60 @@ def supervised_steps(
         loss.backward()
         opt.step()
         history.append(loss.item())
-        if on_progress is not None and (len(history) % progress_every == 0 or len(history) == steps):
-            on_progress(len(history), history[-1])
+        done = len(history)
+        if on_progress is not None and (done % progress_every == 0 or done == steps):
+            on_progress(done, history[-1])
+        if target is not None and done % check_every == 0:
+            accuracy = {d: greedy_accuracy(model, probes[d], domains) for d in pending}
+            pending = [d for d in pending if accuracy[d] < target]
+            reached = [d for d in accuracy if d not in pending]
+            if on_check is not None:
+                on_check(done, accuracy, reached)
+            if not pending:
+                break
+            if reached and reached_scale != 1.0:
+                for d in reached:
+                    weights[d] *= reached_scale
+                active = [d for d, w in weights.items() if w > 0]
+                draw = _weighted_draw(by_domain, weights, active, rng)
     return history
+
+
+def _weighted_draw(by_domain: Mapping[str, list[Task]], weights: Mapping[str, float], active: list[str], rng: random.Random):
+    """A function drawing one problem: a domain of ``active`` by ``weights``, then one of its problems."""
+    cumulative = list(itertools.accumulate(weights[d] for d in active))
+    return lambda: rng.choice(by_domain[rng.choices(active, cum_weights=cumulative)[0]])
+
+
+@torch.no_grad()
+def greedy_accuracy(model: torch.nn.Module, tasks: list[Task], domains: Mapping[str, TaskDomain] | None = None) -> float:
+    """The share of ``tasks`` the model answers right with greedy decoding (``rollbook.tasks.score``;
+    a verifier error counts as wrong). Problems of one prompt length decode as one batch, so no padding;
+    at most the longest answer plus two tokens."""
+    if not tasks:
+        return 0.0
+    was_training = model.training
+    model.eval()
+    max_new = max(len(TOKENIZER.encode(t.answer)) for t in tasks) + 2
+    by_length: dict[int, list[tuple[Task, list[int]]]] = {}
+    for task in tasks:
+        prompt = TOKENIZER.encode(task.prompt, add_bos=True)
+        by_length.setdefault(len(prompt), []).append((task, prompt))
+    right = 0.0
+    for group in by_length.values():
+        ids = torch.tensor([p for _, p in group])
+        for _ in range(max_new):
+            next_ids = model(input_ids=ids).logits[:, -1].argmax(-1, keepdim=True)
+            ids = torch.cat([ids, next_ids], dim=1)
+        width = len(group[0][1])
+        for (task, _), row in zip(group, ids[:, width:].tolist()):
+            answer = row[: row.index(TOKENIZER.eos_token_id)] if TOKENIZER.eos_token_id in row else row
+            outcome = (
+                score(task, TOKENIZER.decode(answer), domains) if domains is not None else score(task, TOKENIZER.decode(answer))
+            )
+            right += outcome.reward or 0.0
+    model.train(was_training)
+    return right / len(tasks)
 
 
 def _padded(batch: list[Task]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -76,8 +165,24 @@ def _padded(batch: list[Task]) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, lab
 
 
-def cached_warm_start(path: pathlib.Path, build, tasks: list[Task], *, steps: int, batch_size: int, lr: float, seed: int):
-    """Load the warm-started model from ``path`` or build it (``build()`` -> fresh model) and save it."""
+def cached_warm_start(
+    path: pathlib.Path,
+    build,
+    tasks: list[Task],
+    *,
+    steps: int,
+    batch_size: int,
+    lr: float,
+    seed: int,
+    domain_weights: Mapping[str, float] | None = None,
+    target: float | None = None,
+    check_every: int = 25,
+    check_problems: int = 64,
+    domains: Mapping[str, TaskDomain] | None = None,
+    reached_scale: float = 1.0,
+):
+    """Load the warm-started model from ``path`` or build it (``build()`` -> fresh model) and save it.
+    ``domain_weights`` .. ``domains``: as in ``supervised_steps`` (the student's mix and target)."""
     from transformers import AutoModelForCausalLM
 
     quiet_transformers()
@@ -85,7 +190,12 @@ def cached_warm_start(path: pathlib.Path, build, tasks: list[Task], *, steps: in
         return AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32)
     model = build()
     if steps:
-        print(f"warm start {path.name}: {steps} supervised steps (cached in {path})", flush=True)
+        up_to = (
+            f"up to {steps} supervised steps, to greedy training accuracy {target:g} per domain"
+            if target
+            else f"{steps} supervised steps"
+        )
+        print(f"warm start {path.name}: {up_to} (cached in {path})", flush=True)
         started = time.perf_counter()
         losses = supervised_steps(
             model,
@@ -94,11 +204,23 @@ def cached_warm_start(path: pathlib.Path, build, tasks: list[Task], *, steps: in
             batch_size=batch_size,
             lr=lr,
             seed=seed,
+            domain_weights=domain_weights,
+            target=target,
+            check_every=check_every,
+            check_problems=check_problems,
+            domains=domains,
+            reached_scale=reached_scale,
+            on_check=lambda done, accuracy, reached: print(
+                f"warm start {path.name}: step {done}  greedy training accuracy "
+                + ", ".join(f"{d} {a:.2f}" for d, a in accuracy.items())
+                + (f"  ({', '.join(reached)} at the target {target:g})" if reached else ""),
+                flush=True,
+            ),
             progress_every=max(PROGRESS_EVERY, steps // PROGRESS_LINES),
             on_progress=lambda done, loss: print(
                 f"warm start {path.name}: step {done}/{steps}  loss {loss:.3f}  {time.perf_counter() - started:.0f} s", flush=True
             ),
         )
-        log.info("warm start %s: %d steps, loss %.3f -> %.3f", path.name, steps, losses[0], losses[-1])
+        log.info("warm start %s: %d steps, loss %.3f -> %.3f", path.name, len(losses), losses[0], losses[-1])
     model.save_pretrained(path)
     return model

@@ -217,3 +217,20 @@ def test_ray_placement_takes_its_section_ranks_and_the_asynchronous_staleness_de
 def test_several_trainer_ranks_outside_the_ray_placement_are_refused_in_one_line(placement):
     with pytest.raises(_error_type(), match="num_ranks = 2 needs placement 'ray'"):
         load_config(RunConfig, None, ["--placement", placement, "--trainer.num_ranks", "2"])
+
+
+def test_the_student_mix_names_only_the_run_s_domains_with_a_positive_total():
+    domains = {"rollout": {"domains": ["addition", "program"]}}
+    ok = RunConfig.model_validate({**domains, "warm_start": {"student_mix": {"addition": 0.85, "program": 0.15}}})
+    assert ok.warm_start.student_mix == {"addition": 0.85, "program": 0.15}
+    assert RunConfig.model_validate(domains).warm_start.student_mix == {}  # default: the domains pooled
+    with pytest.raises(ValueError, match="reverse"):
+        RunConfig.model_validate({**domains, "warm_start": {"student_mix": {"reverse": 1.0}}})
+    with pytest.raises(ValueError, match="positive sum"):
+        RunConfig.model_validate({**domains, "warm_start": {"student_mix": {"addition": 0.0}}})
+    with pytest.raises(ValueError, match="positive sum"):
+        RunConfig.model_validate({**domains, "warm_start": {"student_mix": {"addition": -1.0, "program": 2.0}}})
+    over = load_config(
+        RunConfig, None, ["--rollout.domains", '["addition", "program"]', "--warm_start.student_mix.addition", "0.9"]
+    )
+    assert over.warm_start.student_mix == {"addition": 0.9}

@@ -62,3 +62,137 @@ def test_the_warm_start_prints_progress_and_no_progress_bars(tmp_path, capfd):
     assert f"warm start base-student: step {PROGRESS_EVERY}/{steps}" in out
     assert f"warm start base-student: step {steps}/{steps}" in out
     assert "Writing model shards" not in out + err and "%|" not in out + err, err
+
+
+def test_the_student_mix_draws_each_domain_by_its_weight_not_by_its_number_of_problems(monkeypatch):
+    from rollbook.tasks import ArithmeticDomain, ReverseDomain, make_tasks
+    from rollbook.trainer import warmstart
+
+    many = make_tasks(ArithmeticDomain(num_digits=2), "train", 900, 0, allow_fewer=True)
+    few = make_tasks(ReverseDomain(min_len=1, max_len=3, alphabet="abcde"), "train", 50, 0, allow_fewer=True)
+    assert len(many) > 5 * len(few)  # pooled, arithmetic would be most of every batch
+    drawn = _domains_trained(monkeypatch, many + few, {"arithmetic": 1.0, "reverse": 3.0}, steps=50)
+    assert 0.70 < drawn.count("reverse") / len(drawn) < 0.80
+    assert set(_domains_trained(monkeypatch, many + few, {"arithmetic": 0.0, "reverse": 1.0}, steps=5)) == {"reverse"}
+    pooled = _domains_trained(monkeypatch, many + few, None, steps=50)
+    assert pooled.count("reverse") / len(pooled) < 0.15
+    assert warmstart  # imported for _domains_trained's monkeypatch
+
+
+def test_a_student_target_stops_the_warm_start_once_every_domain_has_reached_it(monkeypatch):
+    """The check's greedy accuracy is faked: arithmetic reaches the target at the second check (step 4),
+    reverse at the third (step 6). A domain at the target is no longer checked but keeps training
+    (taken out, it would be forgotten), and the warm start ends at step 6, not after 50 steps."""
+    from rollbook.tasks import ArithmeticDomain, ReverseDomain, make_tasks
+    from rollbook.trainer import warmstart
+
+    tasks = make_tasks(ArithmeticDomain(num_digits=1), "train", 40, 0, allow_fewer=True)
+    tasks += make_tasks(ReverseDomain(min_len=1, max_len=3, alphabet="abcde"), "train", 40, 0, allow_fewer=True)
+    checks = {"arithmetic": iter([0.1, 0.6]), "reverse": iter([0.0, 0.2, 0.9])}
+    probed: set[str] = set()
+
+    def check(model, probe, domains=None):
+        probed.update(t.task_id for t in probe)
+        return next(checks[probe[0].domain])
+
+    monkeypatch.setattr(warmstart, "greedy_accuracy", check)
+    seen: list[tuple[int, list[str], list[str]]] = []
+    trained: list = []
+    per_step = _domains_trained(
+        monkeypatch,
+        tasks,
+        {"arithmetic": 1.0, "reverse": 1.0},
+        steps=50,
+        batch_size=8,
+        target=0.5,
+        check_every=2,
+        on_check=lambda done, accuracy, reached: seen.append((done, sorted(accuracy), reached)),
+        check_problems=5,
+        trained=trained,
+    )
+    assert seen == [
+        (2, ["arithmetic", "reverse"], []),
+        (4, ["arithmetic", "reverse"], ["arithmetic"]),
+        (6, ["reverse"], ["reverse"]),
+    ]
+    assert len(per_step) == 6 * 8
+    assert "arithmetic" in per_step[4 * 8 :]  # still trained after reaching the target
+    assert len(probed) == 10 and not probed & {t.task_id for t in trained}  # the checked problems are set apart
+
+
+def test_a_domain_at_the_target_trains_on_at_a_reduced_share_with_reached_scale(monkeypatch):
+    from rollbook.tasks import ArithmeticDomain, ReverseDomain, make_tasks
+    from rollbook.trainer import warmstart
+
+    tasks = make_tasks(ArithmeticDomain(num_digits=1), "train", 40, 0, allow_fewer=True)
+    tasks += make_tasks(ReverseDomain(min_len=1, max_len=3, alphabet="abcde"), "train", 40, 0, allow_fewer=True)
+    calls = {"reverse": 0}
+
+    def check(model, probe, domains=None):  # arithmetic is there at the first check, reverse at step 40
+        if probe[0].domain == "arithmetic":
+            return 0.9
+        calls["reverse"] += 1
+        return 0.9 if calls["reverse"] == 20 else 0.0
+
+    monkeypatch.setattr(warmstart, "greedy_accuracy", check)
+    per_step = _domains_trained(
+        monkeypatch,
+        tasks,
+        {"arithmetic": 1.0, "reverse": 1.0},
+        steps=100,
+        batch_size=8,
+        target=0.5,
+        check_every=2,
+        reached_scale=0.1,
+    )
+    assert len(per_step) == 40 * 8
+    later = per_step[2 * 8 :]
+    assert 0 < later.count("arithmetic") / len(later) < 0.2  # about 0.1 / 1.1, still trained
+
+
+def _domains_trained(monkeypatch, tasks, weights, *, steps, batch_size=64, **kw) -> list[str]:
+    """The domain of every problem ``supervised_steps`` trained on, in order."""
+    from rollbook.trainer import warmstart
+
+    seen: list[str] = []
+    trained = kw.pop("trained", [])
+    padded = warmstart._padded
+
+    def spy(batch):
+        seen.extend(t.domain for t in batch)
+        trained.extend(batch)
+        return padded(batch)
+
+    monkeypatch.setattr(warmstart, "_padded", spy)
+    spec = TinyModelSpec(vocab_size=64, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=16)
+    warmstart.supervised_steps(
+        build_tiny_model(spec, seed=0), tasks, steps=steps, batch_size=batch_size, lr=1e-3, seed=0, domain_weights=weights, **kw
+    )
+    return seen
+
+
+def test_greedy_accuracy_scores_what_the_model_decodes():
+    """Batched by prompt length, it agrees with decoding each problem alone, token by token."""
+    import torch
+
+    from rollbook.tasks import TOKENIZER, ReverseDomain, make_tasks, score
+    from rollbook.trainer.warmstart import greedy_accuracy, supervised_steps
+
+    tasks = make_tasks(ReverseDomain(min_len=1, max_len=2, alphabet="ab"), "train", 6, 0, allow_fewer=True)
+    spec = TinyModelSpec(vocab_size=64, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=32)
+    model = build_tiny_model(spec, seed=0)
+    supervised_steps(model, tasks, steps=150, batch_size=16, lr=3e-3, seed=0)  # part-learned: some right, some not
+
+    def alone(task) -> float:
+        ids = torch.tensor([TOKENIZER.encode(task.prompt, add_bos=True)])
+        out: list[int] = []
+        with torch.no_grad():
+            while len(out) < 4 and TOKENIZER.eos_token_id not in out:
+                out.append(int(model(input_ids=ids).logits[0, -1].argmax()))
+                ids = torch.cat([ids, torch.tensor([[out[-1]]])], dim=1)
+        return score(task, TOKENIZER.decode([i for i in out if i != TOKENIZER.eos_token_id])).reward or 0.0
+
+    expected = sum(alone(t) for t in tasks) / len(tasks)
+    assert 0.0 < expected < 1.0
+    assert greedy_accuracy(model, tasks) == expected
+    assert model.training  # left as it was

@@ -107,3 +107,25 @@ def test_perf_publish_s_is_the_time_spent_publishing_the_new_version(tmp_path, m
     trainer.start()
     stats = trainer.step()
     assert stats is not None and stats["perf/publish_s"] == 2.5
+
+
+def test_lr_warmup_is_linear_then_flat_and_a_resumed_run_continues_it(tmp_path):
+    """lr_warmup_steps 4 at lr 1e-3: steps 0..3 update at 1/4, 2/4, 3/4, 4/4 of it, later steps at the
+    full lr; a trainer resumed from the step-2 checkpoint takes up the schedule at step 2, not at 0."""
+    trainer, stats = _run(tmp_path / "a", num_steps=6)
+    assert [round(s["optim/lr"], 9) for s in stats] == [0.00025, 0.0005, 0.00075, 0.001, 0.001, 0.001]
+    assert trainer.optimizer.param_groups[0]["lr"] == 1e-3  # what AdamW itself held at the last update
+    _run(tmp_path / "b", num_steps=2)
+    _, resumed = _run(tmp_path / "b", num_steps=5)
+    assert [round(s["optim/lr"], 9) for s in resumed] == [0.00075, 0.001, 0.001]
+
+
+def test_without_warmup_every_step_takes_the_full_lr(tmp_path):
+    _, stats = _run(tmp_path, num_steps=3, lr_warmup_steps=0)
+    assert [s["optim/lr"] for s in stats] == [1e-3] * 3
+
+
+def _run(run_dir, num_steps: int, lr_warmup_steps: int = 4) -> tuple[Trainer, list[dict]]:
+    trainer = _trainer(run_dir, FakeStore(), lr=1e-3, lr_warmup_steps=lr_warmup_steps)
+    trainer.config.num_steps = num_steps
+    return trainer, trainer.run()
