@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from rollbook.models import quiet_transformers
-from rollbook.tasks import TOKENIZER, Task, TaskDomain, score
+from rollbook.tasks import DOMAINS, TOKENIZER, Task, TaskDomain, score
 
 log = logging.getLogger("rollbook.trainer")
 
@@ -82,8 +82,9 @@ def supervised_steps(
             probes[d] = random.Random(seed + 1).sample(ts, min(check_problems, len(ts) // 2))
             kept = set(map(id, probes[d]))
             by_domain[d] = [t for t in ts if id(t) not in kept]
-    pooled = domain_weights is None or not domain_weights
-    draw = (lambda: rng.choice(tasks)) if pooled and target is None else _weighted_draw(by_domain, weights, active, rng)
+    draw = (
+        (lambda: rng.choice(tasks)) if not domain_weights and target is None else _weighted_draw(by_domain, weights, active, rng)
+    )
     for _ in range(steps):
         batch = [draw() for _ in range(batch_size)]
         ids, labels = _padded(batch)
@@ -141,10 +142,7 @@ def greedy_accuracy(model: torch.nn.Module, tasks: list[Task], domains: Mapping[
         width = len(group[0][1])
         for (task, _), row in zip(group, ids[:, width:].tolist()):
             answer = row[: row.index(TOKENIZER.eos_token_id)] if TOKENIZER.eos_token_id in row else row
-            outcome = (
-                score(task, TOKENIZER.decode(answer), domains) if domains is not None else score(task, TOKENIZER.decode(answer))
-            )
-            right += outcome.reward or 0.0
+            right += score(task, TOKENIZER.decode(answer), domains or DOMAINS).reward or 0.0
     model.train(was_training)
     return right / len(tasks)
 
