@@ -9,7 +9,9 @@ summary.json (``rollbook report``).
 
 Each seed sets ``warm_start.seed``, ``trainer.model.seed`` and ``rollout.seed``. Runs of one seed
 start from the same warm-started student and share the specialist teachers: the first run of a seed
-trains them in its run directory, the others copy them (``cached_warm_start`` loads a cached model).
+trains them in its run directory and they are kept in ``OUT/models-sSEED``; every later run of that
+seed, in this invocation or a later one with the same ``--out`` (the staleness table after the
+comparison), copies them in (``cached_warm_start`` loads a cached model).
 Every run is ``rollbook run --config configs/demo.toml`` plus overrides, in ``--out`` (default
 runs/demo-seeds); ``rollbook report --out OUT/compare`` draws them on one plot at the end.
 """
@@ -34,12 +36,13 @@ VARIANTS = {
 }
 
 
-def run_one(out: pathlib.Path, name: str, seed: int, overrides: list[str], args, cache: dict) -> dict:
+def run_one(out: pathlib.Path, name: str, seed: int, overrides: list[str], args) -> dict:
     run_dir = out / name
     if run_dir.exists():
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True)
-    for cached in cache.get(seed, []):  # the seed's student and teachers, made by its first run
+    models = out / f"models-s{seed}"  # the seed's student and teachers, made by its first run (any invocation)
+    for cached in sorted(models.iterdir()) if models.is_dir() else []:
         shutil.copytree(cached, run_dir / cached.name)
     cmd = [
         sys.executable,
@@ -64,9 +67,13 @@ def run_one(out: pathlib.Path, name: str, seed: int, overrides: list[str], args,
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"{name} failed:\n{done.stderr[-3000:]}")
-    made = [p for p in run_dir.iterdir() if p.is_dir() and (p.name == "base-student" or p.name.startswith("teacher-"))]
-    if len(made) > len(cache.get(seed, [])):
-        cache[seed] = made
+    for made in run_dir.iterdir():
+        if (
+            made.is_dir()
+            and (made.name == "base-student" or made.name.startswith("teacher-"))
+            and not (models / made.name).exists()
+        ):
+            shutil.copytree(made, models / made.name)
     summary = json.loads((run_dir / "summary.json").read_text())
     row = {"run": name, "seed": seed, "overrides": overrides, "seconds": round(time.time() - started, 1)}
     for kind in ("sampled", "greedy"):
@@ -110,7 +117,6 @@ def main() -> int:
     args = p.parse_args()
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    cache: dict = {}
     plan: list[tuple[str, str, int, list[str]]] = []
     if args.staleness is not None:
         for eta in args.staleness:
@@ -130,7 +136,7 @@ def main() -> int:
                 plan.append((variant, f"{variant}-s{seed}", seed, VARIANTS[variant]))
     results: dict[str, list[dict]] = {}
     for label, name, seed, overrides in plan:
-        row = run_one(out, name, seed, overrides, args, cache)
+        row = run_one(out, name, seed, overrides, args)
         results.setdefault(label, []).append(row)
         print(json.dumps(row), flush=True)
     for label, rows in results.items():

@@ -71,13 +71,25 @@ class WarmStartConfig(BaseModel):
         "a target none is. Every domain keeps training until the last one is there (one taken out is "
         "forgotten), so the first may be past it: student_mix evens their pace. None: exactly student_steps steps.",
     )
-    student_reached_scale: float = Field(
-        1.0,
-        ge=0,
+    student_ceiling: float | None = Field(
+        None,
+        gt=0,
         le=1,
-        description="With student_target: a domain that reached the target trains on at its student_mix "
-        "weight times this, while the others catch up (1: unchanged, so the first domain keeps learning and "
-        "may end near its ceiling; 0, and 0.1 on seed 0 of the demo: forgotten; see docs/RESULTS.md, 'The MOPD demo').",
+        description="With student_target: while some domain is still below the target, a domain whose "
+        "greedy accuracy at a check is at or above this ceiling sits out of the batches until the next "
+        "check (it does not learn on, and falls back a little), and the warm start stops at the first "
+        "check where every domain is at the target. Domains leave their plateau at seed-dependent "
+        "steps and then rise within a hundred steps, so without it the first one ends near its best "
+        "(docs/RESULTS.md, 'The MOPD demo'). Must be above student_target; None: no ceiling.",
+    )
+    teacher_target: float | None = Field(
+        None,
+        gt=0,
+        le=1,
+        description="Train each teacher until its greedy accuracy on student_check_problems of its own "
+        "training problems (set apart from its batches) reaches this, checked every student_check_every "
+        "steps, or for teacher_steps at most. None: exactly teacher_steps. Specialist teachers print "
+        "their held-out greedy accuracy either way.",
     )
     student_check_every: int = Field(20, ge=1, description="Steps between the student_target checks.")
     student_check_problems: int = Field(
@@ -89,6 +101,15 @@ class WarmStartConfig(BaseModel):
     batch_size: int = Field(64, ge=1, description="Problems per supervised step.")
     lr: float = Field(3e-3, gt=0, description="Supervised learning rate.")
     seed: int = Field(1, description="Seed of the supervised data order (distinct from the RL task seed).")
+
+    @model_validator(mode="after")
+    def _ceiling_above_target(self) -> "WarmStartConfig":
+        if self.student_ceiling is not None and (self.student_target is None or self.student_ceiling <= self.student_target):
+            raise ValueError(
+                f"warm_start.student_ceiling ({self.student_ceiling}) needs a student_target below it "
+                f"(student_target: {self.student_target})"
+            )
+        return self
 
 
 class OnlineConfig(BaseModel):

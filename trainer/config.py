@@ -23,6 +23,14 @@ class LossConfig(BaseModel):
         "mask", description="Above the cap: drop the token (mask) or clamp the weight."
     )
     dual_clip: float | None = Field(None, gt=1, description="Dual-clip constant c for negative advantages; None = off.")
+    aggregation: Literal["token_mean", "sequence_mean"] = Field(
+        "token_mean",
+        description="How the per-token losses of a batch are averaged: token_mean (AReaL's and the "
+        "default: every token counts the same, so long answers weigh more) or sequence_mean (each "
+        "sequence's token mean, then the mean over sequences: verl's seq-mean-token-mean; a domain of "
+        "short answers is not outweighed by one of long ones, e.g. 3-digit sums beside 13-character "
+        "programs in configs/demo.toml).",
+    )
     proximal: Literal["recompute", "loglinear", "behavior"] = Field(
         "recompute",
         description="Proximal log-probs: recomputed with the trainer's weights before the update, or AReaL's "

@@ -179,15 +179,20 @@ class DistributedTrainer(Trainer):
         reference = self._reference_logprobs(local) if local is not None and self.reference is not None else None
         order = np.random.permutation(len(mine))
         acc: dict[str, list[float]] = defaultdict(list)
+        per_sequence = cfg.loss.aggregation == "sequence_mean"
+        weights = local.sequence_weights() if per_sequence and local is not None else None
         for minibatch in np.array_split(order, cfg.num_minibatches):
             self.optimizer.zero_grad(set_to_none=True)
-            tokens = len(local.token_slice(minibatch)) if local is not None and len(minibatch) else 0
-            total = _all_reduce_int(tokens)
+            if local is None or not len(minibatch):
+                units = 0
+            else:  # what the loss averages over: sequences or tokens, summed over the ranks
+                units = len(minibatch) if per_sequence else len(local.token_slice(minibatch))
+            total = _all_reduce_int(units)
             if total == 0:
                 continue  # the same on every rank
-            if tokens:
+            if units:
                 assert local is not None and proximal is not None
-                for _seqs, idx, packed in self._micro_batches(local, minibatch):
+                for seqs, idx, packed in self._micro_batches(local, minibatch):
                     logp = packed_logprobs(self.model, packed, local.temperatures[idx])
                     loss, stats = self._loss(
                         logp,
@@ -196,8 +201,9 @@ class DistributedTrainer(Trainer):
                         local.advantages[idx],
                         teacher[idx] if teacher is not None else None,
                         reference[idx] if reference is not None else None,
+                        weights[idx] if weights is not None else None,
                     )
-                    (loss * (len(idx) / total)).backward()
+                    (loss * ((len(seqs) if per_sequence else len(idx)) / total)).backward()
                     for k, v in stats.items():
                         acc[k].append(float(v))
             _all_reduce_gradients(self.model)

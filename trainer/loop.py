@@ -92,6 +92,12 @@ class _Rows:
         """Token indices [T] of the given sequences, in order."""
         return torch.cat([torch.arange(self.offsets[s], self.offsets[s + 1]) for s in seqs])
 
+    def sequence_weights(self) -> torch.Tensor:
+        """[T]: 1 / the length of each token's sequence (``loss.aggregation = "sequence_mean"``); over a
+        set of whole sequences they sum to the number of sequences."""
+        lengths = torch.from_numpy(np.diff(self.offsets)).to(torch.float32)
+        return 1.0 / lengths[self.seq_of_token]
+
 
 class Trainer:
     def __init__(
@@ -231,13 +237,14 @@ class Trainer:
         reference = self._reference_logprobs(rows) if self.reference is not None else None
         order = np.random.permutation(len(rows.outputs))
         acc: dict[str, list[float]] = defaultdict(list)
+        per_sequence = cfg.loss.aggregation == "sequence_mean"
+        weights = rows.sequence_weights() if per_sequence else None
         for minibatch in np.array_split(order, cfg.num_minibatches):
             if len(minibatch) == 0:
                 continue
             self.optimizer.zero_grad(set_to_none=True)
-            tokens = rows.token_slice(minibatch)
-            total = len(tokens)
-            for _seqs, idx, packed in self._micro_batches(rows, minibatch):
+            total = len(minibatch) if per_sequence else len(rows.token_slice(minibatch))  # sequences or tokens
+            for seqs, idx, packed in self._micro_batches(rows, minibatch):
                 logp = packed_logprobs(self.model, packed, rows.temperatures[idx])
                 loss, stats = self._loss(
                     logp,
@@ -246,8 +253,9 @@ class Trainer:
                     rows.advantages[idx],
                     teacher[idx] if teacher is not None else None,
                     reference[idx] if reference is not None else None,
+                    weights[idx] if weights is not None else None,
                 )
-                (loss * (len(idx) / total)).backward()
+                (loss * ((len(seqs) if per_sequence else len(idx)) / total)).backward()
                 for k, v in stats.items():
                     acc[k].append(float(v))
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
@@ -260,16 +268,17 @@ class Trainer:
             out.update(_teacher_gap_by_domain(rows, teacher, proximal))
         return out
 
-    def _loss(self, logp, prox, behav, adv, teacher_logp, reference_logp=None):
+    def _loss(self, logp, prox, behav, adv, teacher_logp, reference_logp=None, weights=None):
+        """The micro-batch's loss; ``weights`` [T]: per-token weights (``loss.aggregation``), None the token mean."""
         cfg = self.config.loss
         mask = torch.ones_like(logp, dtype=torch.bool)
-        out = self._policy_loss(logp, prox, behav, adv, teacher_logp, mask)
+        out = self._policy_loss(logp, prox, behav, adv, teacher_logp, mask, weights)
         if reference_logp is None:
             return out
-        kl = losses.kl_penalty(logp, reference_logp, mask, estimator=cfg.kl_estimator)
+        kl = losses.kl_penalty(logp, reference_logp, mask, estimator=cfg.kl_estimator, token_weights=weights)
         return losses.add_kl_penalty(out, kl, kl_coef=cfg.kl_coef)
 
-    def _policy_loss(self, logp, prox, behav, adv, teacher_logp, mask):
+    def _policy_loss(self, logp, prox, behav, adv, teacher_logp, mask, weights=None):
         cfg = self.config.loss
         rl = losses.decoupled_ppo_loss(
             logp,
@@ -282,6 +291,7 @@ class Trainer:
             behavior_weight_cap=cfg.behavior_weight_cap,
             behavior_weight_action=cfg.behavior_weight_action,
             dual_clip=cfg.dual_clip,
+            token_weights=weights,
         )
         if teacher_logp is None:
             loss, stats = rl
@@ -295,6 +305,7 @@ class Trainer:
             adv_clip=cfg.adv_clip,
             behavior_weight_cap=cfg.behavior_weight_cap,
             behavior_weight_action=cfg.behavior_weight_action,
+            token_weights=weights,
         )
         return losses.combined_loss(rl, distill, rl_coef=cfg.rl_coef, distill_coef=cfg.distill_coef)
 

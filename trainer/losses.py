@@ -60,6 +60,7 @@ def decoupled_ppo_loss(
     behavior_weight_cap: float | None = None,
     behavior_weight_action: BehaviorWeightAction = "mask",
     dual_clip: float | None = None,
+    token_weights: torch.Tensor | None = None,
 ) -> LossOutput:
     """Decoupled PPO loss, AReaL Eq. 5 (https://arxiv.org/abs/2505.24298).
 
@@ -80,6 +81,9 @@ def decoupled_ppo_loss(
         behavior_weight_action: above the cap, "mask" drops the token from the numerator,
             "clamp" uses ``w = cap``.
         dual_clip: ``c > 1`` bounding negative-advantage tokens' loss by ``-c*A``; None is off.
+        token_weights: ``[T]``, non-negative; None: the token mean. Given: the weighted mean
+            ``sum(w * loss) / sum(w)`` over valid tokens (``1 / sequence length`` weighs every
+            sequence alike: ``sequence_mean_weights``). Stats stay token means.
 
     Returns:
         The scalar loss and ``ppo/*`` stats.
@@ -100,7 +104,7 @@ def decoupled_ppo_loss(
         dual = -dual_clip * adv
         is_dual = (adv < 0) & (dual < per_token)
         per_token = torch.where(is_dual, dual, per_token)
-    loss = _token_mean(weight * per_token, keep, mask)
+    loss = _token_mean(weight * per_token, keep, mask, _weights(token_weights, mask))
     stats = _shared_stats("ppo", loss, logp, prox, raw_weight, mask, keep, capped)
     stats["ppo/clip_frac"] = _fraction(is_clipped, keep)
     stats["ppo/dual_clip_frac"] = _fraction(is_dual, keep)
@@ -117,6 +121,7 @@ def mopd_loss(
     adv_clip: float,
     behavior_weight_cap: float | None = None,
     behavior_weight_action: BehaviorWeightAction = "mask",
+    token_weights: torch.Tensor | None = None,
 ) -> LossOutput:
     """Multi-teacher on-policy distillation loss (MOPD), with AReaL's decoupled importance ratio.
 
@@ -138,6 +143,7 @@ def mopd_loss(
         adv_clip: ``c > 0`` bounding the teacher advantage (AReaL's mopd_adv_clip, 5.0).
         behavior_weight_cap: upper bound on ``w``; None means uncapped.
         behavior_weight_action: "mask" or "clamp", as in ``decoupled_ppo_loss``.
+        token_weights: as in ``decoupled_ppo_loss``.
 
     Returns:
         The scalar loss and ``mopd/*`` stats.
@@ -150,11 +156,24 @@ def mopd_loss(
     raw_weight = _exp_clamped(prox - behav)
     weight, keep, capped = _cap_behavior_weight(raw_weight, mask, behavior_weight_cap, behavior_weight_action)
     rho = _exp_clamped(logp - prox) * weight
-    loss = _token_mean(-rho * adv, keep, mask)
+    loss = _token_mean(-rho * adv, keep, mask, _weights(token_weights, mask))
     stats = _shared_stats("mopd", loss, logp, prox, raw_weight, mask, keep, capped)
     stats["mopd/teacher_gap_mean"] = _masked_mean(gap, mask)
     stats["mopd/adv_clip_frac"] = _fraction(gap.abs() > adv_clip, keep)
     return loss, stats
+
+
+def sequence_mean_weights(seq_index: torch.Tensor) -> torch.Tensor:
+    """Per-token weights ``1 / (tokens of its sequence)`` for the ``token_weights`` argument: every
+    sequence then weighs the same in the loss whatever its length (verl's ``seq-mean-token-mean``
+    ``loss_agg_mode``), where the plain token mean lets long answers outweigh short ones (a 13-token
+    program counts four times a 3-digit sum).
+
+    Args:
+        seq_index: ``[T]`` integer, the sequence each token belongs to (any ids).
+    """
+    _, inverse, counts = torch.unique(seq_index, return_inverse=True, return_counts=True)
+    return 1.0 / counts[inverse].to(torch.float32)
 
 
 def mix_teacher_logprobs(teacher_logprobs: torch.Tensor, weights: Sequence[float] | torch.Tensor) -> torch.Tensor:
@@ -189,6 +208,7 @@ def kl_penalty(
     loss_mask: torch.Tensor,
     *,
     estimator: KLEstimator,
+    token_weights: torch.Tensor | None = None,
 ) -> LossOutput:
     """Token-mean estimate of KL(current || reference) on the sampled tokens, as a loss term.
 
@@ -212,6 +232,7 @@ def kl_penalty(
             temperature.
         loss_mask: ``[T]``, bool or 0/1.
         estimator: ``"k1"`` or ``"k3"``: which estimate is the loss.
+        token_weights: as in ``decoupled_ppo_loss``.
 
     Returns:
         The scalar token mean of the chosen estimate and ``kl/*`` stats: ``kl/mean`` (that loss),
@@ -223,7 +244,7 @@ def kl_penalty(
     log_ratio = _clamp_log_ratio(logp - ref)
     k1 = log_ratio
     k3 = ((-log_ratio).exp() - 1.0 + log_ratio).clamp(0.0, K3_CLAMP)
-    loss = _token_mean(k1 if estimator == "k1" else k3, mask, mask)
+    loss = _token_mean(k1 if estimator == "k1" else k3, mask, mask, _weights(token_weights, mask))
     return loss, {
         "kl/mean": loss.detach(),
         "kl/k1_mean": _masked_mean(k1, mask),
@@ -291,9 +312,26 @@ def _cap_behavior_weight(
     return weight.clamp(max=cap), mask, capped
 
 
-def _token_mean(values: torch.Tensor, keep: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def _token_mean(
+    values: torch.Tensor, keep: torch.Tensor, mask: torch.Tensor, weights: torch.Tensor | None = None
+) -> torch.Tensor:
     # where, not multiply: a dropped token's value may be huge and 0 * inf is nan.
-    return torch.where(keep, values, 0.0).sum() / mask.sum().clamp(min=1)
+    if weights is None:
+        return torch.where(keep, values, 0.0).sum() / mask.sum().clamp(min=1)
+    total = torch.where(mask, weights, 0.0).sum()
+    return torch.where(keep, weights * values, 0.0).sum() / torch.where(total > 0, total, 1.0)
+
+
+def _weights(token_weights: torch.Tensor | None, mask: torch.Tensor) -> torch.Tensor | None:
+    """``token_weights`` checked (shape, finite, non-negative where valid), detached, float32."""
+    if token_weights is None:
+        return None
+    if token_weights.shape != mask.shape:
+        raise ValueError(f"token_weights must have loss_mask's shape {tuple(mask.shape)}, got {tuple(token_weights.shape)}")
+    weights = torch.where(mask, token_weights.detach().to(torch.float32), 0.0)
+    if not bool((torch.isfinite(weights) & (weights >= 0)).all()):
+        raise ValueError("token_weights must be finite and non-negative at valid tokens")
+    return weights
 
 
 def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

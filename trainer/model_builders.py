@@ -6,13 +6,16 @@ a path is a local Hugging Face directory; a wrong path is a one-line ``ConfigErr
 from __future__ import annotations
 
 import copy
+import logging
 import pathlib
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from rollbook.models import build_student, load_model, model_vocab_size
 from rollbook.tasks import build_domains, make_tasks
-from rollbook.trainer.warmstart import cached_warm_start
+from rollbook.trainer.warmstart import cached_warm_start, greedy_accuracy
+
+log = logging.getLogger("rollbook.trainer")
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -55,7 +58,7 @@ def build_models(config: RunConfig) -> tuple[PreTrainedModel, TeacherScorer | No
             check_every=ws.student_check_every,
             check_problems=ws.student_check_problems,
             domains=build_domains(config.rollout),
-            reached_scale=ws.student_reached_scale,
+            ceiling=ws.student_ceiling,
         )
     if config.trainer.loss.distill_coef == 0:
         return student, None
@@ -90,17 +93,24 @@ def specialist_teachers(config, build):
         if name in routes:
             continue
         own = make_tasks(domain, "train", config.rollout.num_train_tasks, config.rollout.seed, allow_fewer=True)
-        routes[name] = LocalTeacher(
-            cached_warm_start(
-                run_dir / f"teacher-{name}",
-                build,
-                own,
-                steps=ws.teacher_steps,
-                batch_size=ws.batch_size,
-                lr=ws.lr,
-                seed=ws.seed + 1,
-            )
+        teacher = cached_warm_start(
+            run_dir / f"teacher-{name}",
+            build,
+            own,
+            steps=ws.teacher_steps,
+            batch_size=ws.batch_size,
+            lr=ws.lr,
+            seed=ws.seed + 1,
+            target=ws.teacher_target,
+            check_every=ws.student_check_every,
+            check_problems=ws.student_check_problems,
+            domains={name: domain},
         )
+        heldout = make_tasks(domain, "heldout", config.rollout.num_eval_tasks, config.rollout.seed, allow_fewer=True)
+        accuracy = greedy_accuracy(teacher, heldout, {name: domain})
+        print(f"teacher {name}: held-out greedy accuracy {accuracy:.3f} on {len(heldout)} problems of its domain", flush=True)
+        log.info("teacher %s: held-out greedy accuracy %.3f (%d problems)", name, accuracy, len(heldout))
+        routes[name] = LocalTeacher(teacher)
     return DomainRouter(routes)
 
 

@@ -47,7 +47,7 @@ def supervised_steps(
     check_problems: int = 64,
     domains: Mapping[str, TaskDomain] | None = None,
     on_check=None,
-    reached_scale: float = 1.0,
+    ceiling: float | None = None,
 ) -> list[float]:
     """Cross-entropy on the answer tokens (prompt tokens are context only); returns the losses.
     ``on_progress(step_done, loss)`` is called every ``progress_every`` steps and after the last.
@@ -59,10 +59,16 @@ def supervised_steps(
     from the ones it trains on (on those it trains on, a tiny model's accuracy runs ahead of the
     held-out one: it memorizes; ``greedy_accuracy``, verified by ``domains``); training stops at the first check where every
     domain has reached ``target`` (at this check or an earlier one), or after ``steps``. A domain
-    that reached it keeps training, at its weight times ``reached_scale`` (1: unchanged; taken out
-    of the batches, 0, a domain was forgotten within about a hundred steps of the others' in a probe,
-    docs/RESULTS.md, "The MOPD demo"; a small share slows it while the others catch up). ``on_check(step,
-    accuracies, reached)`` sees each check. None: exactly ``steps`` steps."""
+    that reached it keeps training (one taken out of the batches was forgotten within about a
+    hundred steps in a probe, docs/RESULTS.md, "The MOPD demo").
+
+    ``ceiling`` (``warm_start.student_ceiling``, above ``target``): every check then measures every
+    domain; while some domain is below ``target``, a domain at or above ``ceiling`` sits out of the
+    batches until the next check, and training stops at the first check where every domain is at
+    ``target`` (not an earlier one: a domain that sat out may have fallen back). Domains leave their
+    plateau at seed-dependent steps and then rise within a hundred, so without it the first one ends
+    near its best while the last one catches up. ``on_check(step, accuracies, reached)`` sees each
+    check. None: exactly ``steps`` steps."""
     rng = random.Random(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     history: list[float] = []
@@ -72,7 +78,10 @@ def supervised_steps(
         by_domain.setdefault(task.domain, []).append(task)
     weights = dict(domain_weights) if domain_weights else {d: float(len(ts)) for d, ts in by_domain.items()}
     active = [d for d, w in weights.items() if w > 0]
+    active_all, base_weights = list(active), dict(weights)
     pending = list(active)  # domains not yet at the target
+    if ceiling is not None and (target is None or ceiling <= target):
+        raise ValueError(f"ceiling {ceiling} needs a target below it (target {target})")
     missing = [d for d in active if d not in by_domain]
     if missing:
         raise ValueError(f"domain weights name {missing}, which have no training problems")
@@ -98,6 +107,17 @@ def supervised_steps(
         if on_progress is not None and (done % progress_every == 0 or done == steps):
             on_progress(done, history[-1])
         if target is not None and done % check_every == 0:
+            if ceiling is not None:  # every domain, every check: a paused one may fall back
+                accuracy = {d: greedy_accuracy(model, probes[d], domains) for d in active_all}
+                pending = [d for d in active_all if accuracy[d] < target]
+                paused = [d for d in active_all if accuracy[d] >= ceiling] if pending else []
+                if on_check is not None:
+                    on_check(done, accuracy, [d for d in accuracy if d not in pending])
+                if not pending:
+                    break
+                weights = {d: (0.0 if d in paused else w) for d, w in base_weights.items()}
+                draw = _weighted_draw(by_domain, weights, [d for d in active_all if d not in paused], rng)
+                continue
             accuracy = {d: greedy_accuracy(model, probes[d], domains) for d in pending}
             pending = [d for d in pending if accuracy[d] < target]
             reached = [d for d in accuracy if d not in pending]
@@ -105,11 +125,6 @@ def supervised_steps(
                 on_check(done, accuracy, reached)
             if not pending:
                 break
-            if reached and reached_scale != 1.0:
-                for d in reached:
-                    weights[d] *= reached_scale
-                active = [d for d, w in weights.items() if w > 0]
-                draw = _weighted_draw(by_domain, weights, active, rng)
     return history
 
 
@@ -177,7 +192,7 @@ def cached_warm_start(
     check_every: int = 25,
     check_problems: int = 64,
     domains: Mapping[str, TaskDomain] | None = None,
-    reached_scale: float = 1.0,
+    ceiling: float | None = None,
 ):
     """Load the warm-started model from ``path`` or build it (``build()`` -> fresh model) and save it.
     ``domain_weights`` .. ``domains``: as in ``supervised_steps`` (the student's mix and target)."""
@@ -207,7 +222,7 @@ def cached_warm_start(
             check_every=check_every,
             check_problems=check_problems,
             domains=domains,
-            reached_scale=reached_scale,
+            ceiling=ceiling,
             on_check=lambda done, accuracy, reached: print(
                 f"warm start {path.name}: step {done}  greedy training accuracy "
                 + ", ".join(f"{d} {a:.2f}" for d, a in accuracy.items())

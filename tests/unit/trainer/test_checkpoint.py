@@ -6,6 +6,7 @@ Run: ``python -m pytest tests/unit/trainer/test_checkpoint.py -q``.
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from rollbook.models import TinyModelSpec, build_tiny_model
@@ -120,19 +121,21 @@ def test_a_student_target_stops_the_warm_start_once_every_domain_has_reached_it(
     assert len(probed) == 10 and not probed & {t.task_id for t in trained}  # the checked problems are set apart
 
 
-def test_a_domain_at_the_target_trains_on_at_a_reduced_share_with_reached_scale(monkeypatch):
+def test_a_domain_above_the_ceiling_sits_out_until_the_next_check_and_the_warm_start_stops_when_all_are_at_the_target(
+    monkeypatch,
+):
     from rollbook.tasks import ArithmeticDomain, ReverseDomain, make_tasks
     from rollbook.trainer import warmstart
 
     tasks = make_tasks(ArithmeticDomain(num_digits=1), "train", 40, 0, allow_fewer=True)
     tasks += make_tasks(ReverseDomain(min_len=1, max_len=3, alphabet="abcde"), "train", 40, 0, allow_fewer=True)
-    calls = {"reverse": 0}
+    # checks at steps 2, 4, 6, 8: arithmetic above the ceiling, then below it, then above; reverse
+    # reaches the target at the fourth check
+    script = {"arithmetic": iter([0.9, 0.3, 0.8, 0.6]), "reverse": iter([0.0, 0.1, 0.1, 0.4])}
+    seen: list = []
 
-    def check(model, probe, domains=None):  # arithmetic is there at the first check, reverse at step 40
-        if probe[0].domain == "arithmetic":
-            return 0.9
-        calls["reverse"] += 1
-        return 0.9 if calls["reverse"] == 20 else 0.0
+    def check(model, probe, domains=None):
+        return next(script[probe[0].domain])
 
     monkeypatch.setattr(warmstart, "greedy_accuracy", check)
     per_step = _domains_trained(
@@ -141,13 +144,18 @@ def test_a_domain_at_the_target_trains_on_at_a_reduced_share_with_reached_scale(
         {"arithmetic": 1.0, "reverse": 1.0},
         steps=100,
         batch_size=8,
-        target=0.5,
+        target=0.2,
+        ceiling=0.5,
         check_every=2,
-        reached_scale=0.1,
+        on_check=lambda done, accuracy, reached: seen.append((done, reached)),
     )
-    assert len(per_step) == 40 * 8
-    later = per_step[2 * 8 :]
-    assert 0 < later.count("arithmetic") / len(later) < 0.2  # about 0.1 / 1.1, still trained
+    assert len(per_step) == 8 * 8  # stopped at the fourth check, the first with every domain at 0.2
+    assert [r for _, r in seen] == [["arithmetic"], ["arithmetic"], ["arithmetic"], ["arithmetic", "reverse"]]
+    steps = [per_step[i * 8 : (i + 1) * 8] for i in range(8)]
+    assert all("arithmetic" not in s for s in steps[2:4] + steps[6:8])  # paused after the checks at 0.9 and 0.8
+    assert "arithmetic" in steps[4] + steps[5]  # back after the check at 0.3
+    with pytest.raises(ValueError, match="ceiling"):
+        _domains_trained(monkeypatch, tasks, None, steps=2, batch_size=8, target=0.5, ceiling=0.5)
 
 
 def _domains_trained(monkeypatch, tasks, weights, *, steps, batch_size=64, **kw) -> list[str]:

@@ -106,8 +106,13 @@ def _assert_same(a: dict, b: dict, lr: float = 1e-2) -> None:
 
 @pytest.mark.parametrize(
     "grad_clip,loss",
-    [(1e6, {}), (0.05, {}), (1e6, {"kl_coef": 0.5, "kl_estimator": "k1"})],
-    ids=["unclipped", "clipped", "kl-penalty"],
+    [
+        (1e6, {}),
+        (0.05, {}),
+        (1e6, {"kl_coef": 0.5, "kl_estimator": "k1"}),
+        (1e6, {"aggregation": "sequence_mean", "kl_coef": 0.5, "kl_estimator": "k1"}),
+    ],
+    ids=["unclipped", "clipped", "kl-penalty", "sequence-mean"],
 )
 def test_two_ranks_with_half_the_groups_each_take_the_step_of_one_rank_with_all(tmp_path, grad_clip, loss):
     one = _one_rank(tmp_path / "one", 6, grad_clip=grad_clip, lr=1e-2, loss=loss)

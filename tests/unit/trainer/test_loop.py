@@ -129,3 +129,40 @@ def _run(run_dir, num_steps: int, lr_warmup_steps: int = 4) -> tuple[Trainer, li
     trainer = _trainer(run_dir, FakeStore(), lr=1e-3, lr_warmup_steps=lr_warmup_steps)
     trainer.config.num_steps = num_steps
     return trainer, trainer.run()
+
+
+def test_sequence_mean_weighs_every_sequence_alike_and_micro_batches_do_not_change_the_step(tmp_path):
+    """loss.aggregation = "sequence_mean": the step's gradient is the mean over sequences of each one's
+    token-mean loss gradient, whether the batch is one micro-batch or one per sequence; token_mean's differs."""
+    from rollbook.trainer.loop import _Rows
+
+    rng = np.random.default_rng(3)
+    outputs = [rng.integers(3, 20, n).tolist() for n in (1, 40, 20, 60)]
+    table = pa.table(
+        {
+            "prompt_token_ids": [[1, 5]] * 4,
+            "output_token_ids": outputs,
+            "output_logprobs": [(-rng.uniform(0.5, 3.0, len(o))).tolist() for o in outputs],
+            "output_versions": [[0] * len(o) for o in outputs],
+            "advantage": pa.array([1.0, -1.0, 0.5, -0.5], pa.float32()),
+            "temperature": [1.0] * 4,
+            "domain": ["d"] * 4,
+        }
+    )
+
+    def grads(**kw):
+        trainer = _trainer(tmp_path, FakeStore(), grad_clip=1e6, **kw)
+        trainer.update(_Rows.from_table(table))
+        return torch.cat([p.grad.flatten() for p in trainer.model.parameters() if p.grad is not None])
+
+    whole = grads(loss={"aggregation": "sequence_mean"})
+    split = grads(loss={"aggregation": "sequence_mean"}, micro_batch_tokens=64)  # 129 tokens: several micro-batches
+    torch.testing.assert_close(split, whole, rtol=1e-4, atol=1e-7)
+    one_by_one = []
+    for i in range(4):  # each sequence alone is its own token mean: the same under either aggregation
+        single = table.slice(i, 1)
+        trainer = _trainer(tmp_path, FakeStore(), grad_clip=1e6)
+        trainer.update(_Rows.from_table(single))
+        one_by_one.append(torch.cat([p.grad.flatten() for p in trainer.model.parameters() if p.grad is not None]))
+    torch.testing.assert_close(whole, sum(one_by_one) / 4, rtol=1e-4, atol=1e-6)
+    assert not torch.allclose(grads(), whole, rtol=1e-2, atol=1e-6)

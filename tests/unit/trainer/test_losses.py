@@ -15,8 +15,10 @@ from hypothesis import strategies as st
 from rollbook.trainer.losses import (
     combined_loss,
     decoupled_ppo_loss,
+    kl_penalty,
     mix_teacher_logprobs,
     mopd_loss,
+    sequence_mean_weights,
 )
 
 TOL = {"atol": 1e-6, "rtol": 1e-5}
@@ -504,3 +506,43 @@ def test_mismatched_shapes_raise_value_error():
     x = _t(-1.0, -2.0, -3.0)
     with pytest.raises(ValueError, match="shape"):
         decoupled_ppo_loss(x, x[:2], x, x, _ones_mask(3), eps_clip=0.2)
+
+
+# --- token weights: the sequence mean ----------------------------------------------------------------
+
+
+def test_sequence_mean_weights_are_one_over_each_tokens_sequence_length():
+    weights = sequence_mean_weights(torch.tensor([0, 0, 0, 7, 2, 2]))
+    torch.testing.assert_close(weights, _t(1 / 3, 1 / 3, 1 / 3, 1.0, 0.5, 0.5))
+
+
+@pytest.mark.parametrize("which", ["ppo", "mopd", "kl"])
+def test_sequence_mean_is_the_mean_over_sequences_of_each_sequences_token_mean(which):
+    """A 1-token and a 4-token sequence: with the weights each counts half, whatever its length;
+    with none, the 4-token one counts four fifths."""
+    torch.manual_seed(0)
+    seq = torch.tensor([0, 1, 1, 1, 1])
+    logp = (-torch.rand(5) - 0.1).requires_grad_()
+    prox, behav, teacher = -torch.rand(5) - 0.1, -torch.rand(5) - 0.1, -torch.rand(5) * 3
+    adv = _t(1.0, -0.5, -0.5, -0.5, -0.5)
+
+    def loss(lp, mask, weights=None):
+        if which == "ppo":
+            return decoupled_ppo_loss(lp, prox, behav, adv, mask, eps_clip=0.2, token_weights=weights)[0]
+        if which == "mopd":
+            return mopd_loss(lp, prox, behav, teacher, mask, adv_clip=5.0, token_weights=weights)[0]
+        return kl_penalty(lp, teacher, mask, estimator="k3", token_weights=weights)[0]
+
+    per_sequence = [loss(logp, seq == i) for i in (0, 1)]
+    weighted = loss(logp, _ones_mask(5), sequence_mean_weights(seq))
+    torch.testing.assert_close(weighted, (per_sequence[0] + per_sequence[1]) / 2, **TOL)
+    torch.testing.assert_close(loss(logp, _ones_mask(5), torch.ones(5)), loss(logp, _ones_mask(5)), **TOL)
+    torch.testing.assert_close(loss(logp, _ones_mask(5)), (per_sequence[0] + 4 * per_sequence[1]) / 5, **TOL)
+
+
+def test_token_weights_must_match_the_mask_and_be_non_negative():
+    kw = {"proximal_logprobs": _t(-1.0, -1.0), "behavior_logprobs": _t(-1.0, -1.0), "advantages": _t(1.0, 1.0)}
+    with pytest.raises(ValueError, match="shape"):
+        decoupled_ppo_loss(_t(-1.0, -1.0), loss_mask=_ones_mask(2), eps_clip=0.2, token_weights=torch.ones(3), **kw)
+    with pytest.raises(ValueError, match="non-negative"):
+        decoupled_ppo_loss(_t(-1.0, -1.0), loss_mask=_ones_mask(2), eps_clip=0.2, token_weights=_t(1.0, -1.0), **kw)
