@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from rollbook.models import build_student, load_model, model_vocab_size
 from rollbook.tasks import build_domains, make_tasks
-from rollbook.trainer.warmstart import cached_warm_start, greedy_accuracy
+from rollbook.trainer.warmstart import cached_warm_start, greedy_accuracy, sampled_accuracy
 
 log = logging.getLogger("rollbook.trainer")
 
@@ -72,7 +72,7 @@ def build_models(config: RunConfig) -> tuple[PreTrainedModel, TeacherScorer | No
             tasks,
             steps=ws.teacher_steps,
             batch_size=ws.batch_size,
-            lr=ws.lr,
+            lr=ws.teacher_lr or ws.lr,
             seed=ws.seed + 1,
         )
         extra.append(LocalTeacher(teacher))
@@ -99,17 +99,22 @@ def specialist_teachers(config, build):
             own,
             steps=ws.teacher_steps,
             batch_size=ws.batch_size,
-            lr=ws.lr,
+            lr=ws.teacher_lr or ws.lr,
             seed=ws.seed + 1,
             target=ws.teacher_target,
             check_every=ws.student_check_every,
             check_problems=ws.student_check_problems,
             domains={name: domain},
+            check_sampled=True,
         )
         heldout = make_tasks(domain, "heldout", config.rollout.num_eval_tasks, config.rollout.seed, allow_fewer=True)
-        accuracy = greedy_accuracy(teacher, heldout, {name: domain})
-        print(f"teacher {name}: held-out greedy accuracy {accuracy:.3f} on {len(heldout)} problems of its domain", flush=True)
-        log.info("teacher %s: held-out greedy accuracy %.3f (%d problems)", name, accuracy, len(heldout))
+        greedy = greedy_accuracy(teacher, heldout, {name: domain})
+        sampled = sampled_accuracy(teacher, heldout, {name: domain}, seed=config.rollout.eval_seed)
+        print(
+            f"teacher {name}: held-out accuracy {greedy:.3f} greedy, {sampled:.3f} sampled, on {len(heldout)} problems of its domain",
+            flush=True,
+        )
+        log.info("teacher %s: held-out accuracy %.3f greedy, %.3f sampled (%d problems)", name, greedy, sampled, len(heldout))
         routes[name] = LocalTeacher(teacher)
     return DomainRouter(routes)
 

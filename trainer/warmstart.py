@@ -48,6 +48,7 @@ def supervised_steps(
     domains: Mapping[str, TaskDomain] | None = None,
     on_check=None,
     ceiling: float | None = None,
+    check_sampled: bool = False,
 ) -> list[float]:
     """Cross-entropy on the answer tokens (prompt tokens are context only); returns the losses.
     ``on_progress(step_done, loss)`` is called every ``progress_every`` steps and after the last.
@@ -68,7 +69,9 @@ def supervised_steps(
     ``target`` (not an earlier one: a domain that sat out may have fallen back). Domains leave their
     plateau at seed-dependent steps and then rise within a hundred, so without it the first one ends
     near its best while the last one catches up. ``on_check(step, accuracies, reached)`` sees each
-    check. None: exactly ``steps`` steps."""
+    check. None: exactly ``steps`` steps. ``check_sampled``: the checks sample one answer per problem
+    at temperature 1 (``sampled_accuracy``, the teachers' ``warm_start.teacher_target``) instead of
+    decoding greedily."""
     rng = random.Random(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     history: list[float] = []
@@ -94,6 +97,14 @@ def supervised_steps(
     draw = (
         (lambda: rng.choice(tasks)) if not domain_weights and target is None else _weighted_draw(by_domain, weights, active, rng)
     )
+
+    def check(d: str) -> float:  # looked up at call time: tests replace greedy_accuracy
+        return (
+            sampled_accuracy(model, probes[d], domains, seed=seed)
+            if check_sampled
+            else greedy_accuracy(model, probes[d], domains)
+        )
+
     for _ in range(steps):
         batch = [draw() for _ in range(batch_size)]
         ids, labels = _padded(batch)
@@ -108,7 +119,7 @@ def supervised_steps(
             on_progress(done, history[-1])
         if target is not None and done % check_every == 0:
             if ceiling is not None:  # every domain, every check: a paused one may fall back
-                accuracy = {d: greedy_accuracy(model, probes[d], domains) for d in active_all}
+                accuracy = {d: check(d) for d in active_all}
                 pending = [d for d in active_all if accuracy[d] < target]
                 paused = [d for d in active_all if accuracy[d] >= ceiling] if pending else []
                 if on_check is not None:
@@ -118,7 +129,7 @@ def supervised_steps(
                 weights = {d: (0.0 if d in paused else w) for d, w in base_weights.items()}
                 draw = _weighted_draw(by_domain, weights, [d for d in active_all if d not in paused], rng)
                 continue
-            accuracy = {d: greedy_accuracy(model, probes[d], domains) for d in pending}
+            accuracy = {d: check(d) for d in pending}
             pending = [d for d in pending if accuracy[d] < target]
             reached = [d for d in accuracy if d not in pending]
             if on_check is not None:
@@ -134,15 +145,32 @@ def _weighted_draw(by_domain: Mapping[str, list[Task]], weights: Mapping[str, fl
     return lambda: rng.choice(by_domain[rng.choices(active, cum_weights=cumulative)[0]])
 
 
-@torch.no_grad()
 def greedy_accuracy(model: torch.nn.Module, tasks: list[Task], domains: Mapping[str, TaskDomain] | None = None) -> float:
     """The share of ``tasks`` the model answers right with greedy decoding (``rollbook.tasks.score``;
     a verifier error counts as wrong). Problems of one prompt length decode as one batch, so no padding;
     at most the longest answer plus two tokens."""
+    return _decoded_accuracy(model, tasks, domains, temperature=0.0, seed=0)
+
+
+def sampled_accuracy(
+    model: torch.nn.Module, tasks: list[Task], domains: Mapping[str, TaskDomain] | None = None, *, seed: int = 0
+) -> float:
+    """As ``greedy_accuracy``, one answer per problem sampled at temperature 1 (seeded): the model's
+    expected reward. A model can be right greedily and nearly never when sampled (a teacher stopped
+    early in its rise: 0.983 greedy, 0.004 sampled), and on-policy distillation pulls the student
+    toward the whole distribution, not its argmax."""
+    return _decoded_accuracy(model, tasks, domains, temperature=1.0, seed=seed)
+
+
+@torch.no_grad()
+def _decoded_accuracy(
+    model: torch.nn.Module, tasks: list[Task], domains: Mapping[str, TaskDomain] | None, *, temperature: float, seed: int
+) -> float:
     if not tasks:
         return 0.0
     was_training = model.training
     model.eval()
+    generator = torch.Generator().manual_seed(seed)
     max_new = max(len(TOKENIZER.encode(t.answer)) for t in tasks) + 2
     by_length: dict[int, list[tuple[Task, list[int]]]] = {}
     for task in tasks:
@@ -152,7 +180,12 @@ def greedy_accuracy(model: torch.nn.Module, tasks: list[Task], domains: Mapping[
     for group in by_length.values():
         ids = torch.tensor([p for _, p in group])
         for _ in range(max_new):
-            next_ids = model(input_ids=ids).logits[:, -1].argmax(-1, keepdim=True)
+            logits = model(input_ids=ids).logits[:, -1].float()
+            if temperature > 0:
+                probs = torch.softmax(logits / temperature, dim=-1)
+                next_ids = torch.multinomial(probs, 1, generator=generator)
+            else:
+                next_ids = logits.argmax(-1, keepdim=True)
             ids = torch.cat([ids, next_ids], dim=1)
         width = len(group[0][1])
         for (task, _), row in zip(group, ids[:, width:].tolist()):
@@ -193,6 +226,7 @@ def cached_warm_start(
     check_problems: int = 64,
     domains: Mapping[str, TaskDomain] | None = None,
     ceiling: float | None = None,
+    check_sampled: bool = False,
 ):
     """Load the warm-started model from ``path`` or build it (``build()`` -> fresh model) and save it.
     ``domain_weights`` .. ``domains``: as in ``supervised_steps`` (the student's mix and target)."""
@@ -204,7 +238,7 @@ def cached_warm_start(
     model = build()
     if steps:
         up_to = (
-            f"up to {steps} supervised steps, to greedy training accuracy {target:g} per domain"
+            f"up to {steps} supervised steps, to {'sampled' if check_sampled else 'greedy'} training accuracy {target:g} per domain"
             if target
             else f"{steps} supervised steps"
         )
@@ -223,8 +257,9 @@ def cached_warm_start(
             check_problems=check_problems,
             domains=domains,
             ceiling=ceiling,
+            check_sampled=check_sampled,
             on_check=lambda done, accuracy, reached: print(
-                f"warm start {path.name}: step {done}  greedy training accuracy "
+                f"warm start {path.name}: step {done}  {'sampled' if check_sampled else 'greedy'} training accuracy "
                 + ", ".join(f"{d} {a:.2f}" for d, a in accuracy.items())
                 + (f"  ({', '.join(reached)} at the target {target:g})" if reached else ""),
                 flush=True,

@@ -61,7 +61,7 @@ def finished_run(tmp_path_factory) -> pathlib.Path:
     assert done.returncode == 0, done.stderr[-3000:]
     assert "warm start teacher-addition" in done.stdout and "warm start teacher-program" in done.stdout
     for domain in ("addition", "program"):  # each teacher's held-out accuracy, before RL starts
-        assert f"teacher {domain}: held-out greedy accuracy " in done.stdout.split("held-out reward before step")[0]
+        assert f"teacher {domain}: held-out accuracy " in done.stdout.split("held-out reward before step")[0]
     assert f"report: {run_dir / 'report.md'}" in done.stdout  # rollbook run writes the report itself
     from rollbook.demo import generate_workload
     from rollbook.run import StoreProcess

@@ -179,6 +179,44 @@ def _domains_trained(monkeypatch, tasks, weights, *, steps, batch_size=64, **kw)
     return seen
 
 
+class _SureButBlurry(torch.nn.Module):
+    """A fake causal LM for one-digit sums: after "a+b=" it puts probability 0.3 on the right digit and
+    0.7 spread over three wrong ones (0.233 each), then eos; greedy answers all right, sampling 30 %."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(1))
+
+    def forward(self, input_ids):
+        from rollbook.tasks import TOKENIZER
+
+        logits = torch.full((*input_ids.shape, TOKENIZER.vocab_size), -1e9)
+        for row, ids in enumerate(input_ids.tolist()):
+            text = TOKENIZER.decode(ids)
+            if text.endswith("="):
+                a, b = (int(x) for x in text[:-1].split("+"))
+                right = TOKENIZER.encode(str(a + b))[0]
+                wrong = [TOKENIZER.encode(str((a + b + k) % 10))[0] for k in (1, 2, 3)]
+                logits[row, -1, right] = torch.log(torch.tensor(0.3))
+                logits[row, -1, wrong] = torch.log(torch.tensor(0.7 / 3))
+            else:
+                logits[row, -1, TOKENIZER.eos_token_id] = 0.0
+        return type("Out", (), {"logits": logits})()
+
+
+def test_sampled_accuracy_is_the_expected_reward_where_greedy_is_the_argmax():
+    from rollbook.tasks import ArithmeticDomain, make_tasks
+    from rollbook.trainer.warmstart import greedy_accuracy, sampled_accuracy
+
+    tasks = [t for t in make_tasks(ArithmeticDomain(num_digits=1), "train", 90, 0, allow_fewer=True) if len(t.answer) == 1]
+    tasks = tasks * 10  # the same problems drawn again: more samples
+    model = _SureButBlurry()
+    assert greedy_accuracy(model, tasks) == 1.0
+    sampled = sampled_accuracy(model, tasks, seed=3)
+    assert abs(sampled - 0.3) < 0.1, sampled
+    assert sampled_accuracy(model, tasks, seed=3) == sampled  # seeded
+
+
 def test_greedy_accuracy_scores_what_the_model_decodes():
     """Batched by prompt length, it agrees with decoding each problem alone, token by token."""
     import torch
