@@ -211,6 +211,26 @@ def _padded(batch: list[Task]) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, lab
 
 
+def _check_printer(name: str, kind: str, target: float | None, every: int):
+    """``on_check`` for a console: at most a line every ``every`` steps, and the check that ends the
+    warm start (every domain at the target). Checks come every few steps; a line each would flood
+    the terminal."""
+    last = {"step": 0}
+
+    def show(done: int, accuracy: Mapping[str, float], reached: list[str]) -> None:
+        if done - last["step"] < every and set(reached) != set(accuracy):
+            return
+        last["step"] = done
+        print(
+            f"warm start {name}: step {done}  {kind} training accuracy "
+            + ", ".join(f"{d} {a:.2f}" for d, a in accuracy.items())
+            + (f"  ({', '.join(reached)} at the target {target:g})" if reached and target is not None else ""),
+            flush=True,
+        )
+
+    return show
+
+
 def cached_warm_start(
     path: pathlib.Path,
     build,
@@ -244,6 +264,7 @@ def cached_warm_start(
         )
         print(f"warm start {path.name}: {up_to} (cached in {path})", flush=True)
         started = time.perf_counter()
+        every = max(PROGRESS_EVERY, steps // PROGRESS_LINES)
         losses = supervised_steps(
             model,
             tasks,
@@ -258,13 +279,8 @@ def cached_warm_start(
             domains=domains,
             ceiling=ceiling,
             check_sampled=check_sampled,
-            on_check=lambda done, accuracy, reached: print(
-                f"warm start {path.name}: step {done}  {'sampled' if check_sampled else 'greedy'} training accuracy "
-                + ", ".join(f"{d} {a:.2f}" for d, a in accuracy.items())
-                + (f"  ({', '.join(reached)} at the target {target:g})" if reached else ""),
-                flush=True,
-            ),
-            progress_every=max(PROGRESS_EVERY, steps // PROGRESS_LINES),
+            on_check=_check_printer(path.name, "sampled" if check_sampled else "greedy", target, every),
+            progress_every=every,
             on_progress=lambda done, loss: print(
                 f"warm start {path.name}: step {done}/{steps}  loss {loss:.3f}  {time.perf_counter() - started:.0f} s", flush=True
             ),
