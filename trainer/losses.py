@@ -166,8 +166,8 @@ def mopd_loss(
 def sequence_mean_weights(seq_index: torch.Tensor) -> torch.Tensor:
     """Per-token weights ``1 / (tokens of its sequence)`` for the ``token_weights`` argument: every
     sequence then weighs the same in the loss whatever its length (verl's ``seq-mean-token-mean``
-    ``loss_agg_mode``), where the plain token mean lets long answers outweigh short ones (a 13-token
-    program counts four times a 3-digit sum).
+    ``loss_agg_mode``), where the plain token mean lets long answers outweigh short ones (a 14-token
+    program answer counts three and a half times a 4-token sum).
 
     Args:
         seq_index: ``[T]`` integer, the sequence each token belongs to (any ids).
