@@ -95,8 +95,7 @@ class _Rows:
     def sequence_weights(self) -> torch.Tensor:
         """[T]: 1 / the length of each token's sequence (``loss.aggregation = "sequence_mean"``); over a
         set of whole sequences they sum to the number of sequences."""
-        lengths = torch.from_numpy(np.diff(self.offsets)).to(torch.float32)
-        return 1.0 / lengths[self.seq_of_token]
+        return losses.sequence_mean_weights(self.seq_of_token)
 
 
 class Trainer:
