@@ -81,7 +81,10 @@ def play_with_injected_retries(
     url: str, worker_key: str, admin_key: str, plan: list = PLAN, *, timeout_s: float = 0.4, max_retries: int = 12
 ) -> tuple[dict[int, Any], int]:
     """One agent thread per ``plan`` entry (``TURNS`` turns, every other one streaming); while any
-    runs, pause admission until an attempt waits (at least 0.7 s, at most 3 s), resume, repeat.
+    runs, pause admission until an attempt has been seen waiting for longer than the client's
+    ``timeout_s`` (plus a margin; a pause nothing reaches ends after 3 s), resume, repeat. Holding
+    past the first sighting, not a fixed time from the pause, is what makes a retry certain: an
+    attempt that arrives late in a pause would otherwise be let through before its client gives up.
     Returns the episodes by plan index and the number of pauses; an agent's error is raised."""
     from examples.arithmetic_agent import play
 
@@ -115,12 +118,15 @@ def play_with_injected_retries(
         if http(url + "/rollbook/admin/pause", "POST", {}, key=admin_key)[0] != 200:
             raise RuntimeError("the proxy refused the admin pause")
         pauses += 1
-        held_from, deadline = time.monotonic(), time.monotonic() + 3.0
-        while (
-            (status(url, admin_key)["waiting"] < 1 or time.monotonic() - held_from < 0.7)
-            and time.monotonic() < deadline
-            and any(t.is_alive() for t in agents)
-        ):
+        deadline, seen_waiting = time.monotonic() + 3.0, None
+        while any(t.is_alive() for t in agents):
+            now = time.monotonic()
+            if seen_waiting is None and status(url, admin_key)["waiting"] >= 1:
+                seen_waiting = now  # that attempt has waited at least since now: hold it past its timeout
+            if seen_waiting is not None and now - seen_waiting > timeout_s + 0.5:
+                break
+            if seen_waiting is None and now > deadline:
+                break
             time.sleep(0.05)
         if http(url + "/rollbook/admin/resume", "POST", {}, key=admin_key)[0] != 200:
             raise RuntimeError("the proxy refused the admin resume")
