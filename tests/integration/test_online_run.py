@@ -7,8 +7,11 @@ publishing over shared memory, a real ``rollbook proxy`` process following it, a
   session, under a version the trainer published) and writes the held-out agent evaluation.
 - ``test_online_run_raises_the_agents_heldout_reward`` (slow): over three seeds, never one, the
   agent's sampled held-out reward (its expected reward, eval/sampled_reward, common random numbers
-  at every evaluation) rises on average and no seed falls badly, as tests/integration/test_learning.py
-  holds for the rollout worker.
+  at every evaluation) rises on average and no seed falls, as tests/integration/test_learning.py
+  holds for the rollout worker. It plays string reversal, one try per episode, from a student
+  warm-started to a greedy training accuracy of 0.3 (``LEARNS``): held-out reversals share the
+  procedure with the training ones, where held-out one-digit sums are facts of their own (the
+  config's two-try addition game moves its held-out reward within noise; docs/RESULTS.md "Online").
 """
 
 from __future__ import annotations
@@ -27,6 +30,12 @@ pytest.importorskip("openai")
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SEEDS = (0, 1, 2)
+# the game whose held-out reward RL can raise (docs/RESULTS.md "Online", the reversal table)
+LEARNS = (
+    *("--rollout.domains", '["reverse"]', "--rollout.reverse_max_len", "4", "--online.num_problems", "256"),
+    *("--online.max_tokens", "6", "--online.turns", "1"),
+    *("--warm_start.student_steps", "400", "--warm_start.student_target", "0.3", "--warm_start.student_check_every", "10"),
+)
 
 
 def _run(run_dir: pathlib.Path, seed: int, *overrides: str, timeout: float = 1500) -> list[dict]:
@@ -90,14 +99,14 @@ def test_online_run_trains_on_the_agents_sessions(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(3600)  # three runs of ~3 min on a quiet machine (531 s in all): 600 s fails a loaded one
+@pytest.mark.timeout(3600)  # three runs of ~4.5 min here (14 min in all, the runs' own load only)
 def test_online_run_raises_the_agents_heldout_reward(tmp_path):
     gains, report = [], []
     for seed in SEEDS:
-        metrics = _run(tmp_path / f"online-{seed}", seed)
+        metrics = _run(tmp_path / f"online-{seed}", seed, *LEARNS)
         sampled = [m["eval/sampled_reward"] for m in metrics if "eval/sampled_reward" in m]
         gains.append(sampled[-1] - sampled[0])
         report.append((seed, [round(s, 3) for s in sampled], [m["eval/reward"] for m in metrics if "eval/reward" in m]))
-    # docs/RESULTS.md ("Online") has the measured seeds
-    assert min(gains) > -0.05, report
-    assert np.mean(gains) > 0.005, report
+    # docs/RESULTS.md ("Online") has the measured seeds: +0.091, +0.130, +0.313 (mean +0.178)
+    assert min(gains) > -0.02, report
+    assert np.mean(gains) > 0.05, report
