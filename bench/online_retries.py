@@ -1,6 +1,6 @@
 """The online falsifier (issue 14, acceptance 2), shared by tests/integration/test_proxy.py and
 ``bench/placement.py --online``: agents play through a real ``rollbook proxy`` with an openai client
-that times out after 0.4 s and retries, while an operator keeps pausing the proxy's admission so that
+that times out after 2 s and retries, while an operator pauses the proxy's admission a few times so that
 attempts wait past that timeout; every reward is sent after its session ended. Then the trainer's
 view (every row ``PullBatch`` serves) is compared with the agents' (the completions they received).
 
@@ -78,13 +78,23 @@ def wait_idle(url: str, admin_key: str, timeout: float = 120) -> None:
 
 
 def play_with_injected_retries(
-    url: str, worker_key: str, admin_key: str, plan: list = PLAN, *, timeout_s: float = 0.4, max_retries: int = 12
+    url: str,
+    worker_key: str,
+    admin_key: str,
+    plan: list = PLAN,
+    *,
+    timeout_s: float = 2.0,
+    max_retries: int = 12,
+    retry_pauses: int = 3,
 ) -> tuple[dict[int, Any], int]:
-    """One agent thread per ``plan`` entry (``TURNS`` turns, every other one streaming); while any
-    runs, pause admission until an attempt has been seen waiting for longer than the client's
-    ``timeout_s`` (plus a margin; a pause nothing reaches ends after 3 s), resume, repeat. Holding
-    past the first sighting, not a fixed time from the pause, is what makes a retry certain: an
-    attempt that arrives late in a pause would otherwise be let through before its client gives up.
+    """One agent thread per ``plan`` entry (``TURNS`` turns, every other one streaming). While they
+    run, pause admission until an attempt has been seen waiting for longer than the client's
+    ``timeout_s`` (plus a margin), resume, and repeat until ``retry_pauses`` pauses have each held an
+    attempt past its timeout (a pause nothing reaches in 3 s does not count); then let every call
+    through. Holding past the first sighting, not a fixed time from the pause, makes each such pause
+    certain to cause a retry; stopping after ``retry_pauses`` of them makes every call certain to
+    finish (an endless pause cycle left admission open a fraction of the time, and a call whose
+    13 attempts all fell in pauses failed on a loaded machine).
     Returns the episodes by plan index and the number of pauses; an agent's error is raised."""
     from examples.arithmetic_agent import play
 
@@ -113,8 +123,8 @@ def play_with_injected_retries(
     agents = [threading.Thread(target=agent, args=(i,)) for i in range(len(plan))]
     for t in agents:
         t.start()
-    pauses = 0
-    while any(t.is_alive() for t in agents):  # hold attempts past the client's timeout, then let new ones through
+    pauses = held = 0
+    while held < retry_pauses and any(t.is_alive() for t in agents):
         if http(url + "/rollbook/admin/pause", "POST", {}, key=admin_key)[0] != 200:
             raise RuntimeError("the proxy refused the admin pause")
         pauses += 1
@@ -124,6 +134,7 @@ def play_with_injected_retries(
             if seen_waiting is None and status(url, admin_key)["waiting"] >= 1:
                 seen_waiting = now  # that attempt has waited at least since now: hold it past its timeout
             if seen_waiting is not None and now - seen_waiting > timeout_s + 0.5:
+                held += 1
                 break
             if seen_waiting is None and now > deadline:
                 break

@@ -380,5 +380,22 @@ def serve(config: StoreConfig) -> None:
     while not done.wait(0.5):
         pass
     print("shutting down: draining streams and folding the log", file=sys.stderr, flush=True)
+    _exit_if_stuck(SHUTDOWN_DEADLINE_S)
     server.stop(grace=5).wait()
     ledger.close()
+
+
+SHUTDOWN_DEADLINE_S = 20.0  # from SIGTERM to exit: 5 s of gRPC grace, then the pools, the fold, DuckDB
+
+
+def _exit_if_stuck(seconds: float) -> None:
+    """A stop that hangs must not leave the store running, holding the ledger and its port (a
+    ``rollbook run`` killed by SIGKILL counts on its store stopping; rollbook/lifetime.py). After
+    ``seconds`` faulthandler's own thread, which needs no GIL, prints every thread's stack to stderr
+    (what hung) and exits with status 1; ``SIGALRM``'s default action backs it up past interpreter
+    teardown. Exiting there loses nothing: every acknowledged batch is in the fsync'd write-ahead log,
+    and the next start folds it, as after a SIGKILL (docs/design.md, "Durability and exactly-once")."""
+    import faulthandler
+
+    faulthandler.dump_traceback_later(seconds, exit=True, file=sys.stderr)
+    signal.alarm(int(seconds) + 10)

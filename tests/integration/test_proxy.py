@@ -181,7 +181,7 @@ def wait_idle(proxy: ProxyProcess, timeout: float = 120) -> None:
 
 def test_served_rows_are_exactly_the_completions_the_agent_received_despite_timeouts_and_retries(store, proxy):
     """The online falsifier of the AReaL 2.1 review (bench/online_retries.py). The admin pause holds
-    attempts at admission until the client's 0.4 s timeout fires; the openai client retries
+    attempts at admission until the client's 2 s timeout fires; the openai client retries
     (``x-stainless-retry-count``); on resume the abandoned attempts still generate, and are recorded
     as not consumed."""
     plan = online_retries.PLAN

@@ -12,7 +12,9 @@ import pathlib
 import signal
 import subprocess
 import sys
+import threading
 import time
+import warnings
 
 import pytest
 
@@ -90,8 +92,12 @@ def test_a_signal_stops_the_run_and_the_processes_it_started(tmp_path, placement
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and any(_alive(c) for c in children):
             time.sleep(0.2)
-        assert not [c for c in children if _alive(c)], f"children outlived the run: {children}"
+        survivors = {c: _describe(c) for c in children if _alive(c)}
+        assert not survivors, f"children outlived the run by 30 s: {survivors}\n{_rest(proc, children)}"
         assert proc.returncode != 0  # stopped, not finished
+        rest = _rest(proc, children)
+        if "Timeout (0:00:" in rest:  # the store's stop hung and its watchdog ended it: say where
+            warnings.warn(f"a child's stop hung; its watchdog ended it:\n{rest[-6000:]}", stacklevel=1)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -99,6 +105,40 @@ def test_a_signal_stops_the_run_and_the_processes_it_started(tmp_path, placement
         for c in children:  # an orphan left by a failing run must not outlive the test
             if _alive(c):
                 os.kill(c, signal.SIGKILL)
+
+
+def _describe(pid: int) -> str:
+    """A live process's command line, state and where each of its threads sleeps in the kernel."""
+    proc = pathlib.Path(f"/proc/{pid}")
+    try:
+        cmd = (proc / "cmdline").read_text().replace("\0", " ").strip()
+        state = next(line for line in (proc / "status").read_text().splitlines() if line.startswith("State:"))
+        threads = [f"{(t / 'comm').read_text().strip()}@{(t / 'wchan').read_text()}" for t in (proc / "task").iterdir()]
+    except (OSError, StopIteration):
+        return "gone"
+    return f"{cmd} ({state}; threads {threads})"
+
+
+def _rest(proc: subprocess.Popen, children: set[int]) -> str:
+    """What the run and its children printed after the store's address (all of it once they are gone;
+    a survivor is killed first, since it holds the pipe open)."""
+    for c in children:
+        if _alive(c):
+            os.kill(c, signal.SIGKILL)
+    out: list[str] = []
+    reader = threading.Thread(target=lambda: out.append(proc.stdout.read() if proc.stdout else ""), daemon=True)
+    reader.start()
+    reader.join(timeout=10)
+    return out[0] if out else "(output not readable)"
+
+
+def test_a_store_whose_stop_hangs_prints_its_stacks_and_exits():
+    """``rollbook serve`` arms a watchdog when it starts to stop (store/server.py): a hang past it
+    prints every thread's stack and exits, so a store never outlives its run by more than that."""
+    code = "from rollbook.store.server import _exit_if_stuck\nimport time\n_exit_if_stuck(1)\ntime.sleep(60)\n"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50)
+    assert done.returncode == 1, done  # the watchdog's exit, not the end of the sleep (0)
+    assert "Timeout (0:00:01)!" in done.stderr and 'File "<string>", line 4' in done.stderr, done.stderr
 
 
 def test_a_script_run_through_lifetime_stops_when_its_parent_is_killed(tmp_path):
