@@ -481,7 +481,7 @@ MEMORY_BOMBS = [
 def test_f2_memory_bombs_stay_within_the_documented_bound(limited):
     """Issue 11, finding 2: single queries took the host's memory past 14 GB. Now the server and its
     sandbox processes together stay under the server's own size plus the documented engine bound,
-    and each bomb ends (with a clear error) well within the timeout."""
+    and each bomb ends with a clear error (the memory cap, or the timeout where it grows slowly)."""
     import concurrent.futures
 
     base = tree_rss_mb(limited.proc.pid)
@@ -491,8 +491,13 @@ def test_f2_memory_bombs_stay_within_the_documented_bound(limited):
             result, took = raw_query(limited, sql)
             assert sampler.peak < bound, (sql, sampler.peak, bound)
             assert isinstance(result, grpc.RpcError), (sql, result)
-            assert result.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, (sql, result.details())
-            assert "memory" in result.details(), result.details()
+            # whichever limit it reaches first ends it: the memory cap, or on a loaded machine, where a
+            # bomb grows slower, the timeout (CI, 2026-12-01: count(DISTINCT repeat(...)) at 3 s);
+            # the bound on memory above holds either way
+            ended = (result.code(), result.details())
+            assert (ended[0] == grpc.StatusCode.RESOURCE_EXHAUSTED and "memory" in ended[1]) or (
+                ended[0] == grpc.StatusCode.INVALID_ARGUMENT and f"exceeded its timeout of {LIMITED_TIMEOUT_S:g} s" in ended[1]
+            ), (sql, ended)
             assert took < LIMITED_TIMEOUT_S + OVERRUN_S, (sql, took)
         with concurrent.futures.ThreadPoolExecutor(3) as pool:  # three at once: two run, one waits
             outcomes = list(pool.map(lambda _: raw_query(limited, "SELECT length(repeat('x', 4000000000)) AS n"), range(3)))
