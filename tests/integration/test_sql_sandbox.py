@@ -492,7 +492,8 @@ def test_f2_memory_bombs_stay_within_the_documented_bound(limited):
             assert sampler.peak < bound, (sql, sampler.peak, bound)
             assert isinstance(result, grpc.RpcError), (sql, result)
             # whichever limit it reaches first ends it: the memory cap, or on a loaded machine, where a
-            # bomb grows slower, the timeout (CI, 2026-12-01: count(DISTINCT repeat(...)) at 3 s);
+            # bomb grows slower, the timeout (a fresh-clone run beside learning probes, 2026-12-01:
+            # count(DISTINCT repeat(...)) at 3 s);
             # the bound on memory above holds either way
             ended = (result.code(), result.details())
             assert (ended[0] == grpc.StatusCode.RESOURCE_EXHAUSTED and "memory" in ended[1]) or (
