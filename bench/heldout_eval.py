@@ -55,7 +55,11 @@ def evaluate(
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("models", nargs="+", help="model directories (a run's hf/step-N, or a warm-started model)")
-    p.add_argument("--domains", default="addition,program", help="comma-separated, of " + ", ".join(sorted(DOMAINS)))
+    p.add_argument(
+        "--domains",
+        default="addition,program",
+        help="comma-separated, of " + ", ".join(sorted(DOMAINS)) + " (arithmetic and reverse in their default shapes)",
+    )
     p.add_argument("--seed", type=int, default=0, help="the runs' rollout.seed: which held-out problems")
     p.add_argument("--num_problems", type=int, default=60, help="held-out problems per domain (rollout.num_eval_tasks)")
     p.add_argument("--samples", type=int, default=32, help="answers per problem")
