@@ -40,6 +40,14 @@ class LossConfig(BaseModel):
     rl_coef: float = Field(1.0, ge=0, description="Weight of the decoupled-PPO loss.")
     distill_coef: float = Field(0.0, ge=0, description="Weight of the MOPD loss (needs teachers).")
     adv_clip: float = Field(5.0, gt=0, description="MOPD: clip of the teacher advantage log pi_T - log pi_theta.")
+    distill_aggregation: Literal["token_mean", "sequence_mean"] | None = Field(
+        None,
+        description="How the MOPD loss averages its tokens; None: as `aggregation`. A sequence's reverse KL to "
+        "its teacher is the sum of its per-token terms, so token_mean weighs every token's teacher advantage "
+        "the same, where sequence_mean gives a wrong digit of a 14-token program a quarter of the weight of "
+        "one in a 4-token sum (configs/demo.toml: sequence_mean for the RL loss, token_mean here; "
+        "docs/RESULTS.md, 'The MOPD demo').",
+    )
     kl_coef: float = Field(
         0.0,
         ge=0,

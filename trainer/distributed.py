@@ -48,7 +48,7 @@ import torch.distributed as dist
 
 from rollbook.trainer.checkpoint import TrainerState
 from rollbook.trainer.config import TrainerConfig
-from rollbook.trainer.loop import Publisher, Trainer, _Rows, _teacher_gap_by_domain
+from rollbook.trainer.loop import Publisher, Trainer, _aggregations, _micro_share, _Rows, _teacher_gap_by_domain
 from rollbook.trainer.packing import packed_logprobs
 
 log = logging.getLogger("rollbook.trainer")
@@ -179,21 +179,22 @@ class DistributedTrainer(Trainer):
         reference = self._reference_logprobs(local) if local is not None and self.reference is not None else None
         order = np.random.permutation(len(mine))
         acc: dict[str, list[float]] = defaultdict(list)
-        per_sequence = cfg.loss.aggregation == "sequence_mean"
-        weights = local.sequence_weights() if per_sequence and local is not None else None
+        per_sequence, distill_per_sequence = _aggregations(cfg.loss)
+        weights = local.sequence_weights() if (per_sequence or distill_per_sequence) and local is not None else None
         for minibatch in np.array_split(order, cfg.num_minibatches):
             self.optimizer.zero_grad(set_to_none=True)
             if local is None or not len(minibatch):
-                units = 0
-            else:  # what the loss averages over: sequences or tokens, summed over the ranks
-                units = len(minibatch) if per_sequence else len(local.token_slice(minibatch))
-            total = _all_reduce_int(units)
-            if total == 0:
+                units = (0, 0)
+            else:  # what the losses average over: sequences and tokens, summed over the ranks
+                units = (len(minibatch), len(local.token_slice(minibatch)))
+            totals = (_all_reduce_int(units[0]), _all_reduce_int(units[1]))
+            if totals[0] == 0:
                 continue  # the same on every rank
-            if units:
+            if units[0]:
                 assert local is not None and proximal is not None
                 for seqs, idx, packed in self._micro_batches(local, minibatch):
                     logp = packed_logprobs(self.model, packed, local.temperatures[idx])
+                    share = _micro_share(len(seqs), len(idx), totals, per_sequence)
                     loss, stats = self._loss(
                         logp,
                         proximal[idx],
@@ -201,9 +202,11 @@ class DistributedTrainer(Trainer):
                         local.advantages[idx],
                         teacher[idx] if teacher is not None else None,
                         reference[idx] if reference is not None else None,
-                        weights[idx] if weights is not None else None,
+                        weights[idx] if weights is not None and per_sequence else None,
+                        weights[idx] if weights is not None and distill_per_sequence else None,
+                        _micro_share(len(seqs), len(idx), totals, distill_per_sequence) / share,
                     )
-                    (loss * ((len(seqs) if per_sequence else len(idx)) / total)).backward()
+                    (loss * share).backward()
                     for k, v in stats.items():
                         acc[k].append(float(v))
             _all_reduce_gradients(self.model)

@@ -236,15 +236,16 @@ class Trainer:
         reference = self._reference_logprobs(rows) if self.reference is not None else None
         order = np.random.permutation(len(rows.outputs))
         acc: dict[str, list[float]] = defaultdict(list)
-        per_sequence = cfg.loss.aggregation == "sequence_mean"
-        weights = rows.sequence_weights() if per_sequence else None
+        per_sequence, distill_per_sequence = _aggregations(cfg.loss)
+        weights = rows.sequence_weights() if per_sequence or distill_per_sequence else None
         for minibatch in np.array_split(order, cfg.num_minibatches):
             if len(minibatch) == 0:
                 continue
             self.optimizer.zero_grad(set_to_none=True)
-            total = len(minibatch) if per_sequence else len(rows.token_slice(minibatch))  # sequences or tokens
+            totals = (len(minibatch), len(rows.token_slice(minibatch)))  # sequences, tokens
             for seqs, idx, packed in self._micro_batches(rows, minibatch):
                 logp = packed_logprobs(self.model, packed, rows.temperatures[idx])
+                share = _micro_share(len(seqs), len(idx), totals, per_sequence)
                 loss, stats = self._loss(
                     logp,
                     proximal[idx],
@@ -252,9 +253,11 @@ class Trainer:
                     rows.advantages[idx],
                     teacher[idx] if teacher is not None else None,
                     reference[idx] if reference is not None else None,
-                    weights[idx] if weights is not None else None,
+                    weights[idx] if weights is not None and per_sequence else None,
+                    weights[idx] if weights is not None and distill_per_sequence else None,
+                    _micro_share(len(seqs), len(idx), totals, distill_per_sequence) / share,
                 )
-                (loss * ((len(seqs) if per_sequence else len(idx)) / total)).backward()
+                (loss * share).backward()
                 for k, v in stats.items():
                     acc[k].append(float(v))
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
@@ -267,17 +270,21 @@ class Trainer:
             out.update(_teacher_gap_by_domain(rows, teacher, proximal))
         return out
 
-    def _loss(self, logp, prox, behav, adv, teacher_logp, reference_logp=None, weights=None):
-        """The micro-batch's loss; ``weights`` [T]: per-token weights (``loss.aggregation``), None the token mean."""
+    def _loss(
+        self, logp, prox, behav, adv, teacher_logp, reference_logp=None, weights=None, distill_weights=None, distill_scale=1.0
+    ):
+        """The micro-batch's loss; ``weights`` [T]: per-token weights (``loss.aggregation``), None the token
+        mean; ``distill_weights`` the same for the MOPD term (``loss.distill_aggregation``), and
+        ``distill_scale`` that term's micro-batch share over the whole loss's (1.0 when both aggregate alike)."""
         cfg = self.config.loss
         mask = torch.ones_like(logp, dtype=torch.bool)
-        out = self._policy_loss(logp, prox, behav, adv, teacher_logp, mask, weights)
+        out = self._policy_loss(logp, prox, behav, adv, teacher_logp, mask, weights, distill_weights, distill_scale)
         if reference_logp is None:
             return out
         kl = losses.kl_penalty(logp, reference_logp, mask, estimator=cfg.kl_estimator, token_weights=weights)
         return losses.add_kl_penalty(out, kl, kl_coef=cfg.kl_coef)
 
-    def _policy_loss(self, logp, prox, behav, adv, teacher_logp, mask, weights=None):
+    def _policy_loss(self, logp, prox, behav, adv, teacher_logp, mask, weights=None, distill_weights=None, distill_scale=1.0):
         cfg = self.config.loss
         rl = losses.decoupled_ppo_loss(
             logp,
@@ -304,8 +311,10 @@ class Trainer:
             adv_clip=cfg.adv_clip,
             behavior_weight_cap=cfg.behavior_weight_cap,
             behavior_weight_action=cfg.behavior_weight_action,
-            token_weights=weights,
+            token_weights=distill_weights,
         )
+        if distill_scale != 1.0:  # the two terms average over different units (sequences, tokens)
+            distill = (distill[0] * distill_scale, distill[1])
         return losses.combined_loss(rl, distill, rl_coef=cfg.rl_coef, distill_coef=cfg.distill_coef)
 
     def _micro_batches(self, rows: _Rows, seqs: Sequence[int] | np.ndarray):
@@ -400,6 +409,18 @@ def _batch_stats(batch, rows: _Rows, version: int) -> dict:
         mask = np.array([d == domain for d in rows.domains])
         stats[f"reward/{domain}"] = float(rewards[mask].mean())
     return stats
+
+
+def _aggregations(loss) -> tuple[bool, bool]:
+    """(RL loss per sequence, MOPD loss per sequence): ``loss.aggregation`` and ``loss.distill_aggregation``."""
+    per_sequence = loss.aggregation == "sequence_mean"
+    return per_sequence, (loss.distill_aggregation or loss.aggregation) == "sequence_mean"
+
+
+def _micro_share(seqs: int, tokens: int, totals: tuple[int, int], per_sequence: bool) -> float:
+    """A micro-batch's share of a minibatch's loss: its sequences over the minibatch's (sequence mean)
+    or its tokens over the minibatch's (token mean); ``totals`` = (sequences, tokens), summed over ranks."""
+    return seqs / totals[0] if per_sequence else tokens / totals[1]
 
 
 def _teacher_gap_by_domain(rows: _Rows, teacher: torch.Tensor, student: torch.Tensor) -> dict:

@@ -48,6 +48,15 @@ def _model() -> torch.nn.Module:
     return build_tiny_model(TinyModelSpec(vocab_size=VOCAB))
 
 
+def _teacher(kw: dict):
+    """A teacher when the loss distills (a tiny model of its own seed), else None."""
+    from rollbook.trainer.teachers import LocalTeacher
+
+    if not kw.get("loss", {}).get("distill_coef"):
+        return None
+    return LocalTeacher(build_tiny_model(TinyModelSpec(vocab_size=VOCAB), seed=7))
+
+
 def _rank(rank: int, world: int, init_method: str, out: str, num_groups: int, kw: dict) -> None:
     import torch.distributed as dist
 
@@ -58,7 +67,9 @@ def _rank(rank: int, world: int, init_method: str, out: str, num_groups: int, kw
     try:
         np.random.seed(0)
         table = batch(num_groups)
-        trainer = DistributedTrainer(_config(pathlib.Path(out), **kw), object() if rank == 0 else None, model=_model())
+        trainer = DistributedTrainer(
+            _config(pathlib.Path(out), **kw), object() if rank == 0 else None, model=_model(), teacher=_teacher(kw)
+        )
         trainer._table = table
         stats = trainer.update(_Rows.from_table(table))
         torch.save({"params": trainer.model.state_dict(), "grads": _grads(trainer.model), "stats": stats}, f"{out}/rank{rank}.pt")
@@ -77,7 +88,7 @@ def _two_ranks(tmp_path: pathlib.Path, num_groups: int, **kw) -> list[dict]:
 def _one_rank(tmp_path: pathlib.Path, num_groups: int, **kw) -> dict:
     torch.set_num_threads(1)
     np.random.seed(0)
-    trainer = Trainer(_config(tmp_path, **kw), None, model=_model())
+    trainer = Trainer(_config(tmp_path, **kw), None, model=_model(), teacher=_teacher(kw))
     stats = trainer.update(_Rows.from_table(batch(num_groups)))
     return {"params": trainer.model.state_dict(), "grads": _grads(trainer.model), "stats": stats}
 
@@ -123,6 +134,16 @@ def test_two_ranks_with_half_the_groups_each_take_the_step_of_one_rank_with_all(
     _assert_same(ranks[0], ranks[1])  # the replicas stay identical
     assert ranks[0]["stats"]["grad/norm"] == pytest.approx(one["stats"]["grad/norm"], rel=1e-4)
     assert ranks[0]["stats"]["dist/world_size"] == 2
+
+
+def test_an_mopd_term_averaged_over_tokens_beside_an_rl_term_over_sequences_is_the_single_rank_step(tmp_path):
+    """loss.distill_aggregation differs from loss.aggregation: each term takes its own share of the
+    batch (sequences for the one, tokens for the other), and 3 groups over 2 ranks share them unevenly."""
+    loss = {"aggregation": "sequence_mean", "distill_aggregation": "token_mean", "distill_coef": 1.0}
+    one = _one_rank(tmp_path / "one", 3, lr=1e-2, grad_clip=1e6, loss=loss)
+    ranks = _two_ranks(tmp_path, 3, lr=1e-2, grad_clip=1e6, loss=loss)
+    _assert_same(one, ranks[0])
+    _assert_same(ranks[0], ranks[1])
 
 
 def test_a_rank_without_a_group_still_joins_and_the_step_is_the_single_rank_step(tmp_path):

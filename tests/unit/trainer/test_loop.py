@@ -166,3 +166,49 @@ def test_sequence_mean_weighs_every_sequence_alike_and_micro_batches_do_not_chan
         one_by_one.append(torch.cat([p.grad.flatten() for p in trainer.model.parameters() if p.grad is not None]))
     torch.testing.assert_close(whole, sum(one_by_one) / 4, rtol=1e-4, atol=1e-6)
     assert not torch.allclose(grads(), whole, rtol=1e-2, atol=1e-6)
+
+
+def test_the_mopd_term_aggregates_on_its_own_and_micro_batches_do_not_change_the_step(tmp_path):
+    """loss.distill_aggregation = "token_mean" beside aggregation = "sequence_mean": the step's gradient
+    is the sequence-mean RL gradient plus the token-mean MOPD gradient (each measured alone), in one
+    micro-batch or several; with the MOPD term per sequence too, it differs."""
+    from rollbook.trainer.loop import _Rows
+    from rollbook.trainer.teachers import LocalTeacher
+
+    rng = np.random.default_rng(5)
+    outputs = [rng.integers(3, 20, n).tolist() for n in (2, 40, 20, 60)]
+    table = pa.table(
+        {
+            "prompt_token_ids": [[1, 5]] * 4,
+            "output_token_ids": outputs,
+            "output_logprobs": [(-rng.uniform(0.5, 3.0, len(o))).tolist() for o in outputs],
+            "output_versions": [[0] * len(o) for o in outputs],
+            "advantage": pa.array([1.0, -1.0, 0.5, -0.5], pa.float32()),
+            "temperature": [1.0] * 4,
+            "domain": ["d"] * 4,
+        }
+    )
+
+    def grads(micro_batch_tokens=None, **loss):
+        config = TrainerConfig(
+            run_dir=str(tmp_path),
+            num_steps=1,
+            num_samples=4,
+            model={"vocab_size": 32},
+            grad_clip=1e6,
+            loss={"adv_clip": 5.0, **loss},
+            **({"micro_batch_tokens": micro_batch_tokens} if micro_batch_tokens else {}),
+        )
+        teacher = LocalTeacher(build_tiny_model(TinyModelSpec(vocab_size=32), seed=7))
+        torch.manual_seed(0)
+        trainer = Trainer(config, FakeStore(), model=build_tiny_model(TinyModelSpec(vocab_size=32)), teacher=teacher)
+        trainer.update(_Rows.from_table(table))
+        return torch.cat([p.grad.flatten() for p in trainer.model.parameters() if p.grad is not None])
+
+    mixed = {"aggregation": "sequence_mean", "distill_aggregation": "token_mean", "distill_coef": 1.0}
+    whole = grads(**mixed)
+    torch.testing.assert_close(grads(micro_batch_tokens=64, **mixed), whole, rtol=1e-4, atol=1e-7)
+    rl = grads(aggregation="sequence_mean", distill_coef=0.0)
+    distill = grads(aggregation="token_mean", distill_coef=1.0, rl_coef=0.0)
+    torch.testing.assert_close(whole, rl + distill, rtol=1e-4, atol=1e-6)
+    assert not torch.allclose(grads(aggregation="sequence_mean", distill_coef=1.0), whole, rtol=1e-2, atol=1e-6)
