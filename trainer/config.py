@@ -45,8 +45,8 @@ class LossConfig(BaseModel):
         description="How the MOPD loss averages its tokens; None: as `aggregation`. A sequence's reverse KL to "
         "its teacher is the sum of its per-token terms, so token_mean weighs every token's teacher advantage "
         "the same, where sequence_mean gives a wrong digit of a 14-token program a quarter of the weight of "
-        "one in a 4-token sum (configs/demo.toml: sequence_mean for the RL loss, token_mean here; "
-        "docs/RESULTS.md, 'The MOPD demo').",
+        "one in a 4-token sum (docs/RESULTS.md, 'The MOPD demo': in the demo it moved weight from the sums "
+        "to the programs).",
     )
     kl_coef: float = Field(
         0.0,
