@@ -131,24 +131,30 @@ def _run(run_dir, num_steps: int, lr_warmup_steps: int = 4) -> tuple[Trainer, li
     return trainer, trainer.run()
 
 
+def _mixed_lengths(seed: int, lengths: tuple[int, ...]) -> pa.Table:
+    """One batch of ``len(lengths)`` sequences of those output lengths, advantages of both signs."""
+    rng = np.random.default_rng(seed)
+    outputs = [rng.integers(3, 20, n).tolist() for n in lengths]
+    n = len(lengths)
+    return pa.table(
+        {
+            "prompt_token_ids": [[1, 5]] * n,
+            "output_token_ids": outputs,
+            "output_logprobs": [(-rng.uniform(0.5, 3.0, len(o))).tolist() for o in outputs],
+            "output_versions": [[0] * len(o) for o in outputs],
+            "advantage": pa.array([1.0, -1.0, 0.5, -0.5][:n], pa.float32()),
+            "temperature": [1.0] * n,
+            "domain": ["d"] * n,
+        }
+    )
+
+
 def test_sequence_mean_weighs_every_sequence_alike_and_micro_batches_do_not_change_the_step(tmp_path):
     """loss.aggregation = "sequence_mean": the step's gradient is the mean over sequences of each one's
     token-mean loss gradient, whether the batch is one micro-batch or one per sequence; token_mean's differs."""
     from rollbook.trainer.loop import _Rows
 
-    rng = np.random.default_rng(3)
-    outputs = [rng.integers(3, 20, n).tolist() for n in (1, 40, 20, 60)]
-    table = pa.table(
-        {
-            "prompt_token_ids": [[1, 5]] * 4,
-            "output_token_ids": outputs,
-            "output_logprobs": [(-rng.uniform(0.5, 3.0, len(o))).tolist() for o in outputs],
-            "output_versions": [[0] * len(o) for o in outputs],
-            "advantage": pa.array([1.0, -1.0, 0.5, -0.5], pa.float32()),
-            "temperature": [1.0] * 4,
-            "domain": ["d"] * 4,
-        }
-    )
+    table = _mixed_lengths(seed=3, lengths=(1, 40, 20, 60))
 
     def grads(**kw):
         trainer = _trainer(tmp_path, FakeStore(), grad_clip=1e6, **kw)
@@ -175,19 +181,7 @@ def test_the_mopd_term_aggregates_on_its_own_and_micro_batches_do_not_change_the
     from rollbook.trainer.loop import _Rows
     from rollbook.trainer.teachers import LocalTeacher
 
-    rng = np.random.default_rng(5)
-    outputs = [rng.integers(3, 20, n).tolist() for n in (2, 40, 20, 60)]
-    table = pa.table(
-        {
-            "prompt_token_ids": [[1, 5]] * 4,
-            "output_token_ids": outputs,
-            "output_logprobs": [(-rng.uniform(0.5, 3.0, len(o))).tolist() for o in outputs],
-            "output_versions": [[0] * len(o) for o in outputs],
-            "advantage": pa.array([1.0, -1.0, 0.5, -0.5], pa.float32()),
-            "temperature": [1.0] * 4,
-            "domain": ["d"] * 4,
-        }
-    )
+    table = _mixed_lengths(seed=5, lengths=(2, 40, 20, 60))
 
     def grads(micro_batch_tokens=None, **loss):
         config = TrainerConfig(
