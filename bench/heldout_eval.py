@@ -8,8 +8,9 @@ again on the same held-out problems with more samples, one JSON line per model:
 
 ``--seed`` is the run's ``rollout.seed`` (it picks the held-out problems; bench/demo_seeds.py sets it
 to the seed), ``--num_problems`` its ``rollout.num_eval_tasks``. The toy tasks' tokenizer
-(rollbook.tasks.TOKENIZER) is the one the demo's models use. Answers are sampled at ``--temperature``
-(the rollout's, 1.0) and scored by the task's verifier, as the run's sampled evaluation is.
+(rollbook.tasks.TOKENIZER) is the one the demo's models use. The evaluation is the run's own
+(``RolloutWorker.evaluate``): answers sampled at ``--temperature`` (the rollout's, 1.0), scored by the
+task's verifier; the greedy answer of each problem comes with it (``DOMAIN_greedy``).
 """
 
 from __future__ import annotations
@@ -20,34 +21,39 @@ import sys
 import time
 
 from rollbook.models import load_model
-from rollbook.rollout.engine import GenerationRequest, NativeEngine
-from rollbook.tasks import DOMAINS, TOKENIZER, make_tasks, score
+from rollbook.rollout.engine import NativeEngine
+from rollbook.rollout.worker import RolloutConfig, RolloutWorker
+from rollbook.tasks import DOMAINS, TOKENIZER
 
 
 def evaluate(
     path: str, domains: list[str], seed: int, num_problems: int, samples: int, temperature: float, max_new_tokens: int
 ) -> dict:
+    """One model's row: the rollout worker's own evaluation (``RolloutWorker.evaluate``, what a run
+    logs), one domain at a time, with ``samples`` answers per problem drawn with ``seed``."""
     model = load_model(path).eval()
     engine = NativeEngine(model, seed=seed, pad_token_id=TOKENIZER.pad_token_id, max_batch_size=256)
+    config = RolloutConfig(
+        domains=domains,
+        seed=seed,
+        num_train_tasks=1,
+        num_eval_tasks=num_problems,
+        num_eval_samples=samples,
+        eval_seed=seed,
+        temperature=temperature,
+        max_new_tokens=max_new_tokens,
+    )
+    worker = RolloutWorker(engine, config, model_id="heldout-eval")
     row: dict = {"model": path, "seed": seed, "samples": samples, "temperature": temperature}
     start = time.perf_counter()
     for name in domains:
-        tasks = [t for t in make_tasks(DOMAINS[name], "heldout", num_problems, seed, allow_fewer=True) for _ in range(samples)]
-        requests = [
-            GenerationRequest(
-                prompt_token_ids=TOKENIZER.encode(t.prompt, add_bos=True),
-                max_new_tokens=max_new_tokens,
-                temperature=temperature,
-                stop_token_ids=[TOKENIZER.eos_token_id],
-            )
-            for t in tasks
-        ]
-        results = engine.generate(requests, seed=seed)
-        outcomes = [score(t, TOKENIZER.decode(r.output_token_ids)) for t, r in zip(tasks, results)]
-        rewards = [o.reward for o in outcomes if o.status == "ok" and o.reward is not None]
-        row[name] = round(sum(rewards) / len(rewards), 4) if rewards else None
-        row[f"{name}_problems"] = len(tasks) // samples
-        row[f"{name}_errors"] = len(outcomes) - len(rewards)  # a crashed verifier, counted apart as the run does
+        tasks = [t for t in worker.eval_tasks if t.domain == name]
+        out = worker.evaluate(tasks)
+        sampled = out.get(f"eval/sampled/{name}")
+        row[name] = round(sampled, 4) if sampled is not None else None
+        row[f"{name}_greedy"] = round(out[f"eval/{name}"], 4) if f"eval/{name}" in out else None
+        row[f"{name}_problems"] = len(tasks)
+        row[f"{name}_errors"] = int(out["eval/errors"])  # a crashed verifier, counted apart as the run does
     row["seconds"] = round(time.perf_counter() - start, 1)
     return row
 
