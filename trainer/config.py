@@ -126,6 +126,14 @@ class TrainerConfig(BaseModel):
         "checkpointed step, so a resumed run continues the schedule. A warm-started tiny model collapses under "
         "a fresh AdamW at full lr (docs/RESULTS.md, 'The MOPD demo').",
     )
+    lr_decay: Literal["constant", "cosine"] = Field(
+        "constant",
+        description="After the warm-up: constant keeps lr; cosine lowers it along a half cosine to "
+        "lr * lr_min_ratio at the last of num_steps (it follows the step, so a resumed run continues the "
+        "curve; one resumed with a larger num_steps follows the longer curve from its step on). A run "
+        "ends on its last policy, and at a constant lr that is wherever the last few updates left it.",
+    )
+    lr_min_ratio: float = Field(0.1, ge=0, le=1, description="lr_decay cosine: the floor, as a share of lr.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     grad_clip: float = Field(1.0, gt=0, description="Gradient-norm clip.")
     max_staleness: int = Field(

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import pathlib
 import time
 from collections import defaultdict
@@ -221,8 +222,17 @@ class Trainer:
         return stats
 
     def _apply_lr(self) -> float:
-        """Set the optimizer's learning rate for the step about to run (``lr_warmup_steps``); returns it."""
-        lr = warmup_lr(self.config.lr, self.config.lr_warmup_steps, self.state.step)
+        """Set the optimizer's learning rate for the step about to run (``lr_warmup_steps``, ``lr_decay``);
+        returns it."""
+        cfg = self.config
+        lr = scheduled_lr(
+            cfg.lr,
+            self.state.step,
+            warmup_steps=cfg.lr_warmup_steps,
+            decay=cfg.lr_decay,
+            num_steps=cfg.num_steps,
+            min_ratio=cfg.lr_min_ratio,
+        )
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         return lr
@@ -375,12 +385,22 @@ class Trainer:
         )
 
 
-def warmup_lr(lr: float, warmup_steps: int, step: int) -> float:
-    """The learning rate of 0-based ``step`` under a linear warm-up of ``warmup_steps`` (0 = none):
-    ``lr * min(1, (step + 1) / warmup_steps)``."""
-    if warmup_steps <= 0:
+def scheduled_lr(
+    lr: float, step: int, *, warmup_steps: int = 0, decay: str = "constant", num_steps: int = 1, min_ratio: float = 0.0
+) -> float:
+    """The learning rate of 0-based ``step``: a linear warm-up of ``warmup_steps`` (0 = none), ``lr *
+    min(1, (step + 1) / warmup_steps)``; then ``decay`` "constant" keeps ``lr``, "cosine" goes along a
+    half cosine from ``lr`` (the first step after the warm-up) to ``lr * min_ratio`` (step ``num_steps
+    - 1``, and any later one)."""
+    if step < warmup_steps:
+        return lr * (step + 1) / warmup_steps
+    if decay == "constant":
         return lr
-    return lr * min(1.0, (step + 1) / warmup_steps)
+    if decay != "cosine":
+        raise ValueError(f"lr decay must be 'constant' or 'cosine', got {decay!r}")
+    span = num_steps - 1 - warmup_steps
+    progress = min(1.0, (step - warmup_steps) / span) if span > 0 else 1.0
+    return lr * (min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress)))
 
 
 def state_checksum(state: dict) -> str:

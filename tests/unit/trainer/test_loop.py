@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pyarrow as pa
+import pytest
 import torch
 
 from rollbook.client import PulledBatch
@@ -54,7 +55,9 @@ class FakeStore:
 
 
 def _trainer(tmp_path, store, **overrides) -> Trainer:
-    config = TrainerConfig(run_dir=str(tmp_path), num_steps=4, num_samples=4, model={"vocab_size": 32}, **overrides)
+    config = TrainerConfig(
+        **{"run_dir": str(tmp_path), "num_steps": 4, "num_samples": 4, "model": {"vocab_size": 32}, **overrides}
+    )
     torch.manual_seed(0)
     return Trainer(config, store, model=build_tiny_model(TinyModelSpec(vocab_size=32)))
 
@@ -125,10 +128,44 @@ def test_without_warmup_every_step_takes_the_full_lr(tmp_path):
     assert [s["optim/lr"] for s in stats] == [1e-3] * 3
 
 
-def _run(run_dir, num_steps: int, lr_warmup_steps: int = 4) -> tuple[Trainer, list[dict]]:
-    trainer = _trainer(run_dir, FakeStore(), lr=1e-3, lr_warmup_steps=lr_warmup_steps)
-    trainer.config.num_steps = num_steps
-    return trainer, trainer.run()
+def test_a_cosine_decay_follows_the_warm_up_down_to_the_floor_at_the_last_step_and_resumes_where_it_was(tmp_path):
+    """lr 1e-3, warm-up 2, cosine to 0.1 over 7 steps: 0.5e-3, 1e-3, then the half cosine from 1e-3
+    (step 2) to 1e-4 (step 6, the last) through 0.55e-3 halfway (step 4); a run resumed at step 3 goes on
+    along the same curve."""
+    import math
+
+    expected = [0.0005, 0.001] + [1e-4 + 0.9e-3 * 0.5 * (1 + math.cos(math.pi * k / 4)) for k in range(5)]
+    assert round(expected[4], 9) == 0.00055 and round(expected[-1], 9) == 0.0001
+    _, stats = _run(tmp_path / "a", num_steps=7, lr_warmup_steps=2, lr_decay="cosine", lr_min_ratio=0.1)
+    assert [round(s["optim/lr"], 9) for s in stats] == [round(e, 9) for e in expected]
+    _run(tmp_path / "b", num_steps=3, lr_warmup_steps=2, lr_decay="cosine", lr_min_ratio=0.1, schedule_steps=7)
+    _, resumed = _run(tmp_path / "b", num_steps=7, lr_warmup_steps=2, lr_decay="cosine", lr_min_ratio=0.1)
+    assert [round(s["optim/lr"], 9) for s in resumed] == [round(e, 9) for e in expected[3:]]
+    from rollbook.trainer.loop import scheduled_lr
+
+    assert scheduled_lr(1e-3, 9, warmup_steps=2, decay="cosine", num_steps=7, min_ratio=0.1) == pytest.approx(1e-4)
+    assert scheduled_lr(1e-3, 0, decay="cosine", num_steps=1, min_ratio=0.2) == pytest.approx(2e-4)
+    with pytest.raises(ValueError, match="cosine"):
+        scheduled_lr(1e-3, 5, decay="linear")
+
+
+def _run(
+    run_dir, num_steps: int, lr_warmup_steps: int = 4, schedule_steps: int | None = None, **kw
+) -> tuple[Trainer, list[dict]]:
+    """A trainer's ``num_steps`` steps; ``schedule_steps``: the run length its lr schedule plans for
+    (a run stopped early, to resume), default ``num_steps``."""
+    trainer = _trainer(
+        run_dir, FakeStore(), lr=1e-3, lr_warmup_steps=lr_warmup_steps, num_steps=schedule_steps or num_steps, **kw
+    )
+    if schedule_steps is None:
+        return trainer, trainer.run()
+    trainer.start()
+    history = []
+    while trainer.state.step < num_steps:  # stopped early, as by a crash: every step is checkpointed
+        stats = trainer.step()
+        assert stats is not None
+        history.append(stats)
+    return trainer, history
 
 
 def _mixed_lengths(seed: int, lengths: tuple[int, ...]) -> pa.Table:
