@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pyarrow as pa
 import pytest
@@ -132,8 +134,6 @@ def test_a_cosine_decay_follows_the_warm_up_down_to_the_floor_at_the_last_step_a
     """lr 1e-3, warm-up 2, cosine to 0.1 over 7 steps: 0.5e-3, 1e-3, then the half cosine from 1e-3
     (step 2) to 1e-4 (step 6, the last) through 0.55e-3 halfway (step 4); a run resumed at step 3 goes on
     along the same curve."""
-    import math
-
     expected = [0.0005, 0.001] + [1e-4 + 0.9e-3 * 0.5 * (1 + math.cos(math.pi * k / 4)) for k in range(5)]
     assert round(expected[4], 9) == 0.00055 and round(expected[-1], 9) == 0.0001
     _, stats = _run(tmp_path / "a", num_steps=7, lr_warmup_steps=2, lr_decay="cosine", lr_min_ratio=0.1)
