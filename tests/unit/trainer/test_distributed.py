@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pathlib
 import socket
+import time
 
 import numpy as np
 import pyarrow as pa
@@ -74,7 +75,16 @@ def _rank(rank: int, world: int, init_method: str, out: str, num_groups: int, kw
         stats = trainer.update(_Rows.from_table(table))
         torch.save({"params": trainer.model.state_dict(), "grads": _grads(trainer.model), "stats": stats}, f"{out}/rank{rank}.pt")
     finally:
+        # Rank 0 hosts the group's TCP store: it tears down last, as `rollbook train`'s own ranks do
+        # (trainer/main.py joins its children first). Torn down at once, a rank whose peer's store had
+        # gone once aborted in gloo ("terminate called without an active exception", SIGABRT).
+        down = [pathlib.Path(out) / f"rank{r}.down" for r in range(1, world)]
+        deadline = time.monotonic() + 60
+        while rank == 0 and not all(d.exists() for d in down) and time.monotonic() < deadline:
+            time.sleep(0.01)
         dist.destroy_process_group()
+        if rank != 0:
+            (pathlib.Path(out) / f"rank{rank}.down").touch()
 
 
 def _two_ranks(tmp_path: pathlib.Path, num_groups: int, **kw) -> list[dict]:
