@@ -76,8 +76,9 @@ def _rank(rank: int, world: int, init_method: str, out: str, num_groups: int, kw
         torch.save({"params": trainer.model.state_dict(), "grads": _grads(trainer.model), "stats": stats}, f"{out}/rank{rank}.pt")
     finally:
         # Rank 0 hosts the group's TCP store: it tears down last, as `rollbook train`'s own ranks do
-        # (trainer/main.py joins its children first). Torn down at once, a rank whose peer's store had
-        # gone once aborted in gloo ("terminate called without an active exception", SIGABRT).
+        # (trainer/main.py joins its children first). A rank 1 once aborted in gloo after saving its
+        # result ("terminate called without an active exception", SIGABRT); this ordering rules out one
+        # suspected cause, not that abort, which recurred once in a full unit run after it (cause open).
         down = [pathlib.Path(out) / f"rank{r}.down" for r in range(1, world)]
         deadline = time.monotonic() + 60
         while rank == 0 and not all(d.exists() for d in down) and time.monotonic() < deadline:
