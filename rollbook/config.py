@@ -75,12 +75,14 @@ class WarmStartConfig(BaseModel):
         None,
         gt=0,
         le=1,
-        description="With student_target: while some domain is still below the target, a domain whose "
-        "greedy accuracy at a check is at or above this ceiling sits out of the batches until the next "
-        "check (it does not learn on, and falls back a little), and the warm start stops at the first "
-        "check where every domain is at the target. Domains leave their plateau at seed-dependent "
-        "steps and then rise within a hundred steps, so without it the first one ends near its best "
-        "(docs/RESULTS.md, 'The MOPD demo'). Must be above student_target; None: no ceiling.",
+        description="With student_target: a domain whose greedy accuracy at a check is at or above this "
+        "ceiling sits out of the batches until the next check (it does not learn on, and falls back; "
+        "when every domain is above it, the least accurate one trains on), and the warm start stops at the first check where "
+        "every domain is at or above the target and below the ceiling. Domains leave their plateau at "
+        "seed-dependent steps and then rise within a hundred steps, so without it the first one ends "
+        "near its best; and one that swings past the ceiling and back within ten steps would otherwise "
+        "end where one check's draw left it (docs/RESULTS.md, 'The MOPD demo'). Must be above "
+        "student_target; None: no ceiling.",
     )
     teacher_target: float | None = Field(
         None,

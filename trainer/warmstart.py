@@ -64,11 +64,13 @@ def supervised_steps(
     hundred steps in a probe, docs/RESULTS.md, "The MOPD demo").
 
     ``ceiling`` (``warm_start.student_ceiling``, above ``target``): every check then measures every
-    domain; while some domain is below ``target``, a domain at or above ``ceiling`` sits out of the
-    batches until the next check, and training stops at the first check where every domain is at
-    ``target`` (not an earlier one: a domain that sat out may have fallen back). Domains leave their
-    plateau at seed-dependent steps and then rise within a hundred, so without it the first one ends
-    near its best while the last one catches up. ``on_check(step, accuracies, reached)`` sees each
+    domain; a domain at or above ``ceiling`` sits out of the batches until the next check (when every
+    domain is, the least accurate one trains on: trained together, all would stay up), and training
+    stops at the first check where every domain is at or above ``target`` and below ``ceiling``. Domains leave their plateau at seed-dependent steps and
+    then rise within a hundred, so without it the first one ends near its best while the last one
+    catches up; and a domain that climbs past the ceiling within a few steps and falls back as fast
+    while it sits out would, if the stop only asked for the target, end wherever that one check's
+    draw left it (docs/RESULTS.md, "The MOPD demo"). ``on_check(step, accuracies, reached)`` sees each
     check. None: exactly ``steps`` steps. ``check_sampled``: the checks sample one answer per problem
     at temperature 1 (``sampled_accuracy``, the teachers' ``warm_start.teacher_target``) instead of
     decoding greedily."""
@@ -121,11 +123,13 @@ def supervised_steps(
             if ceiling is not None:  # every domain, every check: a paused one may fall back
                 accuracy = {d: check(d) for d in active_all}
                 pending = [d for d in active_all if accuracy[d] < target]
-                paused = [d for d in active_all if accuracy[d] >= ceiling] if pending else []
+                paused = [d for d in active_all if accuracy[d] >= ceiling]
                 if on_check is not None:
                     on_check(done, accuracy, [d for d in accuracy if d not in pending])
-                if not pending:
+                if not pending and not paused:
                     break
+                if len(paused) == len(active_all):  # none left to train: the furthest from the ceiling goes on
+                    paused.remove(min(paused, key=lambda d: accuracy[d]))
                 weights = {d: (0.0 if d in paused else w) for d, w in base_weights.items()}
                 draw = _weighted_draw(by_domain, weights, [d for d in active_all if d not in paused], rng)
                 continue

@@ -59,10 +59,13 @@ def _teacher(kw: dict):
 
 
 def _rank(rank: int, world: int, init_method: str, out: str, num_groups: int, kw: dict) -> None:
+    import faulthandler
+
     import torch.distributed as dist
 
     from rollbook.trainer.distributed import DistributedTrainer, init_group
 
+    faulthandler.enable()  # a SIGABRT in gloo prints where each thread of this rank stood (pytest shows it)
     torch.set_num_threads(1)
     init_group(rank, world, init_method, backend="gloo", timeout_s=60)
     try:
