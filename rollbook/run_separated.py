@@ -80,6 +80,26 @@ def run_separated(config: RunConfig, client, address: str, keys: dict) -> dict:
             metrics.write(stats)
     finally:
         worker.terminate()
-        worker.wait(timeout=120)
+        _wait_or_kill(worker, WORKER_STOP_S)
         publisher.close()
     return {"first": first, "last": metrics.last_eval()}
+
+
+# From SIGTERM to a stopped worker: it finishes its round, then flushes its spool for up to 120 s
+# while the store answers (rollout/main.py); past this it is killed. Nothing acknowledged is lost:
+# what the store has not acknowledged stays in the worker's spool directory for the next start.
+WORKER_STOP_S = 180.0
+
+
+def _wait_or_kill(worker: subprocess.Popen, seconds: float) -> None:
+    try:
+        worker.wait(timeout=seconds)
+    except subprocess.TimeoutExpired:
+        print(
+            f"rollout worker (pid {worker.pid}) still running {seconds:.0f} s after SIGTERM: killing it; "
+            "rows the store has not acknowledged stay in its spool for the next start",
+            file=sys.stderr,
+            flush=True,
+        )
+        worker.kill()
+        worker.wait()

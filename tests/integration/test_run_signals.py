@@ -108,11 +108,14 @@ def test_a_signal_stops_the_run_and_the_processes_it_started(tmp_path, placement
 
 
 def _describe(pid: int) -> str:
-    """A live process's command line, state and where each of its threads sleeps in the kernel."""
+    """A live process's command line, state, signal masks (pending, shared pending, blocked, ignored,
+    caught: was the SIGTERM its parent's death should send delivered, and is it handled?) and where
+    each of its threads sleeps in the kernel."""
     proc = pathlib.Path(f"/proc/{pid}")
     try:
         cmd = (proc / "cmdline").read_text().replace("\0", " ").strip()
-        state = next(line for line in (proc / "status").read_text().splitlines() if line.startswith("State:"))
+        status = (proc / "status").read_text().splitlines()
+        state = ", ".join(line.replace("\t", " ") for line in status if line.startswith(("State:", "PPid:", "Sig", "ShdPnd:")))
         threads = [f"{(t / 'comm').read_text().strip()}@{(t / 'wchan').read_text()}" for t in (proc / "task").iterdir()]
     except (OSError, StopIteration):
         return "gone"
