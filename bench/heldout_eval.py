@@ -4,7 +4,7 @@ A run's own evaluation draws ``rollout.num_eval_samples`` answers per held-out p
 configs/demo.toml: about ±0.03 of sampling noise on 60 problems). This evaluates finished models
 again on the same held-out problems with more samples, one JSON line per model:
 
-    python bench/heldout_eval.py --seed 0 --samples 32 OUT/mopd_rl-s0/hf/step-000200 OUT/rl-s0/hf/step-000200
+    python bench/heldout_eval.py --seed 0 --samples 32 OUT/mopd_rl-s0/hf/step-000300 OUT/rl-s0/hf/step-000300
 
 ``--seed`` is the run's ``rollout.seed`` (it picks the held-out problems; bench/demo_seeds.py sets it
 to the seed), ``--num_problems`` its ``rollout.num_eval_tasks``. The toy tasks' tokenizer
