@@ -66,7 +66,8 @@ def supervised_steps(
     ``ceiling`` (``warm_start.student_ceiling``, above ``target``): every check then measures every
     domain; a domain at or above ``ceiling`` sits out of the batches until the next check (when every
     domain is, the least accurate one trains on: trained together, all would stay up), and training
-    stops at the first check where every domain is at or above ``target`` and below ``ceiling``. Domains leave their plateau at seed-dependent steps and
+    stops at the first check where every domain is at or above ``target`` and below ``ceiling`` (a
+    single domain: at or above ``target``, as without a ceiling). Domains leave their plateau at seed-dependent steps and
     then rise within a hundred, so without it the first one ends near its best while the last one
     catches up; and a domain that climbs past the ceiling within a few steps and falls back as fast
     while it sits out would, if the stop only asked for the target, end wherever that one check's
@@ -126,7 +127,7 @@ def supervised_steps(
                 paused = [d for d in active_all if accuracy[d] >= ceiling]
                 if on_check is not None:
                     on_check(done, accuracy, [d for d in accuracy if d not in pending])
-                if not pending and not paused:
+                if not pending and (not paused or len(active_all) == 1):  # one domain: none to fall back on
                     break
                 if len(paused) == len(active_all):  # none left to train: the furthest from the ceiling goes on
                     paused.remove(min(paused, key=lambda d: accuracy[d]))

@@ -177,6 +177,12 @@ def test_when_every_domain_is_above_the_ceiling_the_least_accurate_one_trains_on
     )
     assert len(per_step) == 4 * 8  # stopped at the second check, both between target and ceiling
     assert set(per_step[2 * 8 :]) == {"reverse"}  # after the first, only reverse (0.7 against 0.9) trained
+    # one domain has nothing else to train while it sits out: at the target it stops, as without a ceiling
+    monkeypatch.setattr(warmstart, "greedy_accuracy", lambda model, probe, domains=None: 0.9)
+    alone = [t for t in tasks if t.domain == "reverse"]
+    assert (
+        len(_domains_trained(monkeypatch, alone, None, steps=100, batch_size=8, target=0.2, ceiling=0.5, check_every=2)) == 2 * 8
+    )
 
 
 def _domains_trained(monkeypatch, tasks, weights, *, steps, batch_size=64, **kw) -> list[str]:
