@@ -77,8 +77,9 @@ class WarmStartConfig(BaseModel):
         le=1,
         description="With student_target: a domain whose greedy accuracy at a check is at or above this "
         "ceiling sits out of the batches until the next check (it does not learn on, and falls back; "
-        "when every domain is above it, the least accurate one trains on), and the warm start stops at the first check where "
-        "every domain is at or above the target and below the ceiling (one domain: at the target). Domains leave their plateau at "
+        "when every domain is above it, the least accurate one trains on), and the warm start stops at "
+        "the first check where every domain is at or above the target and below the ceiling (one "
+        "domain: at the target). Domains leave their plateau at "
         "seed-dependent steps and then rise within a hundred steps, so without it the first one ends "
         "near its best; and one that swings past the ceiling and back within ten steps would otherwise "
         "end where one check's draw left it (docs/RESULTS.md, 'The MOPD demo'). Must be above "

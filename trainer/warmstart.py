@@ -67,9 +67,9 @@ def supervised_steps(
     domain; a domain at or above ``ceiling`` sits out of the batches until the next check (when every
     domain is, the least accurate one trains on: trained together, all would stay up), and training
     stops at the first check where every domain is at or above ``target`` and below ``ceiling`` (a
-    single domain: at or above ``target``, as without a ceiling). Domains leave their plateau at seed-dependent steps and
-    then rise within a hundred, so without it the first one ends near its best while the last one
-    catches up; and a domain that climbs past the ceiling within a few steps and falls back as fast
+    single domain: at or above ``target``, as without a ceiling). Domains leave their plateau at
+    seed-dependent steps and then rise within a hundred, so without it the first one ends near its
+    best while the last one catches up; and a domain that climbs past the ceiling within a few steps and falls back as fast
     while it sits out would, if the stop only asked for the target, end wherever that one check's
     draw left it (docs/RESULTS.md, "The MOPD demo"). ``on_check(step, accuracies, reached)`` sees each
     check. None: exactly ``steps`` steps. ``check_sampled``: the checks sample one answer per problem
@@ -129,7 +129,7 @@ def supervised_steps(
                     on_check(done, accuracy, [d for d in accuracy if d not in pending])
                 if not pending and (not paused or len(active_all) == 1):  # one domain: none to fall back on
                     break
-                if len(paused) == len(active_all):  # none left to train: the furthest from the ceiling goes on
+                if len(paused) == len(active_all):  # none left to train: the least accurate goes on
                     paused.remove(min(paused, key=lambda d: accuracy[d]))
                 weights = {d: (0.0 if d in paused else w) for d, w in base_weights.items()}
                 draw = _weighted_draw(by_domain, weights, [d for d in active_all if d not in paused], rng)
