@@ -62,6 +62,7 @@ def load_store_config(path: str | None, overrides: list[str], flags: dict | None
 
 
 def _serve(args: argparse.Namespace, overrides: list[str]) -> int:
+    from rollbook.lifetime import stop_event
     from rollbook.logs import setup_logging
     from rollbook.store.server import serve
 
@@ -69,7 +70,7 @@ def _serve(args: argparse.Namespace, overrides: list[str]) -> int:
     flags["insecure"] = args.insecure or None
     config = load_store_config(args.config, overrides, flags)
     setup_logging(args.log_level)
-    serve(config)
+    serve(config, stop_event())  # SIGINT, SIGTERM, or the run that started it gone
     return 0
 
 
@@ -181,6 +182,7 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
 
 def _rollout(args: argparse.Namespace, overrides: list[str]) -> int:
     from rollbook.config import load_config
+    from rollbook.lifetime import stop_event
     from rollbook.logs import setup_logging
     from rollbook.rollout.main import WorkerConfig
 
@@ -190,7 +192,7 @@ def _rollout(args: argparse.Namespace, overrides: list[str]) -> int:
     setup_logging(args.log_level)
     from rollbook.rollout.main import run_worker
 
-    run_worker(config)
+    run_worker(config, stop_event())
     return 0
 
 
@@ -204,6 +206,7 @@ def _export(args: argparse.Namespace) -> int:
 
 def _proxy(args: argparse.Namespace, overrides: list[str]) -> int:
     from rollbook.config import load_config
+    from rollbook.lifetime import stop_event
     from rollbook.logs import setup_logging
     from rollbook.rollout.proxy import ProxyConfig
 
@@ -211,7 +214,7 @@ def _proxy(args: argparse.Namespace, overrides: list[str]) -> int:
     setup_logging(args.log_level)
     from rollbook.rollout.proxy import serve as serve_proxy
 
-    serve_proxy(config)
+    serve_proxy(config, stop_event())
     return 0
 
 

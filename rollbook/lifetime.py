@@ -13,6 +13,19 @@ one that started it (it may have died between the fork and the request). The mar
 the child's environment, so the child's own children are not tied to a grandparent. Elsewhere than
 Linux the call does nothing (the cleanup on exit and SIGTERM still holds).
 
+A service (``rollbook serve``, ``rollout``, ``proxy``) waits on ``stop_event``: set by SIGINT or
+SIGTERM, and, in a tied child, by a thread that watches for the parent's death itself (the child is
+then reparented, so ``getppid`` changes) in case the signal never reaches the handler. In a few of
+the test suite's runs a store outlived its SIGKILLed run with its main thread polling and no
+"shutting down" printed; the watcher stops it anyway, and says what the kernel held for the signal
+(pending, blocked, caught: ``signal_state``) for the next look at why.
+
+A helper process that holds nothing to save (a reward pool's process, a store's SQL sandbox) calls
+``exit_with_parent`` instead: a thread that ends it once its parent is gone. Those are started by
+whichever thread needs one first, and ``PR_SET_PDEATHSIG`` fires when the *thread* that started a
+process ends, not its process; and a pool process spawned by ``multiprocessing`` waits on a queue
+whose writing end it holds itself, so its parent's death never wakes it.
+
 A script that is not Rollbook's (the online mode's agent) is run through this module, which ties
 itself and then runs the script as ``__main__``::
 
@@ -26,9 +39,14 @@ import os
 import runpy
 import signal
 import sys
+import threading
+import time
 
 PARENT_PID = "ROLLBOOK_PARENT_PID"  # the pid of the process that started this one (rollbook/env.py)
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
+_tied_to: int | None = None  # the parent's pid once tie_to_parent succeeded
+WATCH_S = 0.5  # how often the watcher asks for the parent
+SIGNAL_GRACE_S = 2.0  # after the parent is gone, how long the watcher leaves the death signal's handler to act
 
 
 def child_env(env: dict[str, str]) -> dict[str, str]:
@@ -51,7 +69,76 @@ def tie_to_parent() -> bool:
         return False
     if os.getppid() != int(mark):
         sys.exit(f"rollbook: the process that started this one (pid {mark}) is gone; stopping")
+    global _tied_to
+    _tied_to = int(mark)
     return True
+
+
+def parent_alive() -> bool:
+    """False once the process this one was tied to (``tie_to_parent``) has died: its child is then
+    reparented (to init or a subreaper), so ``getppid`` changes. True when not tied."""
+    return _tied_to is None or os.getppid() == _tied_to
+
+
+def exit_with_parent(parent: int | None = None) -> None:
+    """In a helper process: exit (status 1, no cleanup) within ``WATCH_S`` of the death of ``parent``
+    (the pid that started this process; None: ``getppid()`` now), or now if this process already
+    belongs to another (``parent`` died before the call). Pass ``parent`` where it is known: a process
+    whose parent is pid 1 (a container's first process) cannot tell from ``getppid()`` alone."""
+    if parent is None:
+        parent = os.getppid()
+    elif os.getppid() != parent:
+        os._exit(1)
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(WATCH_S)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="rollbook-parent-watch", daemon=True).start()
+
+
+def stop_event() -> threading.Event:
+    """An event set by SIGINT or SIGTERM and, after ``tie_to_parent``, once the parent is gone (a line
+    on stderr then says that no signal came, with ``signal_state``). Call from the main thread (signal
+    handlers); wait on it with a timeout: a signal that lands on another thread only wakes a main
+    thread that polls."""
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    if _tied_to is not None:
+        threading.Thread(target=_watch_parent, args=(stop,), name="rollbook-parent-watch", daemon=True).start()
+    return stop
+
+
+def _watch_parent(stop: threading.Event) -> None:
+    while not stop.wait(WATCH_S):
+        if not parent_alive():
+            # the kernel sends the death signal as it reparents; its handler runs on the main thread's
+            # next poll, so give it that before saying it never came
+            if not stop.wait(SIGNAL_GRACE_S):
+                print(
+                    f"rollbook: the process that started this one (pid {_tied_to}) is gone and no SIGTERM "
+                    f"came ({signal_state()}); stopping",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                stop.set()
+            return
+
+
+def signal_state() -> str:
+    """This process's signal masks as the kernel reports them (/proc/self/status: pending to a thread,
+    pending to the process, blocked, ignored, caught; hex bit masks, bit 14 is SIGTERM), or "" where
+    there is no /proc."""
+    try:
+        with open("/proc/self/status") as status:
+            lines = status.read().splitlines()
+    except OSError:
+        return ""
+    return ", ".join(
+        " ".join(line.split()) for line in lines if line.startswith(("SigPnd:", "ShdPnd:", "SigBlk:", "SigIgn:", "SigCgt:"))
+    )
 
 
 def main(argv: list[str]) -> None:

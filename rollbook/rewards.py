@@ -45,6 +45,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from rollbook.errors import ConfigError
+from rollbook.lifetime import exit_with_parent
 from rollbook.sandbox_exec import SandboxLimits, extract_program, run_program
 from rollbook.tasks import RewardOutcome
 
@@ -292,7 +293,12 @@ def _score_remote(config_json: str, completion: str, row: Mapping[str, Any]) -> 
 
 
 def _warm_up() -> None:
-    """In each pool process at start: import what verifiers need, so the first score is not slow."""
+    """In each pool process at start: exit when the process that started the pool dies (a pool
+    process waits on a queue whose writing end it holds itself, so it would otherwise live on after a
+    SIGKILL of ``rollbook run``: rollbook/lifetime.py), and import what verifiers need, so the first
+    score is not slow."""
+    parent = multiprocessing.parent_process()
+    exit_with_parent(parent.pid if parent is not None else None)
     try:
         import math_verify  # noqa: F401
     except ImportError:
@@ -301,8 +307,9 @@ def _warm_up() -> None:
 
 class RewardPool:
     """Verifiers per domain, run in ``max_workers`` processes (spawned: a fresh interpreter, never a
-    fork of a process holding torch threads). ``max_workers = 0`` scores in the calling thread. A pool
-    process that dies is replaced and the samples it held get ``error`` outcomes; the pool keeps going."""
+    fork of a process holding torch threads; each exits when this process dies, however it dies).
+    ``max_workers = 0`` scores in the calling thread. A pool process that dies is replaced and the
+    samples it held get ``error`` outcomes; the pool keeps going."""
 
     def __init__(self, rewards: Mapping[str, RewardConfig], *, max_workers: int = 2) -> None:
         for domain, config in rewards.items():  # fail at start on a bad config, not in the middle of a run

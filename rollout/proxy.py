@@ -23,6 +23,7 @@ import json
 import logging
 import math
 import pathlib
+import threading
 import time
 from collections.abc import AsyncIterator, Collection, Sequence
 from typing import Any, Literal
@@ -1096,10 +1097,9 @@ class ProxyServer:
         self.proxy.close()
 
 
-def serve(config: ProxyConfig) -> None:
-    """``rollbook proxy``: build the engine, serve until SIGINT/SIGTERM."""
-    import threading
-
+def serve(config: ProxyConfig, stop: threading.Event | None = None) -> None:
+    """``rollbook proxy``: build the engine, serve until ``stop`` is set (None: SIGINT/SIGTERM set it;
+    the CLI passes ``rollbook.lifetime.stop_event()``, also set when a tied parent dies)."""
     from rollbook import env
 
     admin_key, worker_key = env.role_key("admin"), env.role_key("worker")
@@ -1114,11 +1114,12 @@ def serve(config: ProxyConfig) -> None:
     proxy = Proxy(config, engine, client, admin_key=admin_key, worker_key=worker_key)
     server = ProxyServer(proxy, config.host, config.port).start()
     print(f"listening on {server.url}", flush=True)
-    stop = threading.Event()
-    import signal
+    if stop is None:
+        import signal
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+        stop = threading.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
     try:
         while not stop.is_set() and server.thread.is_alive():
             stop.wait(0.5)

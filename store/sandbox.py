@@ -176,6 +176,7 @@ class _Worker:
             "threads": limits.threads,
             "temp_dir": str(self.temp_dir),
             "temp_limit_mb": limits.temp_limit_mb,
+            "parent": os.getpid(),  # it exits when this store dies (rollbook/lifetime.py exit_with_parent)
         }
         env = {k: v for k, v in os.environ.items() if k in ("PATH", "LANG", "LC_ALL", "PYTHONPATH", "VIRTUAL_ENV")}
         self.proc = subprocess.Popen(

@@ -17,11 +17,11 @@ import signal
 import struct
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from types import ModuleType
 from typing import IO, TYPE_CHECKING
 
+from rollbook.lifetime import exit_with_parent
 from rollbook.store.sql import INTERNAL, INVALID, RESOURCES, QueryError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -35,7 +35,7 @@ _HEADER = HEADER
 def main(settings: dict) -> None:
     import resource
 
-    _die_with_parent()
+    exit_with_parent(settings.get("parent"))  # no orphaned query keeps burning CPU (rollbook/lifetime.py)
     with contextlib.suppress(OSError):
         os.nice(10)  # the store's own work (ingest, pulls) comes first on a busy machine
     data = settings["process_limit_mb"] << 20
@@ -257,23 +257,6 @@ def _rows_fitting(batch: pa_types.RecordBatch, budget: int) -> int:
         else:
             hi = mid - 1
     return lo
-
-
-def _die_with_parent() -> None:
-    """Exit when the server dies (no orphaned query keeps burning CPU): a thread watches the parent
-    process id. (``PR_SET_PDEATHSIG`` would fire when the *thread* that started this process ends,
-    and a server may start sandboxes from short-lived threads.)"""
-    parent = os.getppid()
-    if parent == 1:
-        os._exit(1)
-
-    def watch() -> None:
-        while True:
-            time.sleep(0.5)
-            if os.getppid() != parent:
-                os._exit(1)
-
-    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
 if __name__ == "__main__":

@@ -349,9 +349,11 @@ def _check_port_free(host: str, port: int) -> None:
                 ) from None
 
 
-def serve(config: StoreConfig) -> None:
-    """Run the store until SIGINT/SIGTERM. A ledger another process holds, or an address that cannot
-    be bound, is a ``CommandError`` (one line from the CLI)."""
+def serve(config: StoreConfig, stop: threading.Event | None = None) -> None:
+    """Run the store until ``stop`` is set (None: SIGINT/SIGTERM set it; the CLI passes
+    ``rollbook.lifetime.stop_event()``, which a store started by ``rollbook run`` also sets when the run
+    dies). A ledger another process holds, or an address that cannot be bound, is a ``CommandError``
+    (one line from the CLI)."""
     import duckdb
 
     from rollbook.errors import CommandError
@@ -372,12 +374,13 @@ def serve(config: StoreConfig) -> None:
     log.info("ledger %s, TLS %s", config.db, "on" if config.tls_cert else "off")
     if config.tls_cert is None and not is_loopback(config.host):
         log.warning("--insecure: serving %s without TLS; keys cross the network in clear text", config.host)
-    done = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: done.set())
+    if stop is None:
+        stop = threading.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
     # Wait with a timeout: a signal that lands on one of gRPC's threads only wakes a main thread
     # that polls; a bare wait() can sleep through SIGTERM forever.
-    while not done.wait(0.5):
+    while not stop.wait(0.5):
         pass
     print("shutting down: draining streams and folding the log", file=sys.stderr, flush=True)
     _exit_if_stuck(SHUTDOWN_DEADLINE_S)

@@ -190,9 +190,15 @@ def _spawned(config: TrainerConfig) -> list[dict]:
 
 
 def _child(config: TrainerConfig, rank: int, init_method: str, level: int) -> None:
+    import multiprocessing
+
     import torch.distributed as dist
 
+    from rollbook.lifetime import exit_with_parent
     from rollbook.trainer.distributed import init_group
+
+    parent = multiprocessing.parent_process()
+    exit_with_parent(parent.pid if parent is not None else None)  # rank 0 killed (SIGKILL runs no `finally`)
 
     logging.basicConfig(level=level, format=f"%(asctime)s rank{rank} %(name)s %(levelname)s %(message)s")
     init_group(rank, config.num_ranks, init_method, backend=config.dist_backend, timeout_s=config.dist_timeout_s)

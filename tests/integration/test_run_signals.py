@@ -98,6 +98,8 @@ def test_a_signal_stops_the_run_and_the_processes_it_started(tmp_path, placement
         rest = _rest(proc, children)
         if "Timeout (0:00:" in rest:  # the store's stop hung and its watchdog ended it: say where
             warnings.warn(f"a child's stop hung; its watchdog ended it:\n{rest[-6000:]}", stacklevel=1)
+        if "no SIGTERM came" in rest:  # the parent-death signal missed; the watcher stopped it (rollbook/lifetime.py)
+            warnings.warn(f"a child missed its parent-death signal:\n{rest[-3000:]}", stacklevel=1)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -176,3 +178,133 @@ def test_a_script_run_through_lifetime_stops_when_its_parent_is_killed(tmp_path)
             parent.wait()
         if child and _alive(child):
             os.kill(child, signal.SIGKILL)
+
+
+def _orphan(tmp_path, child_cmd: list[str], *, block_sigterm: bool) -> tuple[subprocess.Popen, int]:
+    """A parent process that starts ``child_cmd`` tied to it (``child_env``), with SIGTERM blocked in
+    the mask the child inherits when ``block_sigterm`` (so the parent-death signal stays pending in
+    the child: one way a child can miss it), echoes the child's first line and pid, then sleeps."""
+    parent_code = (
+        "import os, signal, subprocess, sys, time\n"
+        "from rollbook.lifetime import child_env\n"
+        + ("signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})\n" if block_sigterm else "")
+        + f"c = subprocess.Popen({child_cmd!r}, env=child_env(dict(os.environ)), stdout=subprocess.PIPE, stderr=open({str(tmp_path / 'child.err')!r}, 'w'), text=True)\n"
+        "print(c.stdout.readline().strip(), flush=True)\n"
+        "print(c.pid, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLBOOK_")}
+    parent = subprocess.Popen([sys.executable, "-c", parent_code], stdout=subprocess.PIPE, text=True, env=env)
+    assert parent.stdout is not None
+    first = parent.stdout.readline().strip()
+    return parent, int(parent.stdout.readline()) if first else 0
+
+
+def test_parent_alive_turns_false_when_the_parent_dies_even_if_its_signal_is_blocked(tmp_path):
+    """``rollbook.lifetime.parent_alive`` does not depend on the death signal: a tied child that
+    cannot receive it (SIGTERM blocked) still sees its parent gone, and ``signal_state`` shows the
+    signal pending and blocked (bit 14, 0x4000)."""
+    child_code = (
+        "import time\n"
+        "from rollbook.lifetime import parent_alive, signal_state, tie_to_parent\n"
+        "assert tie_to_parent() and parent_alive()\n"
+        "print('up', flush=True)\n"
+        "while parent_alive():\n"
+        "    time.sleep(0.05)\n"
+        "import sys\n"
+        "print('orphaned:', signal_state(), file=sys.stderr, flush=True)\n"
+    )
+    parent, child = _orphan(tmp_path, [sys.executable, "-c", child_code], block_sigterm=True)
+    try:
+        assert child and _alive(child)
+        parent.kill()
+        parent.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and _alive(child):
+            time.sleep(0.1)
+        assert not _alive(child), "parent_alive() stayed True after the parent was killed"
+        err = (tmp_path / "child.err").read_text()
+        masks = dict(part.split(": ") for part in err.split("orphaned: ", 1)[1].strip().split(", "))
+        assert int(masks["SigBlk"], 16) & (1 << (signal.SIGTERM - 1)), err  # blocked, as the parent set it
+        pending = int(masks["ShdPnd"], 16) | int(masks["SigPnd"], 16)
+        assert pending & (1 << (signal.SIGTERM - 1)), err  # the death signal came and waits, blocked
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait()
+        if child and _alive(child):
+            os.kill(child, signal.SIGKILL)
+
+
+def test_a_store_stops_when_its_parent_dies_even_if_the_death_signal_cannot_reach_it(tmp_path):
+    """``rollbook serve`` started by a process whose SIGTERM is blocked inherits that mask, so the
+    kernel's parent-death SIGTERM never reaches its handler; its wait loop asks ``parent_alive`` and
+    stops anyway, saying so, and shuts down as on SIGTERM (the ledger closed: a new store opens it)."""
+    db = tmp_path / "ledger.duckdb"
+    cmd = [sys.executable, "-m", "rollbook.cli", "serve", "--db", str(db), "--port", "0", "--log-level", "WARNING"]
+    parent, store = _orphan(tmp_path, cmd, block_sigterm=True)
+    try:
+        assert store and _alive(store), (tmp_path / "child.err").read_text()
+        parent.kill()
+        parent.wait(timeout=30)
+        deadline = time.monotonic() + 40
+        while time.monotonic() < deadline and _alive(store):
+            time.sleep(0.2)
+        err = (tmp_path / "child.err").read_text()
+        assert not _alive(store), f"the store outlived its killed parent by 40 s: {_describe(store)}\n{err}"
+        assert "is gone and no SIGTERM came" in err and "shutting down" in err, err
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait()
+        if store and _alive(store):
+            os.kill(store, signal.SIGKILL)
+    import duckdb
+
+    with duckdb.connect(str(db)) as con:  # closed, not abandoned: the lock is free and the tables are there
+        assert con.sql("SELECT count(*) FROM trajectories").fetchall() == [(0,)]
+
+
+def test_a_reward_pool_process_exits_when_the_process_that_started_the_pool_is_killed(tmp_path):
+    """A ``multiprocessing`` pool process waits on a queue whose writing end it holds itself, so a
+    SIGKILL of its parent never wakes it: ``RewardPool``'s processes watch for it (rollbook/rewards.py,
+    ``lifetime.exit_with_parent``). Without that they lived on, reparented to init, for good."""
+    parent_code = (
+        "import os, time\n"
+        "from rollbook.rewards import RewardConfig, RewardPool\n"
+        "pool = RewardPool({'addition': RewardConfig(kind='exact')}, max_workers=1)\n"
+        "scored = pool.result(pool.submit('addition', '5', {'answer': '5'}))\n"
+        "assert scored.outcome.reward == 1.0, scored\n"
+        "print(*(p.pid for p in pool._pool()._processes.values()), flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLBOOK_")}
+    parent = subprocess.Popen([sys.executable, "-c", parent_code], stdout=subprocess.PIPE, text=True, env=env)
+    workers: list[int] = []
+    try:
+        assert parent.stdout is not None
+        workers = [int(p) for p in parent.stdout.readline().split()]
+        assert workers and all(_alive(w) for w in workers)
+        parent.kill()
+        parent.wait(timeout=30)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and any(_alive(w) for w in workers):
+            time.sleep(0.1)
+        assert not any(_alive(w) for w in workers), {w: _describe(w) for w in workers if _alive(w)}
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait()
+        for w in workers:
+            if _alive(w):
+                os.kill(w, signal.SIGKILL)
+
+
+def test_exit_with_parent_exits_at_once_when_the_named_parent_is_not_its_parent():
+    """A helper whose parent died before it could watch (it was reparented already) exits at the call;
+    one started by the named parent goes on."""
+    code = "import os, sys\nfrom rollbook.lifetime import exit_with_parent\nexit_with_parent(int(sys.argv[1]))\nprint('on')\n"
+    gone = subprocess.run([sys.executable, "-c", code, "999999999"], capture_output=True, text=True, timeout=30)
+    assert (gone.returncode, gone.stdout) == (1, ""), gone
+    mine = subprocess.run([sys.executable, "-c", code, str(os.getpid())], capture_output=True, text=True, timeout=30)
+    assert (mine.returncode, mine.stdout) == (0, "on\n"), mine
