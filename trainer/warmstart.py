@@ -216,14 +216,18 @@ def _padded(batch: list[Task]) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, lab
 
 
-def _check_printer(name: str, kind: str, target: float | None, every: int):
+def _check_printer(name: str, kind: str, target: float | None, every: int, ceiling: float | None = None):
     """``on_check`` for a console: at most a line every ``every`` steps, and the check that ends the
-    warm start (every domain at the target). Checks come every few steps; a line each would flood
-    the terminal."""
+    warm start (every domain at the target, and below ``ceiling`` when there is one and more than one
+    domain: ``supervised_steps``' stop). Checks come every few steps; a line each would flood the
+    terminal."""
     last = {"step": 0}
 
     def show(done: int, accuracy: Mapping[str, float], reached: list[str]) -> None:
-        if done - last["step"] < every and set(reached) != set(accuracy):
+        ends = set(reached) == set(accuracy) and (
+            ceiling is None or len(accuracy) == 1 or all(a < ceiling for a in accuracy.values())
+        )
+        if done - last["step"] < every and not ends:
             return
         last["step"] = done
         print(
@@ -284,7 +288,7 @@ def cached_warm_start(
             domains=domains,
             ceiling=ceiling,
             check_sampled=check_sampled,
-            on_check=_check_printer(path.name, "sampled" if check_sampled else "greedy", target, every),
+            on_check=_check_printer(path.name, "sampled" if check_sampled else "greedy", target, every, ceiling),
             progress_every=every,
             on_progress=lambda done, loss: print(
                 f"warm start {path.name}: step {done}/{steps}  loss {loss:.3f}  {time.perf_counter() - started:.0f} s", flush=True

@@ -269,3 +269,26 @@ def test_greedy_accuracy_scores_what_the_model_decodes():
     assert 0.0 < expected < 1.0
     assert greedy_accuracy(model, tasks) == expected
     assert model.training  # left as it was
+
+
+def test_the_check_printer_waits_for_the_band_with_a_ceiling_and_prints_the_stopping_check(capsys):
+    """The console line of a warm-start check: one every ``every`` steps, plus the check that ends the
+    warm start. With a ceiling that is the first with every domain in [target, ceiling), not every
+    check once all have reached the target (those came every few steps while one waited above)."""
+    from rollbook.trainer.warmstart import _check_printer
+
+    show = _check_printer("base-student", "greedy", 0.3, every=100, ceiling=0.6)
+    show(10, {"addition": 0.1, "program": 0.9}, ["program"])  # within `every`: quiet
+    show(20, {"addition": 0.4, "program": 0.9}, ["addition", "program"])  # all reached, one above: quiet
+    show(30, {"addition": 0.4, "program": 0.7}, ["addition", "program"])
+    show(40, {"addition": 0.45, "program": 0.5}, ["addition", "program"])  # the stop: printed
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == [
+        "warm start base-student: step 40  greedy training accuracy addition 0.45, program 0.50  (addition, program at the target 0.3)"
+    ]
+    single = _check_printer("teacher-program", "sampled", 0.98, every=100, ceiling=0.99)
+    single(10, {"program": 0.995}, ["program"])  # one domain stops at the target, ceiling or not
+    assert "step 10" in capsys.readouterr().out
+    plain = _check_printer("base-student", "greedy", 0.3, every=100)
+    plain(20, {"addition": 0.4, "program": 0.9}, ["addition", "program"])  # no ceiling: all reached ends it
+    assert "step 20" in capsys.readouterr().out
