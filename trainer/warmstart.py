@@ -216,28 +216,32 @@ def _padded(batch: list[Task]) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, lab
 
 
-def _check_printer(name: str, kind: str, target: float | None, every: int, ceiling: float | None = None):
+class _CheckPrinter:
     """``on_check`` for a console: at most a line every ``every`` steps, and the check that ends the
     warm start (every domain at the target, and below ``ceiling`` when there is one and more than one
     domain: ``supervised_steps``' stop). Checks come every few steps; a line each would flood the
-    terminal."""
-    last = {"step": 0}
+    terminal. ``ended``: whether a check ended the warm start (False: it ran out of steps first);
+    ``last``: the last check's accuracies."""
 
-    def show(done: int, accuracy: Mapping[str, float], reached: list[str]) -> None:
-        ends = set(reached) == set(accuracy) and (
-            ceiling is None or len(accuracy) == 1 or all(a < ceiling for a in accuracy.values())
+    def __init__(self, name: str, kind: str, target: float | None, every: int, ceiling: float | None = None):
+        self.name, self.kind, self.target, self.every, self.ceiling = name, kind, target, every, ceiling
+        self.printed_at, self.ended = 0, False
+        self.last: dict[str, float] = {}
+
+    def __call__(self, done: int, accuracy: Mapping[str, float], reached: list[str]) -> None:
+        self.last = {**self.last, **accuracy}
+        self.ended = set(reached) == set(accuracy) and (
+            self.ceiling is None or len(accuracy) == 1 or all(a < self.ceiling for a in accuracy.values())
         )
-        if done - last["step"] < every and not ends:
+        if done - self.printed_at < self.every and not self.ended:
             return
-        last["step"] = done
+        self.printed_at = done
         print(
-            f"warm start {name}: step {done}  {kind} training accuracy "
+            f"warm start {self.name}: step {done}  {self.kind} training accuracy "
             + ", ".join(f"{d} {a:.2f}" for d, a in accuracy.items())
-            + (f"  ({', '.join(reached)} at the target {target:g})" if reached and target is not None else ""),
+            + (f"  ({', '.join(reached)} at the target {self.target:g})" if reached and self.target is not None else ""),
             flush=True,
         )
-
-    return show
 
 
 def cached_warm_start(
@@ -274,6 +278,7 @@ def cached_warm_start(
         print(f"warm start {path.name}: {up_to} (cached in {path})", flush=True)
         started = time.perf_counter()
         every = max(PROGRESS_EVERY, steps // PROGRESS_LINES)
+        checks = _CheckPrinter(path.name, "sampled" if check_sampled else "greedy", target, every, ceiling)
         losses = supervised_steps(
             model,
             tasks,
@@ -288,12 +293,20 @@ def cached_warm_start(
             domains=domains,
             ceiling=ceiling,
             check_sampled=check_sampled,
-            on_check=_check_printer(path.name, "sampled" if check_sampled else "greedy", target, every, ceiling),
+            on_check=checks,
             progress_every=every,
             on_progress=lambda done, loss: print(
                 f"warm start {path.name}: step {done}/{steps}  loss {loss:.3f}  {time.perf_counter() - started:.0f} s", flush=True
             ),
         )
         log.info("warm start %s: %d steps, loss %.3f -> %.3f", path.name, len(losses), losses[0], losses[-1])
+        if target and not checks.ended:  # a teacher short of its target pulls MOPD toward its mistakes
+            short = (
+                f"warm start {path.name}: stopped at its step limit ({steps}) short of the target {target:g}"
+                + (f" (last check: {', '.join(f'{d} {a:.2f}' for d, a in checks.last.items())})" if checks.last else "")
+                + "; raise the step limit or the lr, or check the task"
+            )
+            print(short, flush=True)
+            log.warning(short)
     model.save_pretrained(path)
     return model

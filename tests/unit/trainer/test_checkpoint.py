@@ -65,6 +65,27 @@ def test_the_warm_start_prints_progress_and_no_progress_bars(tmp_path, capfd):
     assert "Writing model shards" not in out + err and "%|" not in out + err, err
 
 
+def test_a_warm_start_that_runs_out_of_steps_short_of_its_target_says_so(tmp_path, capfd, monkeypatch):
+    """A teacher that never reached ``teacher_target`` within ``teacher_steps`` is a bad teacher (one
+    at 0.10 held-out pulled a student's `addition` from 0.22 to 0.14 under MOPD, docs/RESULTS.md):
+    the console and the log say the warm start stopped short, with the last check. One that reached
+    it says nothing of the kind."""
+    from rollbook.tasks import ArithmeticDomain, make_tasks
+    from rollbook.trainer import warmstart
+
+    tasks = make_tasks(ArithmeticDomain(num_digits=1), "train", 40, 0, allow_fewer=True)
+    spec = TinyModelSpec(vocab_size=64, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=16)
+    scripted = iter([0.1, 0.2, 0.3, 0.99])
+    monkeypatch.setattr(warmstart, "greedy_accuracy", lambda model, probe, domains=None: next(scripted))
+    kwargs = dict(steps=6, batch_size=4, lr=1e-3, seed=0, target=0.98, check_every=2)
+    warmstart.cached_warm_start(tmp_path / "teacher-a", lambda: build_tiny_model(spec, seed=0), tasks, **kwargs)
+    out = capfd.readouterr().out
+    assert "warm start teacher-a: stopped at its step limit (6) short of the target 0.98 (last check: arithmetic 0.30)" in out
+    warmstart.cached_warm_start(tmp_path / "teacher-b", lambda: build_tiny_model(spec, seed=0), tasks, **kwargs)
+    out = capfd.readouterr().out
+    assert "step 2" in out and "short of the target" not in out  # 0.99 at its first check: done
+
+
 def test_the_student_mix_draws_each_domain_by_its_weight_not_by_its_number_of_problems(monkeypatch):
     from rollbook.tasks import ArithmeticDomain, ReverseDomain, make_tasks
     from rollbook.trainer import warmstart
@@ -275,9 +296,9 @@ def test_the_check_printer_waits_for_the_band_with_a_ceiling_and_prints_the_stop
     """The console line of a warm-start check: one every ``every`` steps, plus the check that ends the
     warm start. With a ceiling that is the first with every domain in [target, ceiling), not every
     check once all have reached the target (those came every few steps while one waited above)."""
-    from rollbook.trainer.warmstart import _check_printer
+    from rollbook.trainer.warmstart import _CheckPrinter
 
-    show = _check_printer("base-student", "greedy", 0.3, every=100, ceiling=0.6)
+    show = _CheckPrinter("base-student", "greedy", 0.3, every=100, ceiling=0.6)
     show(10, {"addition": 0.1, "program": 0.9}, ["program"])  # within `every`: quiet
     show(20, {"addition": 0.4, "program": 0.9}, ["addition", "program"])  # all reached, one above: quiet
     show(30, {"addition": 0.4, "program": 0.7}, ["addition", "program"])
@@ -286,9 +307,10 @@ def test_the_check_printer_waits_for_the_band_with_a_ceiling_and_prints_the_stop
     assert lines == [
         "warm start base-student: step 40  greedy training accuracy addition 0.45, program 0.50  (addition, program at the target 0.3)"
     ]
-    single = _check_printer("teacher-program", "sampled", 0.98, every=100, ceiling=0.99)
+    assert show.ended
+    single = _CheckPrinter("teacher-program", "sampled", 0.98, every=100, ceiling=0.99)
     single(10, {"program": 0.995}, ["program"])  # one domain stops at the target, ceiling or not
     assert "step 10" in capsys.readouterr().out
-    plain = _check_printer("base-student", "greedy", 0.3, every=100)
+    plain = _CheckPrinter("base-student", "greedy", 0.3, every=100)
     plain(20, {"addition": 0.4, "program": 0.9}, ["addition", "program"])  # no ceiling: all reached ends it
     assert "step 20" in capsys.readouterr().out
