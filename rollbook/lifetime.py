@@ -15,10 +15,11 @@ Linux the call does nothing (the cleanup on exit and SIGTERM still holds).
 
 A service (``rollbook serve``, ``rollout``, ``proxy``) waits on ``stop_event``: set by SIGINT or
 SIGTERM, and, in a tied child, by a thread that watches for the parent's death itself (the child is
-then reparented, so ``getppid`` changes) in case the signal never reaches the handler. In a few of
-the test suite's runs a store outlived its SIGKILLed run with its main thread polling and no
-"shutting down" printed; the watcher stops it anyway, and says what the kernel held for the signal
-(pending, blocked, caught: ``signal_state``) for the next look at why.
+then reparented, so ``getppid`` changes) in case the signal never acts; it then says so, with what
+the kernel held for the signal (``signal_state``). Its signal handler takes no lock
+(``StopEvent``): the former ``lambda: event.set()`` deadlocked a store against itself now and then
+when the signal landed while its main thread was inside ``event.wait`` (the store outlived its
+SIGKILLed run, every thread idle).
 
 A helper process that holds nothing to save (a reward pool's process, a store's SQL sandbox) calls
 ``exit_with_parent`` instead: a thread that ends it once its parent is gone. Those are started by
@@ -98,14 +99,45 @@ def exit_with_parent(parent: int | None = None) -> None:
     threading.Thread(target=watch, name="rollbook-parent-watch", daemon=True).start()
 
 
-def stop_event() -> threading.Event:
+class StopEvent(threading.Event):
+    """A ``threading.Event`` that a signal handler may set (``signal_set``). ``Event.set`` takes the
+    event's lock, and a handler runs on the main thread between two bytecodes, possibly while that
+    thread holds the very lock inside ``wait``: the handler then waits for itself forever. A store
+    hung that way with its parent dead (the kernel sends the parent-death signal again at each
+    reparenting, so it came twice): its main thread inside ``Event.wait``, ``Event.set`` from the
+    handler nested within, the parent watcher queued behind (py-spy, 1 in 22 SIGKILLed runs). The
+    handler only flips a flag; ``is_set`` reads it and ``wait`` polls it."""
+
+    POLL_S = 0.1  # how soon a waiter sees a signal
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.signalled = False
+
+    def signal_set(self, *_: object) -> None:
+        """For ``signal.signal``: takes no lock."""
+        self.signalled = True
+
+    def is_set(self) -> bool:
+        return self.signalled or super().is_set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self.is_set():
+            left = self.POLL_S if deadline is None else min(self.POLL_S, deadline - time.monotonic())
+            if left <= 0:
+                return False
+            super().wait(left)
+        return True
+
+
+def stop_event() -> StopEvent:
     """An event set by SIGINT or SIGTERM and, after ``tie_to_parent``, once the parent is gone (a line
     on stderr then says that no signal came, with ``signal_state``). Call from the main thread (signal
-    handlers); wait on it with a timeout: a signal that lands on another thread only wakes a main
-    thread that polls."""
-    stop = threading.Event()
+    handlers)."""
+    stop = StopEvent()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, stop.signal_set)
     if _tied_to is not None:
         threading.Thread(target=_watch_parent, args=(stop,), name="rollbook-parent-watch", daemon=True).start()
     return stop

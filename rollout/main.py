@@ -21,7 +21,6 @@ from __future__ import annotations
 import logging
 import math
 import pathlib
-import signal
 import threading
 import time
 from collections.abc import Callable
@@ -358,10 +357,9 @@ def _first_snapshot(channel, config: WorkerConfig, stop: threading.Event):
 
 
 def _stop_on_signals() -> threading.Event:
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    return stop
+    from rollbook.lifetime import stop_event  # a handler that takes no lock (StopEvent)
+
+    return stop_event()
 
 
 def write_worker_config(config: WorkerConfig, path: pathlib.Path) -> pathlib.Path:

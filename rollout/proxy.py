@@ -1115,11 +1115,9 @@ def serve(config: ProxyConfig, stop: threading.Event | None = None) -> None:
     server = ProxyServer(proxy, config.host, config.port).start()
     print(f"listening on {server.url}", flush=True)
     if stop is None:
-        import signal
+        from rollbook.lifetime import stop_event  # a handler that takes no lock (StopEvent)
 
-        stop = threading.Event()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda *_: stop.set())
+        stop = stop_event()
     try:
         while not stop.is_set() and server.thread.is_alive():
             stop.wait(0.5)

@@ -375,9 +375,9 @@ def serve(config: StoreConfig, stop: threading.Event | None = None) -> None:
     if config.tls_cert is None and not is_loopback(config.host):
         log.warning("--insecure: serving %s without TLS; keys cross the network in clear text", config.host)
     if stop is None:
-        stop = threading.Event()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda *_: stop.set())
+        from rollbook.lifetime import stop_event  # a handler that takes no lock (StopEvent)
+
+        stop = stop_event()
     # Wait with a timeout: a signal that lands on one of gRPC's threads only wakes a main thread
     # that polls; a bare wait() can sleep through SIGTERM forever.
     while not stop.wait(0.5):

@@ -146,6 +146,27 @@ def test_a_store_whose_stop_hangs_prints_its_stacks_and_exits():
     assert "Timeout (0:00:01)!" in done.stderr and 'File "<string>", line 4' in done.stderr, done.stderr
 
 
+def _kill_parent_and_wait(parent: subprocess.Popen, pids: list[int], seconds: float) -> list[int]:
+    """SIGKILL ``parent`` (no cleanup runs), then wait up to ``seconds`` for ``pids`` to end; the
+    ones still alive."""
+    parent.kill()
+    parent.wait(timeout=30)
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and any(_alive(p) for p in pids):
+        time.sleep(0.1)
+    return [p for p in pids if _alive(p)]
+
+
+def _clean_up(parent: subprocess.Popen, pids: list[int]) -> None:
+    """Whatever a failing test left running must not outlive it."""
+    if parent.poll() is None:
+        parent.kill()
+        parent.wait()
+    for p in pids:
+        if p and _alive(p):
+            os.kill(p, signal.SIGKILL)
+
+
 def test_a_script_run_through_lifetime_stops_when_its_parent_is_killed(tmp_path):
     """The online mode's agent path: ``python -m rollbook.lifetime SCRIPT`` started by a parent that
     then dies by SIGKILL, with no chance to clean up."""
@@ -166,18 +187,9 @@ def test_a_script_run_through_lifetime_stops_when_its_parent_is_killed(tmp_path)
         assert parent.stdout is not None
         child = int(parent.stdout.readline())
         assert _alive(child)
-        parent.kill()
-        parent.wait(timeout=30)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and _alive(child):
-            time.sleep(0.2)
-        assert not _alive(child), "the script outlived its killed parent"
+        assert not _kill_parent_and_wait(parent, [child], 30), "the script outlived its killed parent"
     finally:
-        if parent.poll() is None:
-            parent.kill()
-            parent.wait()
-        if child and _alive(child):
-            os.kill(child, signal.SIGKILL)
+        _clean_up(parent, [child])
 
 
 def _orphan(tmp_path, child_cmd: list[str], *, block_sigterm: bool) -> tuple[subprocess.Popen, int]:
@@ -217,23 +229,14 @@ def test_parent_alive_turns_false_when_the_parent_dies_even_if_its_signal_is_blo
     parent, child = _orphan(tmp_path, [sys.executable, "-c", child_code], block_sigterm=True)
     try:
         assert child and _alive(child)
-        parent.kill()
-        parent.wait(timeout=30)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and _alive(child):
-            time.sleep(0.1)
-        assert not _alive(child), "parent_alive() stayed True after the parent was killed"
+        assert not _kill_parent_and_wait(parent, [child], 30), "parent_alive() stayed True after the parent was killed"
         err = (tmp_path / "child.err").read_text()
         masks = dict(part.split(": ") for part in err.split("orphaned: ", 1)[1].strip().split(", "))
         assert int(masks["SigBlk"], 16) & (1 << (signal.SIGTERM - 1)), err  # blocked, as the parent set it
         pending = int(masks["ShdPnd"], 16) | int(masks["SigPnd"], 16)
         assert pending & (1 << (signal.SIGTERM - 1)), err  # the death signal came and waits, blocked
     finally:
-        if parent.poll() is None:
-            parent.kill()
-            parent.wait()
-        if child and _alive(child):
-            os.kill(child, signal.SIGKILL)
+        _clean_up(parent, [child])
 
 
 def test_a_store_stops_when_its_parent_dies_even_if_the_death_signal_cannot_reach_it(tmp_path):
@@ -245,20 +248,12 @@ def test_a_store_stops_when_its_parent_dies_even_if_the_death_signal_cannot_reac
     parent, store = _orphan(tmp_path, cmd, block_sigterm=True)
     try:
         assert store and _alive(store), (tmp_path / "child.err").read_text()
-        parent.kill()
-        parent.wait(timeout=30)
-        deadline = time.monotonic() + 40
-        while time.monotonic() < deadline and _alive(store):
-            time.sleep(0.2)
+        survivors = _kill_parent_and_wait(parent, [store], 40)
         err = (tmp_path / "child.err").read_text()
-        assert not _alive(store), f"the store outlived its killed parent by 40 s: {_describe(store)}\n{err}"
+        assert not survivors, f"the store outlived its killed parent by 40 s: {_describe(store)}\n{err}"
         assert "is gone and no SIGTERM came" in err and "shutting down" in err, err
     finally:
-        if parent.poll() is None:
-            parent.kill()
-            parent.wait()
-        if store and _alive(store):
-            os.kill(store, signal.SIGKILL)
+        _clean_up(parent, [store])
     import duckdb
 
     with duckdb.connect(str(db)) as con:  # closed, not abandoned: the lock is free and the tables are there
@@ -285,19 +280,10 @@ def test_a_reward_pool_process_exits_when_the_process_that_started_the_pool_is_k
         assert parent.stdout is not None
         workers = [int(p) for p in parent.stdout.readline().split()]
         assert workers and all(_alive(w) for w in workers)
-        parent.kill()
-        parent.wait(timeout=30)
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline and any(_alive(w) for w in workers):
-            time.sleep(0.1)
-        assert not any(_alive(w) for w in workers), {w: _describe(w) for w in workers if _alive(w)}
+        survivors = _kill_parent_and_wait(parent, workers, 20)
+        assert not survivors, {w: _describe(w) for w in survivors}
     finally:
-        if parent.poll() is None:
-            parent.kill()
-            parent.wait()
-        for w in workers:
-            if _alive(w):
-                os.kill(w, signal.SIGKILL)
+        _clean_up(parent, workers)
 
 
 def test_exit_with_parent_exits_at_once_when_the_named_parent_is_not_its_parent():
@@ -308,3 +294,28 @@ def test_exit_with_parent_exits_at_once_when_the_named_parent_is_not_its_parent(
     assert (gone.returncode, gone.stdout) == (1, ""), gone
     mine = subprocess.run([sys.executable, "-c", code, str(os.getpid())], capture_output=True, text=True, timeout=30)
     assert (mine.returncode, mine.stdout) == (0, "on\n"), mine
+
+
+def test_a_signal_landing_while_the_main_thread_holds_the_stop_events_lock_does_not_deadlock():
+    """A signal handler runs on the main thread between two bytecodes, possibly inside ``Event.wait``
+    with the event's lock held; ``Event.set`` from the handler then waits for that lock forever (a
+    store hung so, its parent dead: rollbook/lifetime.py ``StopEvent``). Here the main thread holds
+    the lock when SIGTERM lands: the lifetime event's handler takes no lock, and a plain Event's
+    does (the control: it hangs)."""
+    code = (
+        "import os, signal, sys, threading\n"
+        "from rollbook.lifetime import stop_event\n"
+        "if sys.argv[1] == 'lifetime':\n"
+        "    stop = stop_event()\n"
+        "else:\n"
+        "    stop = threading.Event()\n"
+        "    signal.signal(signal.SIGTERM, lambda *_: stop.set())\n"
+        "with stop._cond:  # as inside Event.wait\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    sum(range(10000))  # bytecodes: the handler runs here\n"
+        "print(stop.is_set(), stop.wait(1), flush=True)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code, "lifetime"], capture_output=True, text=True, timeout=30)
+    assert done.stdout == "True True\n", done
+    with pytest.raises(subprocess.TimeoutExpired):
+        subprocess.run([sys.executable, "-c", code, "plain"], capture_output=True, text=True, timeout=5)
