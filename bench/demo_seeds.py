@@ -33,6 +33,7 @@ VARIANTS = {
     "mopd_rl": [],
     "rl": ["--trainer.loss.distill_coef", "0"],
     "mopd": ["--trainer.loss.rl_coef", "0"],
+    "mopd_rl_full": ["--trainer.loss.distill_estimator", "full"],  # the whole-vocabulary reverse KL
 }
 
 
@@ -113,8 +114,18 @@ def main() -> int:
         help="run the staleness table instead: separated placement at these eta, MOPD + RL, decoupled "
         "(loss.proximal recompute) and not (loss.proximal behavior)",
     )
+    p.add_argument(
+        "--set",
+        nargs=2,
+        action="append",
+        default=[],
+        metavar=("KEY", "VALUE"),
+        help="one more override for every run, e.g. --set trainer.teacher_temperature 0.5 (repeatable)",
+    )
+    p.add_argument("--tag", default="", help="appended to each run's name: variants of one --out side by side")
     p.add_argument("--json", action="store_true", help="JSON lines only")
     args = p.parse_args()
+    extra = [part for key, value in args.set for part in (f"--{key}", value)]
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     plan: list[tuple[str, str, int, list[str]]] = []
@@ -124,16 +135,17 @@ def main() -> int:
                 for seed in args.seeds:
                     plan.append(
                         (
-                            f"eta{eta}-{objective}",
-                            f"eta{eta}-{objective}-s{seed}",
+                            f"eta{eta}-{objective}{args.tag}",
+                            f"eta{eta}-{objective}{args.tag}-s{seed}",
                             seed,
-                            ["--placement", "separated", "--max_staleness", str(eta), "--trainer.loss.proximal", proximal],
+                            ["--placement", "separated", "--max_staleness", str(eta), "--trainer.loss.proximal", proximal]
+                            + extra,
                         )
                     )
     else:
         for seed in args.seeds:  # seed by seed: a comparison cut short still pairs its variants
             for variant in args.variants.split(","):
-                plan.append((variant, f"{variant}-s{seed}", seed, VARIANTS[variant]))
+                plan.append((f"{variant}{args.tag}", f"{variant}{args.tag}-s{seed}", seed, VARIANTS[variant] + extra))
     results: dict[str, list[dict]] = {}
     for label, name, seed, overrides in plan:
         row = run_one(out, name, seed, overrides, args)

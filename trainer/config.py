@@ -40,6 +40,15 @@ class LossConfig(BaseModel):
     rl_coef: float = Field(1.0, ge=0, description="Weight of the decoupled-PPO loss.")
     distill_coef: float = Field(0.0, ge=0, description="Weight of the MOPD loss (needs teachers).")
     adv_clip: float = Field(5.0, gt=0, description="MOPD: clip of the teacher advantage log pi_T - log pi_theta.")
+    distill_estimator: Literal["sampled", "full"] = Field(
+        "sampled",
+        description="How the distillation term sees the teacher: 'sampled' (AReaL's MOPD: the teacher's log-prob of "
+        "each sampled token as a clipped per-token advantage, under the decoupled importance ratio) or 'full' (the "
+        "exact reverse KL to the teacher over the whole vocabulary at every output position, GKD's on-policy "
+        "setting: every position moves every token's probability toward the teacher, where 'sampled' learns only "
+        "from the tokens drawn; it needs local teachers and holds tokens x vocabulary floats per micro-batch for "
+        "the student and the teacher alike; adv_clip and the importance ratio do not apply).",
+    )
     distill_aggregation: Literal["token_mean", "sequence_mean"] | None = Field(
         None,
         description="How the MOPD loss averages its tokens; None: as `aggregation`. A sequence's reverse KL to "
@@ -99,6 +108,13 @@ class TrainerConfig(BaseModel):
     loss: LossConfig = Field(default_factory=LossConfig)
     teachers: list[TeacherConfig] = Field(default_factory=list, description="Teachers for MOPD.")
     teacher_routing: Literal["domain", "mixture"] = Field("domain", description="How tokens are routed to teachers.")
+    teacher_temperature: float = Field(
+        1.0,
+        gt=0,
+        description="Divides every teacher's logits when it scores the student's tokens (the distillation "
+        "temperature): 1 = the teacher's own distribution; below 1 a sharper one, nearer its greedy answer (a "
+        "teacher right at greedy but not always when sampled then teaches the greedy answer).",
+    )
     reference: str = Field(
         "initial",
         description="Reference policy of the KL penalty (loss.kl_coef > 0): 'initial' = a frozen copy of the "

@@ -48,8 +48,7 @@ import torch.distributed as dist
 
 from rollbook.trainer.checkpoint import TrainerState
 from rollbook.trainer.config import TrainerConfig
-from rollbook.trainer.loop import Publisher, Trainer, _aggregations, _micro_share, _Rows, _teacher_gap_by_domain
-from rollbook.trainer.packing import packed_logprobs
+from rollbook.trainer.loop import Publisher, Trainer, _aggregations, _Rows, _teacher_gap_by_domain
 
 log = logging.getLogger("rollbook.trainer")
 
@@ -193,20 +192,7 @@ class DistributedTrainer(Trainer):
             if units[0]:
                 assert local is not None and proximal is not None
                 for seqs, idx, packed in self._micro_batches(local, minibatch):
-                    logp = packed_logprobs(self.model, packed, local.temperatures[idx])
-                    share = _micro_share(len(seqs), len(idx), totals, per_sequence)
-                    loss, stats = self._loss(
-                        logp,
-                        proximal[idx],
-                        local.behavior[idx],
-                        local.advantages[idx],
-                        teacher[idx] if teacher is not None else None,
-                        reference[idx] if reference is not None else None,
-                        weights[idx] if weights is not None and per_sequence else None,
-                        weights[idx] if weights is not None and distill_per_sequence else None,
-                        _micro_share(len(seqs), len(idx), totals, distill_per_sequence) / share,
-                    )
-                    (loss * share).backward()
+                    stats = self._micro_step(local, seqs, idx, packed, totals, proximal, teacher, reference, weights)
                     for k, v in stats.items():
                         acc[k].append(float(v))
             _all_reduce_gradients(self.model)

@@ -40,7 +40,7 @@ from rollbook.trainer.checkpoint import TrainerState, load_checkpoint, save_chec
 from rollbook.trainer.config import TrainerConfig
 from rollbook.trainer.export import export_due, export_model
 from rollbook.trainer.model_builders import build_reference
-from rollbook.trainer.packing import pack_sequences, packed_logprobs
+from rollbook.trainer.packing import gather_tokens, pack_sequences, packed_log_softmax, packed_logprobs
 from rollbook.trainer.proximal import loglinear_alpha, loglinear_proximal_logprobs
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -115,6 +115,10 @@ class Trainer:
             from rollbook.errors import ConfigError
 
             raise ConfigError("loss.distill_coef > 0 needs a teacher (a [[teachers]] entry), or set loss.distill_coef = 0")
+        if config.loss.distill_coef > 0 and config.loss.distill_estimator == "full":
+            from rollbook.trainer.teachers import full_scorer
+
+            full_scorer(teacher)  # type: ignore[arg-type]  # not None: refused above
         self.config = config
         self.client = client
         self.model = model
@@ -254,20 +258,7 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
             totals = (len(minibatch), len(rows.token_slice(minibatch)))  # sequences, tokens
             for seqs, idx, packed in self._micro_batches(rows, minibatch):
-                logp = packed_logprobs(self.model, packed, rows.temperatures[idx])
-                share = _micro_share(len(seqs), len(idx), totals, per_sequence)
-                loss, stats = self._loss(
-                    logp,
-                    proximal[idx],
-                    rows.behavior[idx],
-                    rows.advantages[idx],
-                    teacher[idx] if teacher is not None else None,
-                    reference[idx] if reference is not None else None,
-                    weights[idx] if weights is not None and per_sequence else None,
-                    weights[idx] if weights is not None and distill_per_sequence else None,
-                    _micro_share(len(seqs), len(idx), totals, distill_per_sequence) / share,
-                )
-                (loss * share).backward()
+                stats = self._micro_step(rows, seqs, idx, packed, totals, proximal, teacher, reference, weights)
                 for k, v in stats.items():
                     acc[k].append(float(v))
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
@@ -280,21 +271,72 @@ class Trainer:
             out.update(_teacher_gap_by_domain(rows, teacher, proximal))
         return out
 
+    def _micro_step(self, rows: _Rows, seqs, idx, packed, totals, proximal, teacher, reference, weights) -> dict:
+        """One packed micro-batch of a minibatch (``totals``: its sequences and tokens over every rank):
+        the loss, scaled to the micro-batch's share, backward; returns the loss's statistics.
+
+        With ``loss.distill_estimator = "full"`` the teacher runs here, on the micro-batch (its whole
+        distributions are never held for the batch), and ``teacher[idx]`` receives its log-probs of the
+        sampled tokens, for the per-domain teacher gap."""
+        loss_cfg = self.config.loss
+        per_sequence, distill_per_sequence = _aggregations(loss_cfg)
+        student_full = None
+        if teacher is not None and loss_cfg.distill_estimator == "full":
+            from rollbook.trainer.teachers import full_scorer
+
+            student_full = packed_log_softmax(self.model, packed, rows.temperatures[idx])
+            logp = gather_tokens(student_full, packed)
+            teacher_logp = full_scorer(self.teacher).score_full(packed, [rows.domains[s] for s in seqs])  # type: ignore[arg-type]  # set when teacher is
+            teacher[idx] = gather_tokens(teacher_logp, packed).to(teacher)
+        else:
+            logp = packed_logprobs(self.model, packed, rows.temperatures[idx])
+            teacher_logp = teacher[idx] if teacher is not None else None
+        share = _micro_share(len(seqs), len(idx), totals, per_sequence)
+        loss, stats = self._loss(
+            logp,
+            proximal[idx],
+            rows.behavior[idx],
+            rows.advantages[idx],
+            teacher_logp,
+            reference[idx] if reference is not None else None,
+            weights[idx] if weights is not None and per_sequence else None,
+            weights[idx] if weights is not None and distill_per_sequence else None,
+            _micro_share(len(seqs), len(idx), totals, distill_per_sequence) / share,
+            student_full=student_full,
+        )
+        (loss * share).backward()
+        return stats
+
     def _loss(
-        self, logp, prox, behav, adv, teacher_logp, reference_logp=None, weights=None, distill_weights=None, distill_scale=1.0
+        self,
+        logp,
+        prox,
+        behav,
+        adv,
+        teacher_logp,
+        reference_logp=None,
+        weights=None,
+        distill_weights=None,
+        distill_scale=1.0,
+        *,
+        student_full=None,
     ):
         """The micro-batch's loss; ``weights`` [T]: per-token weights (``loss.aggregation``), None the token
         mean; ``distill_weights`` the same for the MOPD term (``loss.distill_aggregation``), and
-        ``distill_scale`` that term's micro-batch share over the whole loss's (1.0 when both aggregate alike)."""
+        ``distill_scale`` that term's micro-batch share over the whole loss's (1.0 when both aggregate alike).
+        ``student_full`` [T, V]: the student's whole distributions, for the full-vocabulary distillation
+        (``teacher_logp`` then [T, V] too)."""
         cfg = self.config.loss
         mask = torch.ones_like(logp, dtype=torch.bool)
-        out = self._policy_loss(logp, prox, behav, adv, teacher_logp, mask, weights, distill_weights, distill_scale)
+        out = self._policy_loss(logp, prox, behav, adv, teacher_logp, mask, weights, distill_weights, distill_scale, student_full)
         if reference_logp is None:
             return out
         kl = losses.kl_penalty(logp, reference_logp, mask, estimator=cfg.kl_estimator, token_weights=weights)
         return losses.add_kl_penalty(out, kl, kl_coef=cfg.kl_coef)
 
-    def _policy_loss(self, logp, prox, behav, adv, teacher_logp, mask, weights=None, distill_weights=None, distill_scale=1.0):
+    def _policy_loss(
+        self, logp, prox, behav, adv, teacher_logp, mask, weights=None, distill_weights=None, distill_scale=1.0, student_full=None
+    ):
         cfg = self.config.loss
         rl = losses.decoupled_ppo_loss(
             logp,
@@ -312,17 +354,20 @@ class Trainer:
         if teacher_logp is None:
             loss, stats = rl
             return loss * cfg.rl_coef, {**stats, "loss/total": float(loss.detach()) * cfg.rl_coef}
-        distill = losses.mopd_loss(
-            logp,
-            prox,
-            behav,
-            teacher_logp,
-            mask,
-            adv_clip=cfg.adv_clip,
-            behavior_weight_cap=cfg.behavior_weight_cap,
-            behavior_weight_action=cfg.behavior_weight_action,
-            token_weights=distill_weights,
-        )
+        if student_full is not None:
+            distill = losses.full_kl_distill_loss(student_full, teacher_logp, mask, token_weights=distill_weights)
+        else:
+            distill = losses.mopd_loss(
+                logp,
+                prox,
+                behav,
+                teacher_logp,
+                mask,
+                adv_clip=cfg.adv_clip,
+                behavior_weight_cap=cfg.behavior_weight_cap,
+                behavior_weight_action=cfg.behavior_weight_action,
+                token_weights=distill_weights,
+            )
         if distill_scale != 1.0:  # the two terms average over different units (sequences, tokens)
             distill = (distill[0] * distill_scale, distill[1])
         return losses.combined_loss(rl, distill, rl_coef=cfg.rl_coef, distill_coef=cfg.distill_coef)
@@ -355,8 +400,12 @@ class Trainer:
 
     @torch.no_grad()
     def _teacher_logprobs(self, rows: _Rows) -> torch.Tensor:
+        """The teacher's log-probs of every sampled token of the batch; with the full-vocabulary
+        estimator only a buffer that ``_micro_step`` fills (the teacher runs there)."""
         out, teacher = torch.empty_like(rows.behavior), self.teacher
         assert teacher is not None  # __init__ refuses distillation without one
+        if self.config.loss.distill_estimator == "full":
+            return out.fill_(float("nan"))
         for members, idx, packed in self._micro_batches(rows, list(range(len(rows.outputs)))):
             out[idx] = teacher.score(packed, [rows.domains[s] for s in members])
         return out

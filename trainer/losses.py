@@ -40,6 +40,10 @@ import torch
 LOG_RATIO_CLAMP = 20.0
 """exp(20) ~ 4.9e8: far beyond any cap or clip, still finite in float32 and bfloat16."""
 
+TEACHER_LOGP_FLOOR = 100.0
+"""``full_kl_distill_loss`` floors the teacher's log-probs at -100: a token it never emits costs the
+student 100 nats per unit of its own probability there, finite in float32."""
+
 K3_CLAMP = 10.0
 """Bound on the per-token k3 estimate (verl clamps its ``low_var_kl`` to [-10, 10] the same way)."""
 
@@ -161,6 +165,56 @@ def mopd_loss(
     stats["mopd/teacher_gap_mean"] = _masked_mean(gap, mask)
     stats["mopd/adv_clip_frac"] = _fraction(gap.abs() > adv_clip, keep)
     return loss, stats
+
+
+def full_kl_distill_loss(
+    log_probs: torch.Tensor,
+    teacher_log_probs: torch.Tensor,
+    loss_mask: torch.Tensor,
+    *,
+    token_weights: torch.Tensor | None = None,
+) -> LossOutput:
+    """On-policy distillation by the exact reverse KL over the vocabulary (``loss.distill_estimator =
+    "full"``; GKD's on-policy, reverse-KL setting, https://arxiv.org/abs/2306.13649).
+
+    Per valid position ``t``: ``KL_t = sum_v pi(v) * (log pi(v) - log pi_T(v))``, both
+    distributions conditioned on the student's own sampled prefix, then the token mean. Where
+    ``mopd_loss`` sees the teacher only through the sampled token (a one-sample estimate of the same
+    KL's gradient, whose signal vanishes once the student rarely samples a wrong token), this
+    differentiates the KL itself: every position pulls every vocabulary entry toward the teacher.
+    No importance weight: the expectation over the next token is exact, so only the prefix comes
+    from the behavior policy (as for the KL penalty), and no trust-region clip.
+
+    Args:
+        log_probs: current policy, ``[T, V]`` log-softmax at each output position; carries the gradient.
+        teacher_log_probs: the teacher's, ``[T, V]`` on the same positions (same vocabulary).
+        loss_mask: ``[T]``, bool or 0/1.
+        token_weights: as in ``decoupled_ppo_loss``.
+
+    Returns:
+        The scalar loss and ``mopd/*`` stats: ``mopd/kl_mean`` (the per-position KL, a token mean)
+        and ``mopd/num_valid_tokens``.
+    """
+    if log_probs.ndim != 2 or teacher_log_probs.shape != log_probs.shape:
+        raise ValueError(
+            f"need [T, V] log-probs for the student and the teacher alike, got {tuple(log_probs.shape)} "
+            f"and {tuple(teacher_log_probs.shape)}"
+        )
+    if loss_mask.shape != log_probs.shape[:1]:
+        raise ValueError(f"loss_mask must be [T] = {tuple(log_probs.shape[:1])}, got {tuple(loss_mask.shape)}")
+    mask = loss_mask.bool()
+    dtype = torch.promote_types(log_probs.dtype, torch.float32)
+    rows = mask[:, None]  # padding rows are never read: zeroed before any arithmetic
+    logp = torch.where(rows, log_probs.to(dtype), 0.0)
+    # a teacher's -inf (a vocabulary entry it never emits) stays finite: the KL is then large, not inf
+    teacher = torch.where(rows, teacher_log_probs.detach().to(dtype), 0.0).clamp(min=-TEACHER_LOGP_FLOOR)
+    kl = torch.where(mask, (logp.exp() * (logp - teacher)).sum(-1), 0.0)
+    loss = _token_mean(kl, mask, mask, _weights(token_weights, mask))
+    return loss, {
+        "mopd/loss": loss.detach(),
+        "mopd/kl_mean": _masked_mean(kl, mask),
+        "mopd/num_valid_tokens": mask.sum().to(dtype),
+    }
 
 
 def sequence_mean_weights(seq_index: torch.Tensor) -> torch.Tensor:

@@ -75,7 +75,7 @@ def build_models(config: RunConfig) -> tuple[PreTrainedModel, TeacherScorer | No
             lr=ws.teacher_lr or ws.lr,
             seed=ws.seed + 1,
         )
-        extra.append(LocalTeacher(teacher))
+        extra.append(LocalTeacher(teacher, config.trainer.teacher_temperature))
     return student, build_teachers(config.trainer, extra)
 
 
@@ -88,7 +88,10 @@ def specialist_teachers(config, build):
     ws, run_dir = config.warm_start, pathlib.Path(config.run_dir)
     if config.trainer.teacher_routing != "domain":
         raise ValueError("warm_start.specialist_teachers needs trainer.teacher_routing = 'domain'")
-    routes = {t.domain: LocalTeacher(load_model(t.path, what="teacher")) for t in config.trainer.teachers if t.domain}
+    temperature = config.trainer.teacher_temperature
+    routes = {
+        t.domain: LocalTeacher(load_model(t.path, what="teacher"), temperature) for t in config.trainer.teachers if t.domain
+    }
     for name, domain in build_domains(config.rollout).items():
         if name in routes:
             continue
@@ -115,7 +118,7 @@ def specialist_teachers(config, build):
             flush=True,
         )
         log.info("teacher %s: held-out accuracy %.3f greedy, %.3f sampled (%d problems)", name, greedy, sampled, len(heldout))
-        routes[name] = LocalTeacher(teacher)
+        routes[name] = LocalTeacher(teacher, temperature)
     return DomainRouter(routes)
 
 
@@ -127,7 +130,7 @@ def build_teachers(config: TrainerConfig, extra: Sequence[TeacherScorer] = ()) -
     if config.loss.distill_coef == 0:
         return None
     scorers: list[tuple[TeacherScorer, TeacherConfig | None]] = [
-        (LocalTeacher(load_model(t.path, what="teacher")), t) for t in config.teachers
+        (LocalTeacher(load_model(t.path, what="teacher"), config.teacher_temperature), t) for t in config.teachers
     ]
     scorers += [(s, None) for s in extra]
     if not scorers:

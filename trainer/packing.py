@@ -157,6 +157,13 @@ def packed_logprobs(model: torch.nn.Module, packed: PackedMicroBatch, temperatur
         packed: the micro-batch.
         temperature: a float, or ``[T_out]`` per token (``packed.temperature``); >= 0, 0 counts as 1.
     """
+    return gather_tokens(packed_log_softmax(model, packed, temperature), packed)
+
+
+def packed_log_softmax(model: torch.nn.Module, packed: PackedMicroBatch, temperature: float | torch.Tensor = 1.0) -> torch.Tensor:
+    """The whole distribution at each output position: ``[T_out, V]`` float32 log-probs, with grad
+    (``packed_logprobs`` is its entry at each sampled token). The full-vocabulary distillation
+    (``losses.full_kl_distill_loss``) reads it; it holds ``T_out * V`` floats."""
     impl = getattr(model.config, "_attn_implementation", None)
     if impl not in MASK_ATTENTION:
         raise ValueError(
@@ -171,8 +178,12 @@ def packed_logprobs(model: torch.nn.Module, packed: PackedMicroBatch, temperatur
     if bool((temp < 0).any()):
         raise ValueError("temperature must be >= 0 (0 = greedy, scored at temperature 1)")
     temp = torch.where(temp > 0, temp, 1.0)
-    logp = (logits / (temp[:, None] if temp.ndim else temp)).log_softmax(dim=-1)
-    return logp.gather(-1, packed.output_token_ids[:, None])[:, 0]
+    return (logits / (temp[:, None] if temp.ndim else temp)).log_softmax(dim=-1)
+
+
+def gather_tokens(log_probs: torch.Tensor, packed: PackedMicroBatch) -> torch.Tensor:
+    """``[T_out, V]`` -> ``[T_out]``: each position's entry at its sampled output token."""
+    return log_probs.gather(-1, packed.output_token_ids.to(log_probs.device)[:, None])[:, 0]
 
 
 def block_causal_mask(cu_seqlens: torch.Tensor, *, dtype: torch.dtype = torch.float32) -> torch.Tensor:

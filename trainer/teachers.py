@@ -15,6 +15,11 @@ tokenizer (the same token ids mean the same text). Routing follows docs/design.m
 
 Routers are scorers themselves, so they nest (a domain whose teacher is a mixture).
 
+``score_full`` returns the teacher's whole distribution at each output position, ``[T_out, V]``, for
+the full-vocabulary distillation (``loss.distill_estimator = "full"``, ``losses.full_kl_distill_loss``).
+``LocalTeacher`` and both routers have it; a scorer without it serves the sampled estimator only
+(``full_scorer`` says so with the scorer's name).
+
 Tests: ``python -m pytest tests/unit/trainer/test_teachers.py -q``.
 """
 
@@ -26,7 +31,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from rollbook.trainer.losses import mix_teacher_logprobs
-from rollbook.trainer.packing import PackedMicroBatch, packed_logprobs
+from rollbook.trainer.packing import PackedMicroBatch, packed_log_softmax, packed_logprobs
 
 
 @runtime_checkable
@@ -38,6 +43,26 @@ class TeacherScorer(Protocol):
         device of ``packed``. ``domains[i]`` is the domain of sequence i of ``packed``
         (``len(domains) == packed.num_sequences``)."""
         ...
+
+
+@runtime_checkable
+class FullScorer(TeacherScorer, Protocol):
+    """A teacher that also gives its whole distribution at each output position."""
+
+    def score_full(self, packed: PackedMicroBatch, domains: Sequence[str]) -> torch.Tensor:
+        """Teacher log-softmax at each output position of ``packed``, ``[T_out, V]`` float32, no
+        grad, on the device of ``packed``; ``domains`` as in ``score``."""
+        ...
+
+
+def full_scorer(teacher: TeacherScorer) -> FullScorer:
+    """``teacher`` if it gives whole distributions (``score_full``), else a precise error."""
+    if not isinstance(teacher, FullScorer):
+        raise TypeError(
+            f"loss.distill_estimator = 'full' needs teachers that give their whole distribution (score_full); "
+            f"{type(teacher).__name__} scores sampled tokens only: use distill_estimator = 'sampled'"
+        )
+    return teacher
 
 
 class LocalTeacher:
@@ -58,6 +83,12 @@ class LocalTeacher:
             logp = packed_logprobs(self.model, packed, self.temperature)
         return logp.to(packed.output_token_ids.device)
 
+    def score_full(self, packed: PackedMicroBatch, domains: Sequence[str]) -> torch.Tensor:
+        _check_domains(packed, domains)
+        with torch.no_grad():
+            logp = packed_log_softmax(self.model, packed, self.temperature)
+        return logp.to(packed.output_token_ids.device)
+
 
 class DomainRouter:
     """Each sequence to the teacher of its domain; ``default`` takes domains not in the map."""
@@ -69,6 +100,12 @@ class DomainRouter:
         self.default = default
 
     def score(self, packed: PackedMicroBatch, domains: Sequence[str]) -> torch.Tensor:
+        return self._route(packed, domains, full=False)
+
+    def score_full(self, packed: PackedMicroBatch, domains: Sequence[str]) -> torch.Tensor:
+        return self._route(packed, domains, full=True)
+
+    def _route(self, packed: PackedMicroBatch, domains: Sequence[str], *, full: bool) -> torch.Tensor:
         _check_domains(packed, domains)
         routes: dict[int, tuple[TeacherScorer, list[int]]] = {}  # keyed by id: scorers need not hash
         for i, domain in enumerate(domains):
@@ -79,13 +116,24 @@ class DomainRouter:
                     "add the domain or pass default="
                 )
             routes.setdefault(id(teacher), (teacher, []))[1].append(i)
-        out = torch.empty(packed.num_output_tokens, dtype=torch.float32, device=packed.output_token_ids.device)
+
+        def run(teacher: TeacherScorer, part: PackedMicroBatch, part_domains: list[str]) -> torch.Tensor:
+            return full_scorer(teacher).score_full(part, part_domains) if full else teacher.score(part, part_domains)
+
+        device = packed.output_token_ids.device
+        if not routes:  # no sequence
+            return torch.empty((0, 0) if full else (0,), dtype=torch.float32, device=device)
+        out: torch.Tensor | None = None
         for teacher, seqs in routes.values():
             if len(seqs) == packed.num_sequences:  # one teacher for all: no re-packing
-                return teacher.score(packed, list(domains)).to(out)
-            tokens = torch.isin(packed.seq_index, torch.tensor(seqs, device=out.device))
-            out[tokens] = teacher.score(packed.select(seqs), [domains[i] for i in seqs]).to(out)
-        return out
+                return run(teacher, packed, list(domains)).float().to(device)
+            scores = run(teacher, packed.select(seqs), [domains[i] for i in seqs]).float()
+            if out is None:
+                out = scores.new_empty((packed.num_output_tokens, *scores.shape[1:]))
+            tokens = torch.isin(packed.seq_index, torch.tensor(seqs, device=packed.seq_index.device))
+            out[tokens.to(out.device)] = scores.to(out.device)
+        assert out is not None  # routes is not empty
+        return out.to(device)
 
 
 class MixtureRouter:
@@ -102,6 +150,12 @@ class MixtureRouter:
     def score(self, packed: PackedMicroBatch, domains: Sequence[str]) -> torch.Tensor:
         _check_domains(packed, domains)
         scores = torch.stack([t.score(packed, domains).float() for t in self.teachers])  # [K, T_out]
+        return mix_teacher_logprobs(scores, self.weights)
+
+    def score_full(self, packed: PackedMicroBatch, domains: Sequence[str]) -> torch.Tensor:
+        """The mixture's whole distribution, ``log sum_j w_j pi_Tj(v)`` for every ``v``."""
+        _check_domains(packed, domains)
+        scores = torch.stack([full_scorer(t).score_full(packed, domains).float() for t in self.teachers])  # [K, T_out, V]
         return mix_teacher_logprobs(scores, self.weights)
 
 

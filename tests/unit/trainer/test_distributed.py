@@ -167,6 +167,16 @@ def test_an_mopd_term_averaged_over_tokens_beside_an_rl_term_over_sequences_is_t
     _assert_same(ranks[0], ranks[1])
 
 
+def test_the_full_vocabulary_distillation_on_two_ranks_is_the_single_rank_step(tmp_path):
+    """loss.distill_estimator = "full": each rank runs the teacher on its own micro-batches."""
+    loss = {"aggregation": "sequence_mean", "distill_coef": 1.0, "distill_estimator": "full"}
+    one = _one_rank(tmp_path / "one", 3, lr=1e-2, grad_clip=1e6, loss=loss)
+    ranks = _two_ranks(tmp_path, 3, lr=1e-2, grad_clip=1e6, loss=loss)
+    assert "mopd/kl_mean" in one["stats"]
+    _assert_same(one, ranks[0])
+    _assert_same(ranks[0], ranks[1])
+
+
 def test_a_rank_without_a_group_still_joins_and_the_step_is_the_single_rank_step(tmp_path):
     one = _one_rank(tmp_path / "one", 1, lr=1e-2)
     ranks = _two_ranks(tmp_path, 1, lr=1e-2)

@@ -176,3 +176,20 @@ def test_an_export_serves_as_a_teacher_and_as_a_reference(tmp_path):
         expected = packed_logprobs(trainer.model.eval(), packed, 1.0)
         assert torch.allclose(teacher.score(packed, ["d"]), expected, atol=1e-6)
         assert torch.allclose(packed_logprobs(reference, packed, 1.0), expected, atol=1e-6)
+
+
+def test_teacher_temperature_divides_the_teachers_logits_when_they_score(tmp_path):
+    from rollbook.trainer.model_builders import build_teachers
+    from rollbook.trainer.packing import pack_sequences, packed_logprobs
+
+    trainer = _train(tmp_path / "run", num_steps=1)
+    export = str(tmp_path / "run" / "hf" / "step-000001")
+    config = TrainerConfig(teachers=[{"path": export}], teacher_temperature=0.5, loss={"distill_coef": 1.0})
+    teacher = build_teachers(config)
+    packed = pack_sequences([[1, 4, 5]], [[6, 7, 2]], max_tokens=64)[0]
+    with torch.no_grad():
+        sharp = packed_logprobs(trainer.model.eval(), packed, 0.5)
+        assert torch.allclose(teacher.score(packed, ["d"]), sharp, atol=1e-6)
+        assert not torch.allclose(sharp, packed_logprobs(trainer.model, packed, 1.0), atol=1e-3)
+    with pytest.raises(ValueError, match="teacher_temperature"):
+        TrainerConfig(teacher_temperature=0)

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from rollbook.trainer.losses import (
     combined_loss,
     decoupled_ppo_loss,
+    full_kl_distill_loss,
     kl_penalty,
     mix_teacher_logprobs,
     mopd_loss,
@@ -409,6 +410,72 @@ def test_mopd_behavior_weight_cap_masks_or_clamps(action, expected):
     torch.testing.assert_close(loss, torch.tensor(expected), **TOL)
     capped_frac = stats["mopd/behavior_weight_capped_frac"]
     torch.testing.assert_close(capped_frac, torch.tensor(1 / 3), **TOL)
+
+
+# --- full-vocabulary distillation -----------------------------------------------------------------
+
+
+def test_full_kl_is_the_reverse_kl_of_each_position_then_the_token_mean():
+    student = torch.tensor([[0.5, 0.25, 0.25], [0.1, 0.8, 0.1], [0.3, 0.3, 0.4]]).log().requires_grad_()
+    teacher = torch.tensor([[0.25, 0.5, 0.25], [0.1, 0.8, 0.1], [0.9, 0.05, 0.05]]).log()
+    mask = torch.tensor([True, True, False])  # the third position is padding
+    loss, stats = full_kl_distill_loss(student, teacher, mask)
+    kl0 = 0.5 * math.log(0.5 / 0.25) + 0.25 * math.log(0.25 / 0.5)  # + 0.25 * log(1) = 0
+    torch.testing.assert_close(loss, torch.tensor(kl0 / 2), **TOL)  # position 1 matches its teacher: 0
+    torch.testing.assert_close(stats["mopd/kl_mean"], torch.tensor(kl0 / 2), **TOL)
+    assert float(stats["mopd/num_valid_tokens"]) == 2.0
+    loss.backward()
+    assert student.grad is not None and float(student.grad[2].abs().sum()) == 0.0  # padding gets no gradient
+
+
+def test_full_kl_gradient_is_the_expectation_of_the_sampled_mopd_gradient_over_every_token():
+    """The sampled estimator (``mopd_loss``, on policy, no clip) scores one drawn token; weighting every
+    vocabulary entry by its probability gives its expectation, which is the exact KL's gradient."""
+    torch.manual_seed(0)
+    logits = torch.randn(6, requires_grad=True)
+    teacher = torch.randn(6).log_softmax(-1)
+    full, _ = full_kl_distill_loss(logits.log_softmax(-1)[None], teacher[None], _ones_mask(1))
+    (grad_full,) = torch.autograd.grad(full, logits)
+    logp = logits.log_softmax(-1)  # token v "sampled" at each of 6 positions, weighted by pi(v)
+    sampled, _ = mopd_loss(
+        logp, logp.detach(), logp.detach(), teacher, _ones_mask(6), adv_clip=1e6, token_weights=logp.detach().exp()
+    )
+    (grad_sampled,) = torch.autograd.grad(sampled, logits)
+    torch.testing.assert_close(grad_sampled, grad_full, **TOL)
+
+
+def test_full_kl_gradient_steps_move_the_student_onto_its_teacher():
+    torch.manual_seed(1)
+    logits = torch.randn(4, 10, requires_grad=True)
+    teacher = torch.randn(4, 10).mul(3).log_softmax(-1)
+    opt = torch.optim.Adam([logits], lr=0.1)
+    first = None
+    for _ in range(500):
+        opt.zero_grad()
+        loss, _ = full_kl_distill_loss(logits.log_softmax(-1), teacher, _ones_mask(4))
+        first = float(loss.detach()) if first is None else first
+        loss.backward()
+        opt.step()
+    assert float(loss.detach()) < 1e-3 * first
+    # in probability: where the teacher puts almost no mass the reverse KL hardly cares how little
+    torch.testing.assert_close(logits.softmax(-1).detach(), teacher.exp(), atol=1e-2, rtol=0)
+
+
+def test_full_kl_stays_finite_where_the_teacher_gives_a_token_no_mass_and_padding_holds_nan():
+    student = torch.tensor([[0.5, 0.5], [0.5, 0.5]]).log().requires_grad_()
+    teacher = torch.tensor([[0.0, float("-inf")], [float("nan"), float("nan")]])
+    loss, stats = full_kl_distill_loss(student, teacher, torch.tensor([True, False]))
+    loss.backward()
+    assert math.isfinite(float(loss)) and float(loss) > 10  # -inf floored: large, not inf
+    assert student.grad is not None and bool(torch.isfinite(student.grad).all())
+    assert all(math.isfinite(float(v)) for v in stats.values())
+
+
+def test_full_kl_refuses_shapes_that_are_not_one_distribution_per_position():
+    with pytest.raises(ValueError, match=r"\[T, V\]"):
+        full_kl_distill_loss(torch.zeros(3), torch.zeros(3), _ones_mask(3))
+    with pytest.raises(ValueError, match="loss_mask"):
+        full_kl_distill_loss(torch.zeros(3, 4), torch.zeros(3, 4), _ones_mask(2))
 
 
 # --- mixture routing ------------------------------------------------------------------------------

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from rollbook.models import TinyModelSpec, build_tiny_model
-from rollbook.trainer.packing import PackedMicroBatch, pack_sequences, packed_logprobs
-from rollbook.trainer.teachers import DomainRouter, LocalTeacher, MixtureRouter, TeacherScorer
+from rollbook.trainer.packing import PackedMicroBatch, gather_tokens, pack_sequences, packed_log_softmax, packed_logprobs
+from rollbook.trainer.teachers import DomainRouter, FullScorer, LocalTeacher, MixtureRouter, TeacherScorer, full_scorer
 
 PROMPTS = [[1, 5], [1, 9, 4], [1], [1, 7]]
 OUTPUTS = [[6, 2], [3], [8, 8, 2], [5]]
@@ -100,3 +100,47 @@ def test_domain_routing_of_local_teachers_matches_each_teacher_on_the_whole_batc
     from_a, from_b = a.score(packed, ["a"] * 4), b.score(packed, ["b"] * 4)
     is_b = torch.tensor([False, False, True, True, True, True, False])
     torch.testing.assert_close(got, torch.where(is_b, from_b, from_a), atol=1e-5, rtol=0)
+
+
+# --- whole distributions (loss.distill_estimator = "full") ------------------------------------------
+
+
+def test_local_teacher_full_distribution_is_packed_log_softmax_and_holds_its_sampled_scores(packed):
+    model = build_tiny_model(TinyModelSpec(vocab_size=16), seed=1)
+    teacher = LocalTeacher(model, temperature=2.0)
+    assert isinstance(teacher, FullScorer)
+    got = teacher.score_full(packed, ["x"] * 4)
+    assert not got.requires_grad and got.shape == (7, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(got, packed_log_softmax(model, packed, 2.0), atol=0, rtol=0)
+    torch.testing.assert_close(gather_tokens(got, packed), teacher.score(packed, ["x"] * 4), atol=0, rtol=0)
+    torch.testing.assert_close(got.exp().sum(-1), torch.ones(7), atol=1e-5, rtol=0)
+
+
+def test_domain_routing_of_whole_distributions_matches_each_teacher_on_the_whole_batch(packed):
+    a = LocalTeacher(build_tiny_model(TinyModelSpec(vocab_size=16), seed=1))
+    b = LocalTeacher(build_tiny_model(TinyModelSpec(vocab_size=16), seed=2))
+    router = DomainRouter({"a": a, "b": b})
+    got = router.score_full(packed, ["a", "b", "b", "a"])
+    from_a, from_b = a.score_full(packed, ["a"] * 4), b.score_full(packed, ["b"] * 4)
+    is_b = torch.tensor([False, False, True, True, True, True, False])[:, None]
+    torch.testing.assert_close(got, torch.where(is_b, from_b, from_a), atol=1e-5, rtol=0)
+    torch.testing.assert_close(gather_tokens(got, packed), router.score(packed, ["a", "b", "b", "a"]), atol=1e-6, rtol=0)
+
+
+def test_mixture_of_whole_distributions_is_the_weighted_mixture_at_every_token(packed):
+    a = LocalTeacher(build_tiny_model(TinyModelSpec(vocab_size=16), seed=1))
+    b = LocalTeacher(build_tiny_model(TinyModelSpec(vocab_size=16), seed=2))
+    router = MixtureRouter([a, b], [1.0, 3.0])
+    got = router.score_full(packed, ["x"] * 4)
+    want = (0.25 * a.score_full(packed, ["x"] * 4).exp() + 0.75 * b.score_full(packed, ["x"] * 4).exp()).log()
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    torch.testing.assert_close(gather_tokens(got, packed), router.score(packed, ["x"] * 4), atol=1e-6, rtol=0)
+
+
+def test_a_teacher_that_scores_sampled_tokens_only_is_refused_for_whole_distributions_by_name(packed):
+    assert not isinstance(ConstantTeacher(-1.0), FullScorer)
+    with pytest.raises(TypeError, match="ConstantTeacher scores sampled tokens only"):
+        full_scorer(ConstantTeacher(-1.0))
+    with pytest.raises(TypeError, match="ConstantTeacher"):
+        DomainRouter({"a": ConstantTeacher(-1.0)}).score_full(packed, ["a"] * 4)
