@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import pathlib
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -105,21 +106,46 @@ UNREPORTED = """SELECT l.lease_id FROM leases l WHERE l.acked_at IS NULL
                 AND l.lease_id NOT IN (SELECT lease_id FROM train_steps) LIMIT 1"""
 
 
+def reported_steps(log: pathlib.Path) -> int:
+    """Steps the trainer's log says are done (``step N  reward ...``, written after the step's report)."""
+    return len(re.findall(r"rollbook\.trainer: step \d+ ", log.read_text(errors="replace")))
+
+
+def frozen(pid: int) -> bool:
+    """The process is stopped (``T`` in /proc/PID/stat) by a SIGSTOP."""
+    stat = pathlib.Path(f"/proc/{pid}/stat").read_text()
+    return stat[stat.rindex(")") + 2] in "tT"
+
+
 def kill_mid_run(client, trainer: subprocess.Popen, log: pathlib.Path, timeout_s: float = 240.0) -> str | None:
     """SIGKILL once three steps are reported, preferably while the trainer holds a lease it has not
-    reported (so not checkpointed) yet; after 50 polls without one, kill anyway. Returns that lease."""
+    reported (so not checkpointed) yet. Returns that lease.
+
+    The trainer is frozen (SIGSTOP) while the ledger is looked at, so what the query sees is still
+    true when the kill lands, and the trainer cannot finish its remaining steps during a slow query
+    (it trains ten steps in under two seconds on a fast machine: a CI run once saw it exit before
+    the kill). Between looks it runs for a few milliseconds; after 50 looks without an unreported
+    lease it is killed anyway."""
     deadline = time.monotonic() + timeout_s
+    rng = random.Random(0)
     polls = 0
     while time.monotonic() < deadline:
         assert trainer.poll() is None, f"trainer exited ({trainer.returncode}) before the kill:\n{log.read_text()}"
-        if count(client, "SELECT count(*) AS n FROM train_steps") >= 3:
-            found = rows(client, UNREPORTED)
-            polls += 1
-            if found or polls > 50:
-                trainer.send_signal(signal.SIGKILL)
-                trainer.wait(timeout=30)
-                return found[0]["lease_id"] if found else None
-        time.sleep(0.01)
+        if reported_steps(log) < 3:
+            time.sleep(0.01)
+            continue
+        trainer.send_signal(signal.SIGSTOP)
+        while not frozen(trainer.pid):
+            time.sleep(0.001)
+        assert count(client, "SELECT count(*) AS n FROM train_steps") >= 3
+        found = rows(client, UNREPORTED)
+        polls += 1
+        if found or polls > 50:
+            trainer.send_signal(signal.SIGKILL)  # a stopped process dies of SIGKILL as it is
+            trainer.wait(timeout=30)
+            return found[0]["lease_id"] if found else None
+        trainer.send_signal(signal.SIGCONT)
+        time.sleep(rng.uniform(0.002, 0.03))
     trainer.kill()
     raise AssertionError(f"trainer reported no 3 steps in {timeout_s} s:\n{log.read_text()}")
 
