@@ -135,10 +135,14 @@ def kill_mid_run(client, trainer: subprocess.Popen, log: pathlib.Path, timeout_s
             time.sleep(0.01)
             continue
         trainer.send_signal(signal.SIGSTOP)
-        while not frozen(trainer.pid):
-            time.sleep(0.001)
-        assert count(client, "SELECT count(*) AS n FROM train_steps") >= 3
-        found = rows(client, UNREPORTED)
+        try:
+            while not frozen(trainer.pid):
+                time.sleep(0.001)
+            assert count(client, "SELECT count(*) AS n FROM train_steps") >= 3
+            found = rows(client, UNREPORTED)
+        except BaseException:
+            trainer.kill()  # never leave a stopped trainer behind a failed test
+            raise
         polls += 1
         if found or polls > 50:
             trainer.send_signal(signal.SIGKILL)  # a stopped process dies of SIGKILL as it is
