@@ -1,4 +1,4 @@
-"""The MOPD demo's comparisons (issue 13; docs/RESULTS.md, "The MOPD demo"), one JSON line per run
+"""The MOPD demo's comparisons (docs/RESULTS.md, "The MOPD demo"), one JSON line per run
 and a summary line per variant: held-out reward per domain at the start and the end, from each run's
 summary.json (``rollbook report``).
 

@@ -34,7 +34,7 @@ def main() -> None:
     args = parse_args()
     import torch
 
-    from rollbook.models import TinyModelSpec, build_tiny_model
+    from rollbook.language_models import TinyModelSpec, build_tiny_model
     from rollbook.rollout.engine import GenerationRequest, NativeEngine
     from rollbook.tasks import DOMAINS, TOKENIZER, make_tasks
 

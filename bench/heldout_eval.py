@@ -20,9 +20,10 @@ import json
 import sys
 import time
 
-from rollbook.models import load_model
+from rollbook.config import RolloutConfig
+from rollbook.language_models import load_model
 from rollbook.rollout.engine import NativeEngine
-from rollbook.rollout.worker import RolloutConfig, RolloutWorker
+from rollbook.rollout.worker import RolloutWorker
 from rollbook.tasks import DOMAINS, TOKENIZER
 
 

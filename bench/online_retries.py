@@ -1,4 +1,4 @@
-"""The online falsifier (issue 14, acceptance 2), shared by tests/integration/test_proxy.py and
+"""The online falsifier (client timeouts and retries), shared by tests/integration/test_proxy.py and
 ``bench/placement.py --online``: agents play through a real ``rollbook proxy`` with an openai client
 that times out after 2 s and retries, while an operator pauses the proxy's admission a few times so that
 attempts wait past that timeout; every reward is sent after its session ended. Then the trainer's
@@ -189,12 +189,11 @@ def pull_all(client, model_id: str, *, trainer_id: str = "t", max_pulls: int = 2
 def run_scenario(work: pathlib.Path, plan: list = PLAN) -> dict:
     """A store and a proxy of its own under ``work``, the scenario, then counts from the agents' side,
     the proxy's and the ledger's."""
-    from rollbook import env as rollbook_env
-    from rollbook.config import write_resolved
-    from rollbook.rollout.proxy import ProxyConfig
-    from rollbook.rollout.proxy_render import renderer
-    from rollbook.run import StoreProcess
-    from rollbook.run_online import ProxyProcess
+    from rollbook import environment as rollbook_env
+    from rollbook.config import ProxyConfig, write_resolved
+    from rollbook.rollout.proxy.render import renderer
+    from rollbook.run.online import ProxyProcess
+    from rollbook.run.store_process import StoreProcess
 
     work.mkdir(parents=True, exist_ok=True)
     keys = {f"{role}_key": secrets.token_hex(16) for role in ("worker", "trainer", "reader", "admin")}

@@ -1,4 +1,4 @@
-"""Placement benchmark (issue 15): the same model, workload, step count and CPU budget under
+"""Placement benchmark: the same model, workload, step count and CPU budget under
 ``rollbook run --placement colocated | separated | ray``, plus an online scenario.
 
     python bench/placement.py --json --png docs/placement.png   # one JSON line; the markdown tables on stderr
@@ -65,7 +65,7 @@ import time
 import duckdb
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-CONFIG = ROOT / "configs" / "quickstart.toml"
+CONFIG = ROOT / "configs" / "smoke.toml"
 
 # one row over the ledger of a finished run: rows stored twice, rows acked in two leases, rows marked
 # trained without an acked lease, steps with more or less than one acked lease, reported steps whose
@@ -133,7 +133,7 @@ def warm_start(work: pathlib.Path, args: argparse.Namespace) -> pathlib.Path:
 
 def ray_start_failures(log: pathlib.Path) -> int:
     """Starts of the local Ray instance that timed out and were made again by the launcher
-    (rollbook/run_ray.py ``ray_session``, which logs each one)."""
+    (rollbook/run/ray_cluster.py ``ray_session``, which logs each one)."""
     return log.read_text(errors="replace").count("Ray did not start (")
 
 
@@ -234,7 +234,7 @@ def measure(placement: str, work: pathlib.Path, student: pathlib.Path, args: arg
 def recover(placement: str, work: pathlib.Path, student: pathlib.Path, args: argparse.Namespace) -> dict:
     """Kill the trainer once ``--kill-after`` steps are checkpointed, let the run resume, time it."""
     from bench.proc_memory import TreeMemory
-    from rollbook.run_support import steps_done
+    from rollbook.run.driving import steps_done
 
     run_dir = fresh_run_dir(work, f"{placement}-recovery", student)
     num_steps = args.kill_after + args.steps_after_kill

@@ -109,9 +109,10 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from rollbook.client import StoreClient
-    from rollbook.models import ModelConfig, build_student
+    from rollbook.config import ModelConfig
+    from rollbook.language_models import build_student
     from rollbook.rollout.engine import GenerationRequest, NativeEngine
-    from rollbook.rollout.proxy_render import renderer
+    from rollbook.rollout.proxy.render import renderer
 
     torch.set_num_threads(max(1, min(4, torch.get_num_threads())))  # as `rollbook proxy` does
     render = renderer()

@@ -56,7 +56,7 @@ def main() -> None:
     args = parse_args()
     import torch
 
-    from rollbook.models import TinyModelSpec, build_tiny_model
+    from rollbook.language_models import TinyModelSpec, build_tiny_model
     from rollbook.trainer.packing import packed_logprobs
     from rollbook.trainer.teachers import DomainRouter, LocalTeacher
 

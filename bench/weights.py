@@ -12,7 +12,7 @@ until ``receiver.fetch()`` has returned tensors of that version, median over ``-
   sparse case deltas are for; ``changed_fraction`` says how much of the buffer moved.
 Bytes are what crossed the channel: the flat buffer, or the delta payload. Never asserts on time.
 
-``--ray`` adds the choice the ray placement makes (rollbook/run_ray.py): the network channel against
+``--ray`` adds the choice the ray placement makes (rollbook/run/ray_cluster.py): the network channel against
 Ray's object store, each measured from publish until a Ray actor has loaded the version into its own
 copy of the model, with the actor on the publisher's node and on a second node of a two-node
 ``ray.cluster_utils.Cluster`` on this machine (so Ray moves the object between two object stores):
@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     import torch
 
-    from rollbook.models import TinyModelSpec, build_tiny_model
+    from rollbook.language_models import TinyModelSpec, build_tiny_model
 
     spec = TinyModelSpec(
         vocab_size=args.vocab_size,
@@ -129,7 +129,8 @@ def bench_local(state_dict, repeats: int, *, checksum: bool) -> tuple[dict, dict
 
 def bench_network(model, args: argparse.Namespace, *, delta: bool) -> dict:
     """Full: every publish is an anchor. Delta: one sparse AdamW step between untimed publishes."""
-    from rollbook.weights import NetworkPublisher, NetworkReceiver, WeightStreamConfig, create_weight_server
+    from rollbook.config import WeightStreamConfig
+    from rollbook.weights import NetworkPublisher, NetworkReceiver, create_weight_server
 
     config = WeightStreamConfig(chunk_bytes=args.chunk_bytes, anchor_every=1_000_000 if delta else 1)
     publisher = NetworkPublisher(config)
@@ -169,7 +170,7 @@ class _RayReceiver:
     def __init__(self, spec) -> None:
         import torch
 
-        from rollbook.models import build_tiny_model
+        from rollbook.language_models import build_tiny_model
 
         torch.set_num_threads(1)
         self.model = build_tiny_model(spec)
@@ -205,8 +206,9 @@ def bench_ray(spec, model, args: argparse.Namespace) -> dict:
     import torch
     from ray.cluster_utils import Cluster
 
-    from rollbook.env import prepare_local_ray
-    from rollbook.weights import NetworkPublisher, WeightStreamConfig, create_weight_server
+    from rollbook.config import WeightStreamConfig
+    from rollbook.environment import prepare_local_ray
+    from rollbook.weights import NetworkPublisher, create_weight_server
     from rollbook.weights.base import Layout, pack_into, tensor_views
 
     prepare_local_ray()

@@ -194,7 +194,7 @@ class StoreClient:
         """A client with the keys of ``ROLLBOOK_{WORKER,TRAINER,READER,ADMIN}_KEY`` and the TLS
         settings of ``ROLLBOOK_TLS_CA`` / ``ROLLBOOK_TLS_CLIENT_CERT`` / ``ROLLBOOK_TLS_CLIENT_KEY``;
         ``kwargs`` that are not None win."""
-        from rollbook import env
+        from rollbook import environment as env
 
         values: dict[str, Any] = {f"{r}_key": env.role_key(r) for r in KEY_ROLES}
         values["tls"] = ClientTLS.from_env()

@@ -1,5 +1,5 @@
 """Dataset files for the rollout worker: JSONL, Parquet and CSV rows mapped to prompts (or chat
-messages), reference answers, tests, domains and task ids.
+messages), reference answers, tests, domains and task ids. Their configuration, ``DatasetConfig`` and ``FieldMap``, is in rollbook/config/rollout.py.
 
     config = DatasetConfig(train_files=["data/math.jsonl"], fields=FieldMap(prompt="question"))
     data = load_dataset(config, requirements={"math": ("answer",)})
@@ -30,73 +30,17 @@ import pathlib
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
-
+from rollbook.config.rollout import DatasetConfig, FieldMap, Format
 from rollbook.errors import ConfigError
 
 log = logging.getLogger("rollbook.datasets")
-
-Format = Literal["auto", "jsonl", "parquet", "csv"]
 
 
 class DatasetError(ConfigError):
     """The dataset cannot be used (a missing file, an unknown format, bad rows under ``on_bad_row = "fail"``):
     a ``ConfigError``, so the CLI says it in one line."""
-
-
-class FieldMap(BaseModel):
-    """Which column of a row holds each field."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    prompt: str = Field("prompt", description="Column of a plain-text prompt (used as it is).")
-    messages: str = Field(
-        "messages",
-        description="Column of a chat prompt: a list of {role, content} (JSON text in "
-        "CSV); goes through the tokenizer's chat template. A row has a prompt or messages.",
-    )
-    answer: str = Field("answer", description="Column of the reference answer (math, exact, regex rewards).")
-    tests: str = Field(
-        "tests",
-        description="Column of the tests (code reward): a list of Python statements, or a JSON list / one block of code as text.",
-    )
-    domain: str = Field("domain", description="Column naming the row's domain (which reward scores it).")
-    task_id: str = Field("task_id", description="Column of a stable task id (else one is made from a hash of the prompt).")
-
-
-class DatasetConfig(BaseModel):
-    """Where the rows come from and how they are read."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    train_files: list[str] = Field(min_length=1, description="Training files (.jsonl, .parquet, .csv; local paths).")
-    heldout_files: list[str] = Field(
-        default_factory=list,
-        description="Held-out files; empty = split the training files by a stable hash of the task id (heldout_fraction).",
-    )
-    format: Format = Field("auto", description="File format; 'auto' goes by the file suffix (.jsonl/.json, .parquet, .csv).")
-    fields: FieldMap = Field(default_factory=FieldMap, description="Column names of the fields.")
-    default_domain: str | None = Field(None, description="Domain of rows without a domain column (None: such a row is bad).")
-    heldout_fraction: float = Field(
-        0.1, ge=0, lt=1, description="Without heldout_files: the share of rows held out, by a stable hash of the task id."
-    )
-    shuffle: bool = Field(True, description="Visit the training rows in a seeded random order, a new order every epoch.")
-    seed: int = Field(0, description="Shuffling seed.")
-    epochs: int = Field(
-        0,
-        ge=0,
-        description="Passes over the training rows; 0 = no end (the run's num_steps bounds it). "
-        "When the epochs are done the worker stops producing.",
-    )
-    on_bad_row: Literal["skip", "fail"] = Field(
-        "skip",
-        description="A bad row (missing field, wrong type, undecodable "
-        "text, invalid JSON line): 'skip' reports it as file:line and goes on; "
-        "'fail' refuses the dataset at load time, naming every bad row.",
-    )
-    max_rows: int | None = Field(None, ge=1, description="Read at most this many rows per file (None = all).")
 
 
 @dataclass(frozen=True)
@@ -328,7 +272,8 @@ def read_rows(
                 )
             except _Bad as exc:
                 bad.append(BadRow(str(path), line, str(exc)))
-                log.warning("bad row %s:%d: %s (%s)", path, line, exc, "skipped" if config.on_bad_row == "skip" else "refused")
+                if config.on_bad_row == "skip":  # under "fail" the refusal names every bad row, in one line
+                    log.warning("bad row %s:%d: %s (skipped)", path, line, exc)
     return rows, bad
 
 

@@ -1,7 +1,7 @@
 """Children of ``rollbook run`` die with it, however it dies.
 
 ``rollbook run`` stops the store, proxy, rollout worker and agent it started when it exits or gets
-SIGTERM (rollbook/run.py). A SIGKILL (the OOM killer, a scheduler's hard kill, ``subprocess.run``'s
+SIGTERM (rollbook/run/main.py). A SIGKILL (the OOM killer, a scheduler's hard kill, ``subprocess.run``'s
 timeout, pytest-timeout) runs no cleanup, and those children used to outlive it as orphans: a store
 still holding the ledger's DuckDB file, an agent still calling a proxy, both burning CPU until
 someone found them. Linux's ``PR_SET_PDEATHSIG`` closes that gap: the kernel sends the child SIGTERM
@@ -43,7 +43,7 @@ import sys
 import threading
 import time
 
-PARENT_PID = "ROLLBOOK_PARENT_PID"  # the pid of the process that started this one (rollbook/env.py)
+PARENT_PID = "ROLLBOOK_PARENT_PID"  # the pid of the process that started this one (rollbook/environment.py)
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 _tied_to: int | None = None  # the parent's pid once tie_to_parent succeeded
 WATCH_S = 0.5  # how often the watcher asks for the parent
@@ -58,7 +58,7 @@ def child_env(env: dict[str, str]) -> dict[str, str]:
 def tie_to_parent() -> bool:
     """In a child started with ``child_env``: SIGTERM when the parent dies. True when tied; False when
     not marked or not on Linux. Exits (status 1) when the parent that marked it is already gone."""
-    from rollbook import env
+    from rollbook import environment as env
 
     mark = env.get(PARENT_PID)
     os.environ.pop(PARENT_PID, None)  # our own children are not tied to our parent

@@ -1,5 +1,5 @@
-"""Rewards for dataset rows: a registry of verifiers chosen per domain in the config, and a process
-pool that runs them off the generation thread.
+"""Rewards for dataset rows: a registry of verifiers chosen per domain in the config (``RewardConfig``,
+rollbook/config/rollout.py), and a process pool that runs them off the generation thread.
 
     rewards = {"math": RewardConfig(kind="math"), "code": RewardConfig(kind="code", timeout_s=5)}
     scored = score_row(build_reward(rewards["math"]), "so \\boxed{\\frac{1}{2}}", {"answer": "0.5"})
@@ -42,73 +42,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
-
+from rollbook.config.rollout import BUILTIN_REWARD_KINDS, RewardConfig
 from rollbook.errors import ConfigError
 from rollbook.lifetime import exit_with_parent
 from rollbook.sandbox_exec import SandboxLimits, extract_program, run_program
 from rollbook.tasks import RewardOutcome
-
-BUILTIN_KINDS = ("math", "code", "exact", "regex")
-
-
-class RewardConfig(BaseModel):
-    """One domain's verifier."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    kind: str = Field(
-        description="'math' (math-verify), 'code' (sandboxed tests), 'exact', 'regex', or "
-        "'package.module:function' (your own f(completion, row) -> float)."
-    )
-    pattern: str | None = Field(
-        None,
-        description="regex: the pattern searched in the completion (group 1, if any, is "
-        "the extracted answer compared with the row's reference).",
-    )
-    case_sensitive: bool = Field(True, description="exact / regex: compare case-sensitively.")
-    code_reward: str = Field(
-        "all",
-        pattern="^(all|fraction)$",
-        description="code: 'all' = 1.0 only when every test "
-        "passes (the fraction is still recorded), 'fraction' = the fraction of tests passed.",
-    )
-    timeout_s: float = Field(
-        10.0, gt=0, le=600, description="code: wall-clock limit of one program run (the process group is killed after it)."
-    )
-    cpu_s: int = Field(5, ge=1, le=600, description="code: CPU-seconds limit (RLIMIT_CPU).")
-    memory_mb: int = Field(512, ge=64, le=65536, description="code: address-space limit (RLIMIT_AS / RLIMIT_DATA).")
-    max_file_mb: int = Field(
-        16, ge=1, le=4096, description="code: largest file (and captured output) the program may write (RLIMIT_FSIZE)."
-    )
-    max_files: int = Field(
-        32,
-        ge=1,
-        le=100000,
-        description="code: most files the program may open for writing (with max_file_mb, a bound on what it can write to disk).",
-    )
-    network_namespace: bool = Field(
-        True,
-        description="code: run in fresh user/network/PID namespaces (unshare) "
-        "where the platform allows; socket use is refused in-process either way.",
-    )
-
-    @field_validator("kind")
-    @classmethod
-    def _known_kind(cls, kind: str) -> str:
-        if kind not in BUILTIN_KINDS and not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", kind):
-            raise ValueError(f"reward kind must be one of {list(BUILTIN_KINDS)} or 'package.module:function', got {kind!r}")
-        return kind
-
-    def limits(self) -> SandboxLimits:
-        return SandboxLimits(
-            wall_s=self.timeout_s,
-            cpu_s=self.cpu_s,
-            memory_mb=self.memory_mb,
-            max_file_mb=self.max_file_mb,
-            max_files=self.max_files,
-            network_namespace=self.network_namespace,
-        )
 
 
 @dataclass
@@ -168,8 +106,20 @@ def _normalize_tests(tests: Any) -> list[str]:
     raise VerifierError(f"tests must be a list of Python statements or one string, got {type(tests).__name__}")
 
 
+def sandbox_limits(config: RewardConfig) -> SandboxLimits:
+    """The code sandbox's limits for one ``code`` reward (rollbook/sandbox_exec.py)."""
+    return SandboxLimits(
+        wall_s=config.timeout_s,
+        cpu_s=config.cpu_s,
+        memory_mb=config.memory_mb,
+        max_file_mb=config.max_file_mb,
+        max_files=config.max_files,
+        network_namespace=config.network_namespace,
+    )
+
+
 def code_reward(config: RewardConfig) -> Verifier:
-    limits = config.limits()
+    limits = sandbox_limits(config)
 
     def verify_code(completion: str, row: Mapping[str, Any]) -> Scored:
         tests = _normalize_tests(row.get("tests"))
@@ -314,7 +264,7 @@ class RewardPool:
     def __init__(self, rewards: Mapping[str, RewardConfig], *, max_workers: int = 2) -> None:
         for domain, config in rewards.items():  # fail at start on a bad config, not in the middle of a run
             try:
-                if config.kind not in BUILTIN_KINDS:
+                if config.kind not in BUILTIN_REWARD_KINDS:
                     import_function(config.kind)
                 elif config.kind == "regex":
                     regex_reward(config)

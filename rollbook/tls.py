@@ -46,7 +46,7 @@ class ServerTLS:
 
     @classmethod
     def from_env(cls) -> "ServerTLS | None":
-        from rollbook import env
+        from rollbook import environment as env
 
         values = env.server_tls()
         cert, key = values["cert"], values["key"]
@@ -79,7 +79,7 @@ class ClientTLS:
 
     @classmethod
     def from_env(cls) -> "ClientTLS | None":
-        from rollbook import env
+        from rollbook import environment as env
 
         values = env.client_tls()
         return cls(**values) if any(values.values()) else None

@@ -26,56 +26,13 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from pydantic import BaseModel, ConfigDict, Field
-
-from rollbook.models import ModelConfig
-from rollbook.rollout.worker import RolloutConfig
+from rollbook.config import WorkerConfig
 
 if TYPE_CHECKING:  # pragma: no cover
     from rollbook.client import StoreClient
     from rollbook.rollout.gate import StalenessGate
 
 log = logging.getLogger("rollbook.rollout")
-
-
-class WorkerConfig(BaseModel):
-    """Configuration of ``rollbook rollout``."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    server: str = Field("127.0.0.1:50551", description="Store address HOST:PORT.")
-    weights: str = Field(
-        description="Weight channel: 'shm:NAME' (shared memory, one host), 'grpc:HOST:PORT' (network) or "
-        "'ray:BOARD' (Ray's object store, inside a Ray job: the ray placement)."
-    )
-    model_id: str = Field("tiny", description="Model id the trajectories are recorded under.")
-    model: ModelConfig = Field(default_factory=ModelConfig, description="Architecture to build before the first weights arrive.")
-    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
-    batch_size: int = Field(
-        64,
-        ge=1,
-        description="The trainer's samples per version (the staleness gate's batch); "
-        "replaced by the trainer's num_samples once it announces it through the store.",
-    )
-    version_share: float = Field(
-        1.0,
-        gt=0,
-        le=1,
-        description="This worker's share of each version's samples when several workers feed one trainer: the gate "
-        "admits ceil(version_share x the trainer's num_samples) per version (at least one group). The ray placement "
-        "sets 1/num_workers; 1 = this worker alone may fill a batch.",
-    )
-    spool_dir: str = Field("runs/default/spool", description="Local spool for trajectories while the store is unreachable.")
-    spool_max_bytes: int = Field(256 << 20, ge=1 << 16, description="Spool bound; admission stops when it is full.")
-    first_weights_timeout_s: float = Field(300.0, gt=0, description="How long to wait for the first published weights.")
-    max_rounds: int = Field(0, ge=0, description="Stop after this many rollout rounds (0 = until signalled).")
-    max_idle_s: float = Field(
-        600.0,
-        ge=0,
-        description="Stop when no round could run for this long (the staleness gate "
-        "closed and no newer weights, e.g. the trainer has exited); 0 = wait until signalled.",
-    )
-    log_every: int = Field(10, ge=1, description="Log one progress line every N rounds.")
 
 
 def open_channel(spec: str):
@@ -102,10 +59,10 @@ def run_worker(
     config: WorkerConfig, stop: threading.Event | None = None, on_weights: Callable[[int], None] | None = None
 ) -> dict:
     """The worker's loop until ``stop`` (SIGINT/SIGTERM when None). ``on_weights`` is told the version
-    of the first weights once the engine holds them (a launcher's barrier: rollbook/run_ray.py)."""
+    of the first weights once the engine holds them (a launcher's barrier: rollbook/run/ray_cluster.py)."""
     import torch
 
-    from rollbook.models import build_student
+    from rollbook.language_models import build_student
     from rollbook.rollout.engine import NativeEngine
     from rollbook.rollout.worker import RolloutWorker, registered_vocab_size, use_model_tokenizer
     from rollbook.weights.base import load_into

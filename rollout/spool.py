@@ -33,7 +33,7 @@ import zlib
 
 from google.protobuf.message import DecodeError
 
-from rollbook.durable import fsync_dir
+from rollbook.fsync import fsync_dir
 from rollbook.v1 import rollbook_pb2 as pb
 
 log = logging.getLogger("rollbook.rollout")

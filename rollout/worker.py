@@ -10,7 +10,8 @@ the engine recorded, the sampling parameters, the domain, and the verifier's rew
 that raises yields no reward (never 0.0): the sample is submitted without one and counted as an
 error, and the store keeps its group waiting under the incomplete-group policy.
 ``rollout/main.py`` ``run_worker`` is the loop behind ``rollbook rollout`` (weights from a channel, the
-staleness gate, the spooling submitter).
+staleness gate, the spooling submitter). Both configs, ``RolloutConfig`` and ``WorkerConfig``, are in
+rollbook/config/rollout.py.
 
 Your own data (``dataset`` set): the tasks are the dataset's rows (``rollbook/datasets.py``), prompts
 are encoded with ``tokenizer`` (a local Hugging Face directory; chat rows through its chat template),
@@ -28,108 +29,17 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
-
-from rollbook.datasets import BadRow, DatasetConfig, DatasetError, Row, RowSampler, load_dataset
+from rollbook.config import ModelConfig, RolloutConfig
+from rollbook.datasets import BadRow, DatasetError, Row, RowSampler, load_dataset
 from rollbook.errors import ConfigError
-from rollbook.models import ModelConfig, student_vocab_size
-from rollbook.rewards import RewardConfig, RewardPool, Scored
+from rollbook.language_models import student_vocab_size
+from rollbook.rewards import RewardPool, Scored
 from rollbook.rollout.engine import GenerationEngine, GenerationRequest
 from rollbook.tasks import TOKENIZER, RewardOutcome, RewardTally, Task, build_domains, make_tasks, score
 from rollbook.tokenizers import StopStrings, Tokenizer, load_tokenizer
 from rollbook.v1 import rollbook_pb2 as pb
 
 log = logging.getLogger("rollbook.rollout")
-
-
-class RolloutConfig(BaseModel):
-    """What a rollout worker samples and how."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    domains: list[str] = Field(
-        default_factory=lambda: ["arithmetic", "reverse"], description="Task domains to sample (see rollbook/tasks.py)."
-    )
-    num_digits: int = Field(2, ge=1, le=6, description="arithmetic: operand digits.")
-    reverse_max_len: int = Field(4, ge=1, le=12, description="reverse: longest string.")
-    reverse_per_char: bool = Field(
-        False, description="reverse: graded reward, the fraction of characters in the right place (else 1/0 exact match)."
-    )
-    num_train_tasks: int = Field(400, ge=1, description="Training problems per domain.")
-    num_eval_tasks: int = Field(40, ge=1, description="Held-out problems per domain for evaluation.")
-    num_eval_samples: int = Field(
-        8, ge=0, description="Sampled answers per held-out problem for eval/sampled_reward (0 = greedy only)."
-    )
-    eval_seed: int = Field(
-        1234, description="Seed of the sampled evaluation: the same for every evaluation (common random numbers)."
-    )
-    group_size: int = Field(8, ge=1, description="Samples per prompt (one normalization group).")
-    num_prompts: int = Field(8, ge=1, description="Prompts per rollout round.")
-    max_new_tokens: int = Field(6, ge=1, description="Longest completion.")
-    temperature: float = Field(1.0, gt=0, description="Sampling temperature (the trainer recomputes log-probs at the same one).")
-    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass (1 = off).")
-    top_k: int = Field(0, ge=-1, description="Top-k (0 or -1 = off).")
-    max_staleness: int = Field(
-        1,
-        ge=0,
-        description="Staleness gate eta: admit while (eta + version + 1) * batch > accepted + running. `rollbook rollout` replaces it with the max_staleness its trainer announces through the store.",
-    )
-    seed: int = Field(0, description="Task sampling seed.")
-    worker_id: str = Field("worker-0", description="Recorded on every trajectory.")
-    dataset: DatasetConfig | None = Field(
-        None,
-        description="Your own data: train on these dataset rows instead of the "
-        "built-in toy domains (which `domains` then does not name). See rollbook/datasets.py.",
-    )
-    rewards: dict[str, RewardConfig] = Field(
-        default_factory=dict,
-        description="With a dataset: the reward of each "
-        "domain ([rollout.rewards.<domain>] kind = 'math' | 'code' | 'exact' | "
-        "'regex' | 'module:function'). A row of a domain without one is a bad row.",
-    )
-    tokenizer: str | None = Field(
-        None,
-        description="With a dataset: local directory of a Hugging Face tokenizer "
-        "(loaded with local_files_only). None: the model's directory when the model loads "
-        "from one (model.path), else the toy tasks' character tokenizer.",
-    )
-    stop_strings: list[str] = Field(
-        default_factory=list,
-        description="With a dataset: strings that end a completion "
-        "(besides the tokenizer's eos); the text is cut before them for scoring.",
-    )
-    reward_workers: int = Field(
-        2,
-        ge=0,
-        le=64,
-        description="With a dataset: processes that run the verifiers off the "
-        "generation thread (0 = score in the worker's thread).",
-    )
-    reward_timeout_s: float = Field(
-        300.0,
-        gt=0,
-        description="With a dataset: longest wait for one sample's verifier "
-        "result; past it the sample is an error outcome (no reward).",
-    )
-    chunk_prompts: int = Field(
-        0,
-        ge=0,
-        description="With a dataset: generate a round's prompts in chunks of this many, "
-        "scoring each chunk while the next one generates (0 = one chunk).",
-    )
-
-    @model_validator(mode="after")
-    def _dataset_fields(self) -> "RolloutConfig":
-        if self.dataset is None:
-            used = sorted(f for f in ("rewards", "tokenizer", "stop_strings") if f in self.model_fields_set and getattr(self, f))
-            if used:
-                raise ValueError(
-                    f"rollout.{used[0]} applies to dataset rows: set [rollout.dataset] (the toy domains use "
-                    "the character tokenizer and their own verifiers)"
-                )
-        elif not self.rewards:
-            raise ValueError("rollout.dataset needs rewards: set [rollout.rewards.<domain>] kind = ... for each domain")
-        return self
 
 
 # The row fields each built-in reward kind needs (a row without them is a bad row, found at load time).
@@ -464,7 +374,7 @@ def use_model_tokenizer(rollout: RolloutConfig, model: ModelConfig) -> None:
 
 def registered_vocab_size(rollout: RolloutConfig, model: ModelConfig) -> int:
     """The vocabulary size to register for the store's token check: the student's
-    (``rollbook.models.student_vocab_size``: a model directory's config.json, or the tiny model's
+    (``rollbook.language_models.student_vocab_size``: a model directory's config.json, or the tiny model's
     ``vocab_size``), except a tiny model of unset size trained on a dataset, which gets its tokenizer's."""
     if model.path or model.vocab_size or rollout.dataset is None:
         return student_vocab_size(model)

@@ -1,13 +1,25 @@
 #!/usr/bin/env bash
-# Quick start, command 2: install with the test extras, run ruff (lint and format check) and mypy, then the whole suite (slow cases too).
-# Pass pytest arguments to narrow it, e.g. `bash scripts/test.sh -m "not slow"`.
+# Quick start, command 2: install with the test extras, run ruff (lint and format check) and mypy, then pytest.
+#
+#   bash scripts/test.sh           the full run, what .ci/run runs: every test, slow and integration ones too
+#   bash scripts/test.sh --fast    the fast lane: the unit tests (not the slow ones) and the end-to-end smoke
+#                                  tests (a real store and one short run), -m "(not integration and not slow) or smoke"
+#
+# Both run ruff and mypy first (about a minute). pytest runs on two pytest-xdist workers (-n 2 --dist
+# loadgroup: tests that start a Ray instance share one group, so they run one at a time). Further
+# arguments go to pytest after these, e.g. `bash scripts/test.sh -m "not slow"` or `-n 0` for one process.
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh" test
+lane=()
+if [ "${1:-}" = "--fast" ]; then
+  shift
+  lane=(-m "(not integration and not slow) or smoke")
+fi
 # Lint and type-check first (config in pyproject.toml); either failing fails the run (set -e).
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 bash scripts/typecheck.sh
 set +e
-.venv/bin/python -m pytest "$@"
+.venv/bin/python -m pytest -n 2 --dist loadgroup "${lane[@]}" "$@"
 rc=$?
 if [ "$rc" -eq 5 ]; then
   echo "pytest collected no tests (exit 5): treating as failure, the suite must not be empty" >&2

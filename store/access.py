@@ -4,7 +4,8 @@ Each RPC belongs to one role (``RPC_ROLE``); the admin key may call every RPC. A
 as gRPC metadata ``authorization: Bearer <key>``. With the RPC's role key configured:
 - no key, or a key that is no role's key: ``UNAUTHENTICATED``;
 - a valid key of a role that may not call the RPC: ``PERMISSION_DENIED``.
-A role with no configured key is open (allowed only on loopback, see ``check_keys``). Keys are
+A role with no configured key is open (allowed only on loopback: ``check_keys`` in
+rollbook/config/store.py refuses a store config that breaks the key rules). Keys are
 compared in constant time against every configured key (no early exit that would tell which one
 nearly matched), and never logged. docs/security.md has the table.
 """
@@ -18,13 +19,13 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
+from rollbook.config.store import ROLES
+
 if TYPE_CHECKING:  # pragma: no cover
     from rollbook.v1 import rollbook_pb2 as pb
 
 # gRPC invocation metadata: (key, value) pairs, values bytes for -bin keys
 Metadata = Iterable[tuple[str, str | bytes]]
-
-ROLES = ("worker", "trainer", "reader", "admin")
 
 RPC_ROLE = {
     "Submit": "worker",
@@ -38,9 +39,6 @@ RPC_ROLE = {
     "RegisterModel": "admin",
     "GetModel": "worker",
 }
-
-MIN_KEY_CHARS = 16
-MIN_DISTINCT_CHARS = 8
 
 
 class Denied(Exception):
@@ -100,49 +98,6 @@ class KeyRing:
         raise Denied(grpc.StatusCode.PERMISSION_DENIED, f"the {role} key may not call {rpc}; it needs the {need} key")
 
 
-def weak_key_reason(key: str) -> str | None:
-    """Why ``key`` is too weak to guard a store reachable from the network, or None."""
-    if any(c.isspace() for c in key):
-        return "contains whitespace"
-    if not key.isprintable() or not key.isascii():
-        return "contains non-printable or non-ASCII characters"
-    if len(key) < MIN_KEY_CHARS:
-        return f"is shorter than {MIN_KEY_CHARS} characters"
-    if len(set(key)) < MIN_DISTINCT_CHARS:
-        return f"has fewer than {MIN_DISTINCT_CHARS} distinct characters"
-    return None
-
-
-def check_keys(keys: dict[str, str | None], *, loopback: bool) -> None:
-    """Off loopback every role needs its own key of reasonable strength (``secrets.token_hex(16)``
-    is one); raises ``ValueError`` with a one-line message naming the env variable to fix. On
-    loopback a missing key leaves its role open, but a configured key still may not hold whitespace
-    nor be shared by two roles."""
-    missing = [r for r in ROLES if not keys.get(r)]
-    if not loopback and missing:
-        names = ", ".join(f"ROLLBOOK_{r.upper()}_KEY" for r in missing)
-        raise ValueError(
-            f"a non-loopback store needs all four role keys; missing {names} "
-            f"(make them with: python -c 'import secrets; print(secrets.token_hex(16))')"
-        )
-    for role in ROLES:
-        key = keys.get(role)
-        if not key:
-            continue
-        reason = weak_key_reason(key) if not loopback else ("contains whitespace" if any(c.isspace() for c in key) else None)
-        if reason:
-            raise ValueError(
-                f"ROLLBOOK_{role.upper()}_KEY {reason}; use e.g. python -c 'import secrets; print(secrets.token_hex(16))'"
-            )
-    given = [(r, key) for r in ROLES if (key := keys.get(r))]
-    for i, (a, ka) in enumerate(given):
-        for b, kb in given[i + 1 :]:
-            if hmac.compare_digest(ka.encode(), kb.encode()):
-                raise ValueError(
-                    f"ROLLBOOK_{a.upper()}_KEY and ROLLBOOK_{b.upper()}_KEY are the same key; each role needs its own"
-                )
-
-
 # ---- numeric request fields ------------------------------------------------------------------------
 
 MAX_LEASE_SECONDS = 7 * 86400.0
@@ -150,7 +105,6 @@ MAX_BATCH = 1_000_000  # num_samples / num_groups
 MAX_VERSION = 1 << 53
 MAX_STEP = 1 << 53
 MAX_VOCAB = 1 << 24
-MAX_REWARD = 1e9
 MAX_QUERY_TIMEOUT_S = 3600.0
 MIN_TIME, MAX_TIME = 0.0, 1e11  # unix seconds
 
@@ -187,9 +141,10 @@ def _report(r: pb.ReportTrainStepRequest) -> list[str | None]:
     ]
 
 
+# SetReward's reward has no range here: the ledger checks it by the ingest rule itself (finite,
+# |reward| <= IngestConfig.max_abs_reward; NONFINITE_REWARD / REWARD_OUT_OF_RANGE), one bound for both.
 _FIELD_CHECKS = {
     "PullBatch": _pull,
-    "SetReward": lambda r: [_finite_in("reward", r.reward, -MAX_REWARD, MAX_REWARD)],
     "Query": lambda r: [_finite_in("timeout_seconds", r.timeout_seconds, 0.0, MAX_QUERY_TIMEOUT_S)],
     "PublishVersion": lambda r: [
         _int_in("version", r.version, 0, MAX_VERSION),

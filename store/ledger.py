@@ -30,15 +30,16 @@ import duckdb
 import numpy as np
 import pyarrow as pa
 
-from rollbook.store import wal
+from rollbook.config import IngestConfig, ValidatorConfig
+from rollbook.store import schema, wal
 from rollbook.store.prepare import Prepared, prepare
 from rollbook.store.schema import DDL
 from rollbook.store.sql import SANDBOX_CONFIG
 from rollbook.trajectories import decode_messages
 from rollbook.v1 import rollbook_pb2 as pb
 from rollbook.validator import groups, pull
-from rollbook.validator.groups import ValidatorConfig, one_row
-from rollbook.validator.ingest import IngestConfig, VersionSet
+from rollbook.validator.groups import one_row
+from rollbook.validator.ingest import VersionSet, reward_out_of_range
 from rollbook.validator.reasons import Reason
 
 log = logging.getLogger("rollbook.store")
@@ -52,6 +53,10 @@ class UnknownTrajectory(LookupError):
 
 class ModelNotRegistered(LookupError):
     """The model id is not in the registry (``RegisterModel`` first)."""
+
+
+class ModelConflict(ValueError):
+    """The model is registered with another vocabulary; its stored rows were checked against that one."""
 
 
 class InvalidReward(ValueError):
@@ -177,6 +182,7 @@ class Ledger:
         self.con = _connect(self.db_path)
         for ddl in DDL:
             self.con.execute(ddl)
+        schema.upgrade(self.con)
         self.registry = _Registry()
         self._load_registry()
         self._seen: dict[str, str] = {}  # trajectory_id -> first status (ACCEPTED / REJECTED)
@@ -242,10 +248,21 @@ class Ledger:
         return outcomes  # type: ignore[return-value]
 
     def register_model(self, model_id: str, vocab_size: int) -> None:
+        """Register ``model_id`` with its vocabulary. Registering it again with the same size changes
+        nothing; another size raises ``ModelConflict``: the rows stored under the model were checked
+        against the first one, so a new vocabulary needs a new model_id."""
         with self._db_lock:
-            self.con.execute("INSERT OR REPLACE INTO models VALUES (?, ?, ?)", [model_id, vocab_size, time.time()])
+            stored = self.registry.vocab_size(model_id)
+            if stored == vocab_size:
+                return
+            if stored is not None:
+                raise ModelConflict(
+                    f"model {model_id!r} is registered with vocab_size {stored}, not {vocab_size}: its stored rows "
+                    f"were checked against {stored}; register the other vocabulary under a new model_id"
+                )
+            self.con.execute("INSERT INTO models VALUES (?, ?, ?)", [model_id, vocab_size, time.time()])
             self._generation += 1
-        self.registry.set_vocab(model_id, vocab_size)
+            self.registry.set_vocab(model_id, vocab_size)
 
     def publish_version(
         self,
@@ -289,11 +306,8 @@ class Ledger:
         Raises ``InvalidReward``, ``UnknownTrajectory`` or ``NotRewardable`` with the reason."""
         if not math.isfinite(reward):
             raise InvalidReward(f"{Reason.NONFINITE_REWARD}: reward = {reward}")
-        if abs(reward) > self.ingest_config.max_abs_reward:
-            raise InvalidReward(
-                f"{Reason.REWARD_OUT_OF_RANGE}: reward = {reward:g}; |reward| must be <= "
-                f"max_abs_reward {self.ingest_config.max_abs_reward:g}"
-            )
+        if abs(reward) > self.ingest_config.max_abs_reward:  # the ingest rule's bound and detail
+            raise InvalidReward(f"{Reason.REWARD_OUT_OF_RANGE}: {reward_out_of_range(reward, self.ingest_config)}")
         if bool(trajectory_id) == bool(session_id):
             raise InvalidReward("give exactly one of trajectory_id and session_id")
         self.flush()
@@ -302,19 +316,32 @@ class Ledger:
             if session_id:
                 groups.settle(con, self.validator_config, now)  # retry orphans first: reward a kept attempt
                 # the session's last interaction: of each call its consumed attempt (else its only or
-                # latest one), then the latest of those by created_at (rollbook.proto, SetRewardRequest)
+                # latest one), then the latest of those by created_at (rollbook.proto, SetRewardRequest).
+                # Rejected attempts count too: when the last interaction was rejected, the reward is
+                # for it and goes nowhere, never to an earlier call.
                 found = con.execute(
-                    """WITH calls AS (
-                          SELECT trajectory_id, status, created_at, row_number() OVER (
+                    """WITH attempts AS (
+                          SELECT trajectory_id, model_id, request_id, consumed, created_at, status, NULL AS reason
+                          FROM trajectories WHERE session_id = $1
+                          UNION ALL
+                          SELECT trajectory_id, model_id, request_id, consumed, created_at, NULL AS status, reason
+                          FROM rejections WHERE session_id = $1 AND trajectory_id <> ''),
+                        calls AS (
+                          SELECT *, row_number() OVER (
                             PARTITION BY model_id, CASE WHEN request_id = '' THEN 'traj:' || trajectory_id ELSE request_id END
-                            ORDER BY consumed DESC, created_at DESC, trajectory_id DESC) AS rk
-                          FROM trajectories WHERE session_id = ?)
-                        SELECT trajectory_id, status FROM calls WHERE rk = 1
-                        ORDER BY created_at DESC, trajectory_id DESC LIMIT 1""",
+                            ORDER BY consumed DESC NULLS LAST, created_at DESC NULLS LAST, trajectory_id DESC) AS rk
+                          FROM attempts)
+                        SELECT trajectory_id, status, reason FROM calls WHERE rk = 1
+                        ORDER BY created_at DESC NULLS LAST, trajectory_id DESC LIMIT 1""",
                     [session_id],
                 ).fetchone()
                 if found is None:
-                    raise UnknownTrajectory(f"no accepted trajectory in session {session_id!r}")
+                    raise UnknownTrajectory(f"no trajectory in session {session_id!r}")
+                if found[2] is not None:
+                    raise NotRewardable(
+                        f"the last interaction of session {session_id!r} (trajectory {found[0]!r}) was rejected ({found[2]})"
+                    )
+                found = found[:2]
             else:
                 found = con.execute(
                     "SELECT trajectory_id, status FROM trajectories WHERE trajectory_id = ?", [trajectory_id]

@@ -25,12 +25,13 @@ from google.protobuf.message import DecodeError
 from google.protobuf.message import Message as ProtoMessage
 from google.protobuf.unknown_fields import UnknownFieldSet
 
+from rollbook.config import IngestConfig
 from rollbook.store.tables import rejections_table, trajectories_table
 from rollbook.trajectories import Ragged, TrajectoryColumns, decode_messages, varint_bytes
 from rollbook.v1 import ingest_view_pb2 as view_pb
 from rollbook.v1 import rollbook_pb2 as pb
 from rollbook.validator import ingest
-from rollbook.validator.ingest import IngestConfig, Registry
+from rollbook.validator.ingest import Registry
 
 try:
     from rollbook.store import _varint  # type: ignore[attr-defined]  # C extension, no stub; built at install (store/_varint.c)

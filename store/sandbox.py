@@ -19,10 +19,17 @@ comes from what the query's engine can reach (docs/sql.md):
   locked, extension autoloading off,
   DuckDB's ``memory_limit``, its ``threads`` and a temp directory that is its own empty folder with
   a size limit.
+- **The same answer whatever ran before.** Memory DuckDB frees stays with the process's allocator
+  (outside DuckDB's accounting, inside the data limit), so a worker exits after a query that leaves
+  it holding much (``sandbox_worker._bloated``), after running out of memory and after a timeout,
+  and a fresh one takes its place. Should a query still run out of memory (or its process die) in
+  a worker that served queries before, it is run once more in a fresh process, with its whole
+  timeout, and that answer stands: a query that succeeds in a fresh worker succeeds after any
+  others.
 - **Bounds the server enforces.** The statement fence (``rollbook.store.sql``) runs in the worker;
   the worker interrupts the query at its timeout, and the server SIGKILLs the worker
   ``kill_grace_s`` later if it has not answered (a single long function call ignores interrupts),
-  then starts a fresh one. Results stream back as Arrow IPC chunks, capped in rows and bytes (the
+  then starts a fresh one; either way the answer is DEADLINE_EXCEEDED. Results stream back as Arrow IPC chunks, capped in rows and bytes (the
   worker cuts and says so; the server also stops reading past the cap). At most ``workers`` queries
   run at once and ``queue`` wait; more are refused with RESOURCE_EXHAUSTED.
 
@@ -49,7 +56,7 @@ from collections.abc import Iterator
 from typing import Protocol
 
 from rollbook.store.sandbox_worker import HEADER as _HEADER
-from rollbook.store.sql import INTERNAL, INVALID, RESOURCES, QueryError, QueryLimits
+from rollbook.store.sql import CODES, INTERNAL, RESOURCES, TIMEOUT, QueryError, QueryLimits
 
 log = logging.getLogger("rollbook.store.sandbox")
 
@@ -191,6 +198,7 @@ class _Worker:
         assert stdin is not None and stdout is not None  # both are PIPE above
         self.stdin, self.stdout = stdin, stdout
         self.killed = False  # by the server (timeout); then an EOF means "timed out", not "crashed"
+        self.queries = 0  # queries sent to this process
 
     @property
     def alive(self) -> bool:
@@ -260,8 +268,21 @@ class SandboxPool:
                 log.exception("could not snapshot the ledger for a query")
                 raise QueryError(f"could not snapshot the ledger for this query: {exc}", INTERNAL) from exc
             deadline += time.monotonic() - started  # the snapshot is the store's own work, not the query's
+            answered = False
             try:
-                yield from self._execute(worker, snap.path, sql, rows, timeout, deadline)
+                try:
+                    for chunk in self._execute(worker, snap.path, sql, rows, timeout, deadline):
+                        answered = True
+                        yield chunk
+                except QueryError as exc:
+                    if answered or not exc.memory or worker.queries <= 1:
+                        raise
+                    # Out of memory in a process that ran queries before: what those left behind may
+                    # be the cause. The answer is a fresh process's, with the query's whole timeout.
+                    worker.reap()
+                    self.respawns += 1
+                    worker = _Worker(self.limits, self.workdir, 0)
+                    yield from self._execute(worker, snap.path, sql, rows, timeout, time.monotonic() + timeout)
             finally:
                 self.snapshots.release(snap)
         finally:
@@ -285,7 +306,7 @@ class SandboxPool:
                         raise QueryError("the store is shutting down", RESOURCES)
                     remaining = deadline - time.monotonic()
                     if remaining <= 0:
-                        raise QueryError(f"query exceeded its timeout of {timeout:g} s waiting for a free sandbox", RESOURCES)
+                        raise QueryError(f"query exceeded its timeout of {timeout:g} s waiting for a free sandbox", TIMEOUT)
                     self._cond.wait(remaining)
                 worker = self._idle.pop()
             finally:
@@ -333,7 +354,8 @@ class SandboxPool:
         watchdog = threading.Timer(hard_deadline - time.monotonic(), worker.kill)
         watchdog.daemon = True
         watchdog.start()
-        timed_out = QueryError(f"query exceeded its timeout of {timeout:g} s")
+        timed_out = QueryError(f"query exceeded its timeout of {timeout:g} s", TIMEOUT)
+        worker.queries += 1
         try:
             try:
                 worker.send(
@@ -371,7 +393,7 @@ class SandboxPool:
                         raise timed_out from None
                     message = _death(worker)
                     worker.kill()
-                    raise QueryError(message, INTERNAL) from None
+                    raise QueryError(message, INTERNAL, memory=True) from None
                 if kind == b"C":
                     received += length
                     if received > lim.max_result_bytes + lim.max_chunk_bytes + (1 << 20):
@@ -392,8 +414,8 @@ class SandboxPool:
                     err = json.loads(payload)
                     if err.get("exit"):
                         worker.kill()  # it is exiting anyway; do not hand it another query
-                    code = err.get("code") if err.get("code") in (INVALID, RESOURCES, INTERNAL) else INTERNAL
-                    raise QueryError(str(err.get("message", "the query failed")), code)
+                    code = err.get("code") if err.get("code") in CODES else INTERNAL
+                    raise QueryError(str(err.get("message", "the query failed")), code, memory=bool(err.get("memory")))
                 else:
                     worker.kill()
                     raise QueryError(f"the sandbox sent an unknown frame {kind!r}", INTERNAL)

@@ -4,8 +4,9 @@ Started by ``rollbook.store.sandbox.SandboxPool`` (the design is described there
 docs/sql.md). It limits itself before importing DuckDB (data segment, core files, file size, CPU
 priority), watches its parent, then answers one query per JSON line on stdin with frames on
 stdout: ``kind (1 byte) + length (8 bytes, big-endian) + payload``, ``C`` an Arrow IPC chunk,
-then ``E`` (``{"truncated", "exit"}``) or ``X`` (``{"code", "message", "exit"}``). ``exit`` says
-this process ends after the answer (a fatal DuckDB error, a timeout, memory it should give back).
+then ``E`` (``{"truncated", "exit"}``) or ``X`` (``{"code", "message", "exit", "memory"}``). ``exit``
+says this process ends after the answer (a fatal DuckDB error, a timeout, memory it should give
+back); ``memory`` that the query failed for want of memory.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from types import ModuleType
 from typing import IO, TYPE_CHECKING
 
 from rollbook.lifetime import exit_with_parent
-from rollbook.store.sql import INTERNAL, INVALID, RESOURCES, QueryError
+from rollbook.store.sql import INTERNAL, INVALID, RESOURCES, TIMEOUT, QueryError
 
 if TYPE_CHECKING:  # pragma: no cover
     import duckdb as duckdb_types
@@ -60,8 +61,9 @@ def main(settings: dict) -> None:
         except QueryError as exc:
             # after a timeout or running out of memory, start afresh: what the allocator kept is
             # outside DuckDB's accounting, and the next query would meet the process limit early
-            fresh = exc.code != INVALID or "timeout" in str(exc) or _bloated(settings)
-            _send(out, b"X", json.dumps({"code": exc.code, "message": str(exc), "exit": fresh}).encode())
+            fresh = exc.code != INVALID or _bloated(settings)
+            answer = {"code": exc.code, "message": str(exc), "exit": fresh, "memory": exc.memory}
+            _send(out, b"X", json.dumps(answer).encode())
             if fresh:
                 return
         except _Fatal as exc:
@@ -77,16 +79,21 @@ def main(settings: dict) -> None:
 
 
 def _bloated(settings: dict) -> bool:
-    """Whether this process holds more than half its memory limit after a query (memory DuckDB
-    freed but the allocator kept): then it exits after answering and the server starts a fresh one."""
+    """Whether this process kept much memory after a query (memory DuckDB freed but the allocator
+    kept): more than half its memory limit resident, or its data segment (what ``RLIMIT_DATA``
+    counts, the allocator's arenas included) past three quarters of the process limit. Then it exits
+    after answering and the server starts a fresh one, so the next query meets the limits as a
+    fresh process does."""
+    status: dict[str, int] = {}
     try:
         with open("/proc/self/status") as f:
             for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) >> 10 > 256 + settings["memory_limit_mb"] // 2
+                if line.startswith(("VmRSS:", "VmData:")):
+                    status[line.split(":")[0]] = int(line.split()[1]) >> 10  # MiB
     except OSError:
-        pass
-    return False
+        return False
+    resident = status.get("VmRSS", 0) > 256 + settings["memory_limit_mb"] // 2
+    return resident or status.get("VmData", 0) * 4 > settings["process_limit_mb"] * 3
 
 
 class _Fatal(Exception):
@@ -151,19 +158,19 @@ def _serve_one(duckdb: ModuleType, con: duckdb_types.DuckDBPyConnection, request
         except RecursionError as exc:
             raise QueryError("the statement is nested too deeply") from exc
         except MemoryError as exc:
-            raise QueryError(_oom_message("", request), RESOURCES) from exc
+            raise QueryError(_oom_message("", request), RESOURCES, memory=True) from exc
         except (duckdb.FatalException, duckdb.InternalException) as exc:
             raise _Fatal(f"the query hit an internal DuckDB error in its sandbox (the store is unaffected): {exc}") from exc
         except duckdb.InterruptException as exc:
-            raise QueryError(f"query exceeded its timeout of {label:g} s") from exc
+            raise QueryError(f"query exceeded its timeout of {label:g} s", TIMEOUT) from exc
         except duckdb.OutOfMemoryException as exc:
-            raise QueryError(_oom_message(str(exc), request), RESOURCES) from exc
+            raise QueryError(_oom_message(str(exc), request), RESOURCES, memory=True) from exc
         except (duckdb.Error, pa.ArrowException) as exc:
             text = str(exc)
             if "INTERRUPT" in text.upper():
-                raise QueryError(f"query exceeded its timeout of {label:g} s") from exc
+                raise QueryError(f"query exceeded its timeout of {label:g} s", TIMEOUT) from exc
             if "Out of Memory" in text or "bad allocation" in text:
-                raise QueryError(_oom_message(text, request), RESOURCES) from exc
+                raise QueryError(_oom_message(text, request), RESOURCES, memory=True) from exc
             if "invalidated" in text or "INTERNAL Error" in text or "FATAL Error" in text:
                 raise _Fatal(f"the query hit an internal DuckDB error in its sandbox (the store is unaffected): {text}") from exc
             raise QueryError(text) from exc

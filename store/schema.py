@@ -7,6 +7,7 @@ meaning and invariant is documented in ``docs/schema.md``; keep the two in step.
 
 from __future__ import annotations
 
+import duckdb
 import pyarrow as pa
 
 # Invariants (enforced at ingest by rollbook.validator):
@@ -58,8 +59,9 @@ REJECTION_SCHEMA = pa.schema(
         ("worker_id", pa.string()),
         ("num_output_tokens", pa.int64()),
         ("rejected_at", pa.float64()),
-        # last, so that files made before it (ALTER TABLE ... ADD COLUMN below) have the same order
+        # last, so that files made before them (ALTER TABLE ... ADD COLUMN below) have the same order
         ("consumed", pa.bool_()),
+        ("created_at", pa.float64()),
     ]
 )
 
@@ -81,6 +83,11 @@ def _columns_ddl(schema: pa.Schema) -> str:
     return ",\n  ".join(f"{f.name} {_DUCK_TYPES[f.type]}" for f in schema)
 
 
+# A group is the samples of one prompt from one policy: one per (model_id, group_id).
+_GROUPS_DDL = """CREATE TABLE IF NOT EXISTS groups (
+  model_id VARCHAR, group_id VARCHAR, expected_size UINTEGER, num_members UINTEGER,
+  num_rewarded UINTEGER, status VARCHAR, ready_at DOUBLE, closed_at DOUBLE, PRIMARY KEY (model_id, group_id))"""
+
 # Tables written by the store. `trajectories` and `rejections` follow the Arrow schemas above;
 # the small control tables are written directly. `_log_state` is internal (the fold watermark of
 # the write-ahead log) and not part of the documented surface.
@@ -91,11 +98,11 @@ DDL = [
     f"CREATE TABLE IF NOT EXISTS rejections (\n  {_columns_ddl(REJECTION_SCHEMA)}\n)",
     # files made before `rejections.consumed` existed (retry orphans need it: docs/evidence.md)
     "ALTER TABLE rejections ADD COLUMN IF NOT EXISTS consumed BOOLEAN",
+    # and before `rejections.created_at` (a session's last interaction may be a rejected one)
+    "ALTER TABLE rejections ADD COLUMN IF NOT EXISTS created_at DOUBLE",
     """CREATE TABLE IF NOT EXISTS rewards (
   trajectory_id VARCHAR, session_id VARCHAR, reward DOUBLE, source VARCHAR, set_at DOUBLE)""",
-    """CREATE TABLE IF NOT EXISTS groups (
-  group_id VARCHAR PRIMARY KEY, expected_size UINTEGER, num_members UINTEGER,
-  num_rewarded UINTEGER, status VARCHAR, ready_at DOUBLE, closed_at DOUBLE)""",
+    _GROUPS_DDL,
     """CREATE TABLE IF NOT EXISTS models (
   model_id VARCHAR PRIMARY KEY, vocab_size UINTEGER, registered_at DOUBLE)""",
     """CREATE TABLE IF NOT EXISTS policy_versions (
@@ -112,3 +119,26 @@ DDL = [
 ]
 
 TABLES = ["trajectories", "rejections", "rewards", "groups", "models", "policy_versions", "leases", "train_steps"]
+
+
+def upgrade(con: duckdb.DuckDBPyConnection) -> None:
+    """Bring a file made by an older store to ``DDL``'s shape, after ``DDL`` ran: a ``groups`` table
+    keyed by ``group_id`` alone gets ``model_id`` (its members' model) and the key (model_id, group_id)."""
+    (has_model,) = con.execute(
+        "SELECT count(*) FROM duckdb_columns() WHERE database_name = current_database() "
+        "AND table_name = 'groups' AND column_name = 'model_id'"
+    ).fetchone() or (0,)
+    if has_model:
+        return
+    con.execute(_GROUPS_DDL.replace("groups (", "groups_by_model (", 1))
+    con.execute(
+        """INSERT INTO groups_by_model
+           SELECT coalesce(m.model_id, ''), g.group_id, g.expected_size, g.num_members, g.num_rewarded, g.status,
+                  g.ready_at, g.closed_at
+           FROM groups g LEFT JOIN (
+             SELECT CASE WHEN group_id = '' THEN 'traj:' || trajectory_id ELSE group_id END AS group_id,
+                    min(model_id) AS model_id
+             FROM trajectories GROUP BY ALL) m USING (group_id)"""
+    )
+    con.execute("DROP TABLE groups")
+    con.execute("ALTER TABLE groups_by_model RENAME TO groups")

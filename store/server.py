@@ -14,9 +14,7 @@ a batch, a query or a control call runs on one of three bounded thread pools (se
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import logging
-import pathlib
 import signal
 import sys
 import threading
@@ -25,199 +23,49 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import grpc
-from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from rollbook.store.access import ROLES, KeyRing, check_keys
+from rollbook.config import StoreConfig
+from rollbook.config.store import is_loopback
+from rollbook.store.access import KeyRing
 from rollbook.store.ledger import Ledger
 from rollbook.store.service import AsyncStore, Pools, StreamLimits, TrajectoryStoreService, handlers
 from rollbook.store.sql import QueryLimits
 from rollbook.tls import ServerTLS, add_port
-from rollbook.validator.groups import ValidatorConfig
-from rollbook.validator.ingest import IngestConfig
 
 log = logging.getLogger("rollbook.store")
 T = TypeVar("T")
 
-MAX_MESSAGE_BYTES = 64 << 20
+
+def store_tls(config: StoreConfig) -> ServerTLS | None:
+    """The server's TLS credentials (``tls_cert``, ``tls_key``, ``tls_client_ca`` for mutual TLS), or
+    None without TLS."""
+    if config.tls_cert is None:
+        return None
+    return ServerTLS(str(config.tls_cert), str(config.tls_key), str(config.tls_client_ca) if config.tls_client_ca else None)
 
 
-def _key_field(role: str, rpcs: str) -> Any:  # a pydantic FieldInfo, typed Any like Field()
-    # repr=False and exclude=True: a key never shows in a log line or a dumped config
-    return Field(
-        None,
-        repr=False,
-        exclude=True,
-        description=f"The {role} role's key, for {rpcs} "
-        f"(env ROLLBOOK_{role.upper()}_KEY). Unset on loopback leaves those RPCs open; required off loopback.",
+def query_limits(config: StoreConfig) -> QueryLimits:
+    """The SQL sandbox's limits (store/sql.py) from the ``query_*`` fields."""
+    return QueryLimits(
+        max_rows=config.query_max_rows,
+        timeout_s=config.query_timeout_s,
+        kill_grace_s=config.query_kill_grace_s,
+        max_result_bytes=config.query_max_result_bytes,
+        max_chunk_bytes=config.max_message_bytes - (1 << 20),
+        memory_limit_mb=config.query_memory_limit_mb,
+        process_headroom_mb=config.query_process_headroom_mb,
+        threads=config.query_duckdb_threads,
+        temp_limit_mb=config.query_temp_limit_mb,
+        workers=config.query_workers,
+        queue=config.query_queue,
+        snapshot_max_age_s=config.query_snapshot_max_age_s,
     )
-
-
-_LIMITS = QueryLimits()  # the query_* defaults live in one place, store/sql.py
-
-
-class StoreConfig(BaseModel):
-    """Configuration of ``rollbook serve`` (``--config FILE``, dotted overrides such as
-    ``--validator.norm.mode group_mean``, ``rollbook serve --help-config``) and of the ``[store]``
-    section of ``rollbook run``."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    db: pathlib.Path = Field(
-        pathlib.Path("runs/default/rollbook.duckdb"),
-        description="DuckDB ledger file (created if missing); the write-ahead log lives beside it.",
-    )
-    host: str = Field(
-        "127.0.0.1", description="Address to bind. A non-loopback address requires all four role keys, and TLS unless `insecure`."
-    )
-    port: int = Field(50551, ge=0, le=65535, description="Port to bind; 0 picks a free one.")
-    worker_key: str | None = _key_field("worker", "Submit, SetReward and GetModel")
-    trainer_key: str | None = _key_field("trainer", "PullBatch, AckBatch, PublishVersion and ReportTrainStep")
-    reader_key: str | None = _key_field("reader", "Query and GetStats")
-    admin_key: str | None = _key_field("admin", "RegisterModel and every other RPC")
-    tls_cert: pathlib.Path | None = Field(
-        None, description="PEM certificate (chain) of the server; with tls_key turns TLS on (env ROLLBOOK_TLS_CERT)."
-    )
-    tls_key: pathlib.Path | None = Field(None, description="PEM private key of tls_cert (env ROLLBOOK_TLS_KEY).")
-    tls_client_ca: pathlib.Path | None = Field(
-        None, description="PEM CA that must have signed every client's certificate: mutual TLS (env ROLLBOOK_TLS_CLIENT_CA)."
-    )
-    insecure: bool = Field(
-        False, description="Allow a non-loopback address without TLS (keys then cross the network in clear text)."
-    )
-    max_message_bytes: int = Field(
-        MAX_MESSAGE_BYTES, ge=1 << 20, description="Largest gRPC message accepted; a bigger one is RESOURCE_EXHAUSTED."
-    )
-    num_workers: int = Field(
-        8, ge=1, description="Threads that prepare and commit Submit batches (an open stream holds none while it waits)."
-    )
-    control_workers: int = Field(
-        8, ge=1, description="Threads for PullBatch, AckBatch, SetReward, GetStats and the other unary RPCs."
-    )
-    query_threads: int = Field(
-        4, ge=1, description="Threads that run Query calls (so slow queries cannot hold up the control RPCs)."
-    )
-    max_submit_streams: int = Field(1024, ge=1, description="Open Submit streams in all; one more is RESOURCE_EXHAUSTED.")
-    max_submit_streams_per_host: int = Field(
-        256, ge=1, description="Open Submit streams from one client address (host); one more is RESOURCE_EXHAUSTED."
-    )
-    max_streams_per_connection: int = Field(
-        128,
-        ge=1,
-        description="Concurrent RPCs on one connection (HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS); more wait in the client.",
-    )
-    max_concurrent_rpcs: int = Field(8192, ge=16, description="Open RPCs in all; one more is RESOURCE_EXHAUSTED.")
-    stream_idle_timeout_s: float = Field(
-        120.0,
-        gt=0,
-        le=86400,
-        description="A Submit stream that sends no batch, or reads no answer, for this long is closed (DEADLINE_EXCEEDED; StoreClient reconnects).",
-    )
-    # The SQL sandbox (docs/sql.md); defaults are QueryLimits'. Every query_* field can also be set
-    # as env ROLLBOOK_<FIELD>.
-    query_max_rows: int = Field(_LIMITS.max_rows, ge=1, description="Row cap of one Query; the last chunk says when it cut.")
-    query_timeout_s: float = Field(
-        _LIMITS.timeout_s,
-        gt=0,
-        le=3600,
-        description="Per-query timeout in seconds: the default, and the most a caller may ask for (0, negative, NaN or inf mean this). A query still running query_kill_grace_s later has its sandbox process killed.",
-    )
-    query_kill_grace_s: float = Field(
-        _LIMITS.kill_grace_s,
-        ge=0.1,
-        le=60,
-        description="Seconds past the timeout before the server SIGKILLs the query's sandbox process (DuckDB's own interrupt comes first).",
-    )
-    query_max_result_bytes: int = Field(
-        _LIMITS.max_result_bytes,
-        ge=1 << 20,
-        description="Byte cap of one Query's result (Arrow bytes); the result is cut there and the last chunk says so.",
-    )
-    query_memory_limit_mb: int = Field(
-        _LIMITS.memory_limit_mb, ge=64, description="DuckDB memory_limit of each sandbox process, in MiB."
-    )
-    query_process_headroom_mb: int = Field(
-        _LIMITS.process_headroom_mb,
-        ge=128,
-        description="Each sandbox process's data-segment limit (RLIMIT_DATA) is query_memory_limit_mb plus this; allocations past it fail inside the sandbox.",
-    )
-    query_duckdb_threads: int = Field(_LIMITS.threads, ge=1, le=64, description="DuckDB threads per sandbox process.")
-    query_temp_limit_mb: int = Field(
-        _LIMITS.temp_limit_mb,
-        ge=0,
-        description="Spill space per sandbox process in its private temp folder, in MiB (0: no spilling).",
-    )
-    query_workers: int = Field(
-        _LIMITS.workers,
-        ge=1,
-        le=64,
-        description="Sandbox processes: at most this many queries run at once. Query-engine memory is bounded by query_workers x (query_memory_limit_mb + query_process_headroom_mb).",
-    )
-    query_queue: int = Field(
-        _LIMITS.queue,
-        ge=0,
-        description="Queries that may wait for a free sandbox process; more are refused with RESOURCE_EXHAUSTED.",
-    )
-    query_snapshot_max_age_s: float = Field(
-        _LIMITS.snapshot_max_age_s,
-        ge=0,
-        description="Queries read a snapshot of the ledger; a new one is taken (checkpoint + file copy, under the ledger's lock) when the ledger changed and the current one is at least this old. 0: every query sees every acknowledged row; raise it when the ledger is large and queries frequent (see docs/sql.md for the cost).",
-    )
-    ingest: IngestConfig = Field(default_factory=IngestConfig, description="Limits and tolerances of the ingest rules.")
-    validator: ValidatorConfig = Field(
-        default_factory=ValidatorConfig, description="Group readiness, normalization and lease settings."
-    )
-    validate_evidence: bool = Field(
-        True, description="Run the evidence rules at ingest. Off only to measure their cost (env ROLLBOOK_BENCH_NOVALIDATE=1)."
-    )
-
-    @model_validator(mode="after")
-    def _access(self) -> "StoreConfig":
-        loopback = is_loopback(self.host)
-        check_keys(self.keys(), loopback=loopback)
-        if (self.tls_cert is None) != (self.tls_key is None):
-            raise ValueError("tls_cert and tls_key go together (--tls-cert/--tls-key, env ROLLBOOK_TLS_CERT/ROLLBOOK_TLS_KEY)")
-        if self.tls_client_ca is not None and self.tls_cert is None:
-            raise ValueError("tls_client_ca (mutual TLS) needs tls_cert and tls_key")
-        if not loopback and self.tls_cert is None and not self.insecure:
-            raise ValueError(
-                f"refusing to bind non-loopback address {self.host!r} without TLS: give --tls-cert and "
-                "--tls-key (env ROLLBOOK_TLS_CERT/ROLLBOOK_TLS_KEY), or --insecure to send keys in clear text"
-            )
-        return self
-
-    def keys(self) -> dict[str, str | None]:
-        return {role: getattr(self, f"{role}_key") for role in ROLES}
-
-    def tls(self) -> ServerTLS | None:
-        if self.tls_cert is None:
-            return None
-        return ServerTLS(str(self.tls_cert), str(self.tls_key), str(self.tls_client_ca) if self.tls_client_ca else None)
-
-    @classmethod
-    def from_env(cls, **overrides: Any) -> "StoreConfig":
-        return cls(**{**env_values(), **{k: v for k, v in overrides.items() if v is not None}})
-
-    def query_limits(self) -> QueryLimits:
-        return QueryLimits(
-            max_rows=self.query_max_rows,
-            timeout_s=self.query_timeout_s,
-            kill_grace_s=self.query_kill_grace_s,
-            max_result_bytes=self.query_max_result_bytes,
-            max_chunk_bytes=self.max_message_bytes - (1 << 20),
-            memory_limit_mb=self.query_memory_limit_mb,
-            process_headroom_mb=self.query_process_headroom_mb,
-            threads=self.query_duckdb_threads,
-            temp_limit_mb=self.query_temp_limit_mb,
-            workers=self.query_workers,
-            queue=self.query_queue,
-            snapshot_max_age_s=self.query_snapshot_max_age_s,
-        )
 
 
 def env_values() -> dict:
     """The StoreConfig fields the environment sets: the four keys, the TLS files,
-    ``ROLLBOOK_BENCH_NOVALIDATE`` and ``ROLLBOOK_QUERY_<FIELD>`` (read in rollbook/env.py)."""
-    from rollbook import env
+    ``ROLLBOOK_BENCH_NOVALIDATE`` and ``ROLLBOOK_QUERY_<FIELD>`` (read in rollbook/environment.py)."""
+    from rollbook import environment as env
 
     tls = env.server_tls()
     values: dict[str, Any] = {**env.keys(), "tls_cert": tls["cert"], "tls_key": tls["key"], "tls_client_ca": tls["client_ca"]}
@@ -226,15 +74,6 @@ def env_values() -> dict:
         values["validate_evidence"] = False
     values.update(env.query_settings([name for name in StoreConfig.model_fields if name.startswith("query_")]))
     return values
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 class StoreServer:
@@ -279,7 +118,7 @@ def create_server(config: StoreConfig, ledger: Ledger | None = None) -> tuple[St
     ledger = ledger or Ledger(
         config.db, ingest_config=config.ingest, validator_config=config.validator, validate=config.validate_evidence
     )
-    service = TrajectoryStoreService(ledger, query_limits=config.query_limits())
+    service = TrajectoryStoreService(ledger, query_limits=query_limits(config))
     pools = Pools(
         ingest=ThreadPoolExecutor(config.num_workers, thread_name_prefix="rollbook-ingest"),
         # enough threads for every query the sandbox admits (running + waiting), so an excess
@@ -305,7 +144,7 @@ def create_server(config: StoreConfig, ledger: Ledger | None = None) -> tuple[St
         ("grpc.keepalive_timeout_ms", 20_000),
     ]
     host = f"[{config.host}]" if ":" in config.host else config.host
-    tls = config.tls()
+    tls = store_tls(config)
 
     async def build() -> tuple[grpc.aio.Server, int]:
         server = grpc.aio.server(options=options, maximum_concurrent_rpcs=config.max_concurrent_rpcs)

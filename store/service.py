@@ -30,7 +30,15 @@ import grpc
 import pyarrow as pa
 
 from rollbook.store.access import Denied, KeyRing, field_error
-from rollbook.store.ledger import InvalidReward, Ledger, ModelNotRegistered, NotRewardable, Outcome, UnknownTrajectory
+from rollbook.store.ledger import (
+    InvalidReward,
+    Ledger,
+    ModelConflict,
+    ModelNotRegistered,
+    NotRewardable,
+    Outcome,
+    UnknownTrajectory,
+)
 from rollbook.store.prepare import MalformedRequest, Prepared, parse_message, prepare_bytes
 from rollbook.store.sql import QueryError, QueryLimits
 from rollbook.v1 import rollbook_pb2 as pb
@@ -92,6 +100,7 @@ DOMAIN_STATUS: dict[type[Exception], grpc.StatusCode] = {
     NotLeaseOwner: grpc.StatusCode.PERMISSION_DENIED,
     NotRewardable: grpc.StatusCode.FAILED_PRECONDITION,
     ModelNotRegistered: grpc.StatusCode.FAILED_PRECONDITION,
+    ModelConflict: grpc.StatusCode.FAILED_PRECONDITION,
     LeaseError: grpc.StatusCode.FAILED_PRECONDITION,  # expired and re-leased (after its subclasses above)
 }
 

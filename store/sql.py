@@ -38,20 +38,26 @@ _ALLOWED = {duckdb.StatementType.SELECT, duckdb.StatementType.EXPLAIN}
 
 # gRPC status names a QueryError maps to (store/service.py)
 INVALID, RESOURCES, INTERNAL = "INVALID_ARGUMENT", "RESOURCE_EXHAUSTED", "INTERNAL"
+TIMEOUT = "DEADLINE_EXCEEDED"  # the query ran past its timeout
+CODES = (INVALID, RESOURCES, INTERNAL, TIMEOUT)
 
 
 class QueryError(ValueError):
     """A refused or failed query; the message is meant for the user (DuckDB's own text included).
-    ``code`` names the gRPC status it answers with."""
+    ``code`` names the gRPC status it answers with. ``memory`` marks a failure for want of memory
+    (or a sandbox process that died), which can depend on what earlier queries left in the process."""
 
-    def __init__(self, message: str, code: str = INVALID):
+    def __init__(self, message: str, code: str = INVALID, *, memory: bool = False):
         super().__init__(message)
         self.code = code
+        self.memory = memory
 
 
 @dataclass
 class QueryLimits:
-    """The server's bounds on one query and on the sandbox that runs them (``StoreConfig.query_*``)."""
+    """The server's bounds on one query and on the sandbox that runs them (``StoreConfig.query_*``,
+    rollbook/config/store.py, which states the same defaults: this module runs in the sandbox
+    process, which does not load the config; tests/unit/test_config_home.py checks they agree)."""
 
     max_rows: int = 100_000
     timeout_s: float = 30.0  # the default and the maximum a caller may ask for

@@ -65,7 +65,17 @@ def rejections_table(batch: TrajectoryColumns, rejected: Sequence[tuple[int, str
     num_tokens = batch.tokens.lengths
     cols = {
         name: [batch.column(name)[i] for i in rows]
-        for name in ("trajectory_id", "session_id", "group_id", "request_id", "model_id", "domain", "worker_id", "consumed")
+        for name in (
+            "trajectory_id",
+            "session_id",
+            "group_id",
+            "request_id",
+            "model_id",
+            "domain",
+            "worker_id",
+            "consumed",
+            "created_at",
+        )
     }
     cols.update(
         {

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import pyarrow as pa
 
-from rollbook.durable import fsync_dir
+from rollbook.fsync import fsync_dir
 from rollbook.store.schema import REJECTION_SCHEMA, TRAJECTORY_SCHEMA
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -161,7 +161,8 @@ def _concat(tables: list[pa.Table]) -> pa.Table | None:
 
 def _conform(batches: list[pa.RecordBatch], schema: pa.Schema) -> pa.Table:
     """The batches as one table in ``schema``; a segment written before a column was added to the
-    schema (``rejections.consumed``) gets that column as NULLs instead of failing to read."""
+    schema (``rejections.consumed``, ``rejections.created_at``) gets that column as NULLs instead of
+    failing to read."""
     if batches[0].schema.equals(schema):
         return pa.Table.from_batches(batches, schema=schema)
     table = pa.Table.from_batches(batches)

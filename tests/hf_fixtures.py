@@ -83,10 +83,10 @@ def save_bpe_tokenizer(directory: str | pathlib.Path, vocab_size: int = 400) -> 
 
 def save_tiny_model_dir(directory: str | pathlib.Path, *, vocab_size: int = 400, seed: int = 0, **spec) -> pathlib.Path:
     """A complete Hugging Face model directory: the BPE tokenizer above and a freshly initialised tiny
-    Llama (``rollbook.models.build_tiny_model``) of its vocabulary, its config naming the tokenizer's
+    Llama (``rollbook.language_models.build_tiny_model``) of its vocabulary, its config naming the tokenizer's
     bos/eos/pad ids, both ``save_pretrained`` into ``directory`` (``AutoModelForCausalLM`` and
     ``AutoTokenizer`` load it with ``local_files_only``). ``spec``: ``TinyModelSpec`` fields."""
-    from rollbook.models import TinyModelSpec, build_tiny_model
+    from rollbook.language_models import TinyModelSpec, build_tiny_model
 
     directory = save_bpe_tokenizer(directory, vocab_size=vocab_size)
     from transformers import AutoTokenizer

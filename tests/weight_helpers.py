@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from rollbook.models import TinyModelSpec
+from rollbook.language_models import TinyModelSpec
 
 SPEC = TinyModelSpec(vocab_size=128)
 

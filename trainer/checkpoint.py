@@ -2,8 +2,9 @@
 
 A checkpoint holds the model, the optimizer, the policy version, the step, every RNG state, and the
 lease ids the checkpointed weights consumed (``state.pt``, ``trainer.json``), and the model's Hugging
-Face ``config.json`` (its architecture: ``rollbook export`` turns any kept checkpoint into a Hugging
-Face directory, ``trainer/export.py``). It is written to a temporary directory and renamed into
+Face ``config.json`` and ``generation_config.json`` (its architecture and its generation defaults:
+``rollbook export`` turns any kept checkpoint into the Hugging Face directory the run itself writes
+for that step, ``trainer/export.py``). It is written to a temporary directory and renamed into
 place (atomic on POSIX), so a kill -9 leaves either the old checkpoint or the new one. A lease is
 acked only after the checkpoint holding it exists; on restart the trainer re-acks the checkpoint's
 leases (acks are idempotent) and republishes its version, so a crash between checkpoint and ack
@@ -25,7 +26,8 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import torch
 
-from rollbook.durable import fsync_dir
+from rollbook.fsync import fsync_dir
+from rollbook.trainer.export import save_hf_configs
 
 
 @dataclass
@@ -49,9 +51,7 @@ def save_checkpoint(
         tmp / "state.pt",
     )
     (tmp / "trainer.json").write_text(json.dumps(asdict(state), indent=2))
-    hf_config = getattr(model, "config", None)
-    if hasattr(hf_config, "to_json_file"):  # the architecture, for `rollbook export` (trainer/export.py)
-        hf_config.to_json_file(tmp / "config.json")
+    save_hf_configs(model, tmp)  # for `rollbook export` (trainer/export.py)
     _fsync_tree(tmp)
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)

@@ -3,7 +3,7 @@ nccl for a model on CUDA) training one policy on one lease per step.
 
     rollbook train --num_ranks 2 ...                        # spawns the ranks itself (torch.multiprocessing)
     torchrun --nproc_per_node 2 -m rollbook.cli train ...   # env:// rendezvous, one process per rank
-    rollbook run --placement ray --trainer.num_ranks 2 ...  # the ranks as Ray actors (rollbook/run_ray.py)
+    rollbook run --placement ray --trainer.num_ranks 2 ...  # the ranks as Ray actors (rollbook/run/ray_cluster.py)
 
 One step:
 1. rank 0 pulls one lease (``PullBatch``) and broadcasts the Arrow table to every rank (an empty
@@ -19,9 +19,11 @@ One step:
    export and publishes version v + 1 (to its weight publishers and the store); the other ranks only
    advance their step and version.
 
-``update`` mirrors ``Trainer.update`` (loop.py) with the share and the reductions added: a term added
-to the loss there (as the KL penalty was) must be added here too; the equivalence test
-(tests/unit/trainer/test_distributed.py) runs with the KL penalty on to catch one that is not.
+The update is ``Trainer.update`` itself (loop.py): this class overrides only its cross-rank hooks
+(this rank's share, the summed token counts, the gradient all-reduce, the gathered statistics). The
+step's statistics are reduced over every rank's micro-batches by ``reduce_stats`` (loop.py: counts
+summed, maxima maxed, means weighted by what they average over), so ``train_steps.stats`` read the
+same for N ranks as for one (tested in tests/unit/trainer/test_distributed.py).
 
 There is one lease, one checkpoint and one ack per step, whatever N. A rank that dies makes the
 others' next collective fail (or time out after ``dist_timeout_s``): the step fails, nothing was
@@ -38,7 +40,7 @@ from __future__ import annotations
 import datetime
 import logging
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -46,9 +48,9 @@ import pyarrow as pa
 import torch
 import torch.distributed as dist
 
+from rollbook.config import TrainerConfig
 from rollbook.trainer.checkpoint import TrainerState
-from rollbook.trainer.config import TrainerConfig
-from rollbook.trainer.loop import Publisher, Trainer, _aggregations, _Rows, _teacher_gap_by_domain
+from rollbook.trainer.loop import Publisher, Trainer, _Rows
 
 log = logging.getLogger("rollbook.trainer")
 
@@ -122,7 +124,6 @@ class DistributedTrainer(Trainer):
         model: torch.nn.Module,
         teacher=None,
         publishers: Sequence[Publisher] = (),
-        on_step: Callable[[dict], None] | None = None,
     ):
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         if self.rank == 0 and client is None:
@@ -135,7 +136,6 @@ class DistributedTrainer(Trainer):
             model=model,
             teacher=teacher,
             publishers=publishers,
-            on_step=on_step,
         )
         self._table: pa.Table | None = None
 
@@ -166,54 +166,26 @@ class DistributedTrainer(Trainer):
         stats["step"] = self.state.step - 1
         return stats
 
-    def update(self, rows: _Rows) -> dict:
-        """This rank's share of the batch, with token-weighted gradients summed over the ranks."""
-        cfg = self.config
-        lr = self._apply_lr()
+    # ---- the cross-rank hooks of Trainer.update ---------------------------------------------------
+
+    def _local_rows(self, rows: _Rows) -> _Rows | None:
+        """This rank's share of the batch (whole groups, ``shard_groups``); None when it has none."""
         assert self._table is not None
         mine = shard_groups(self._table, self.rank, self.world_size)
-        local = _subset(rows, mine) if mine else None
-        proximal = self._proximal(local) if local is not None else None
-        teacher = self._teacher_logprobs(local) if local is not None and cfg.loss.distill_coef > 0 else None
-        reference = self._reference_logprobs(local) if local is not None and self.reference is not None else None
-        order = np.random.permutation(len(mine))
-        acc: dict[str, list[float]] = defaultdict(list)
-        per_sequence, distill_per_sequence = _aggregations(cfg.loss)
-        weights = local.sequence_weights() if (per_sequence or distill_per_sequence) and local is not None else None
-        for minibatch in np.array_split(order, cfg.num_minibatches):
-            self.optimizer.zero_grad(set_to_none=True)
-            if local is None or not len(minibatch):
-                units = (0, 0)
-            else:  # what the losses average over: sequences and tokens, summed over the ranks
-                units = (len(minibatch), len(local.token_slice(minibatch)))
-            totals = (_all_reduce_int(units[0]), _all_reduce_int(units[1]))
-            if totals[0] == 0:
-                continue  # the same on every rank
-            if units[0]:
-                assert local is not None and proximal is not None
-                for seqs, idx, packed in self._micro_batches(local, minibatch):
-                    stats = self._micro_step(local, seqs, idx, packed, totals, proximal, teacher, reference, weights)
-                    for k, v in stats.items():
-                        acc[k].append(float(v))
-            _all_reduce_gradients(self.model)
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
-            acc["grad/norm"].append(float(grad_norm))
-            self.optimizer.step()
-        gap = float((proximal - local.behavior).abs().sum()) if local is not None and proximal is not None else 0.0
+        return _subset(rows, mine) if mine else None
+
+    def _sum_over_ranks(self, counts: tuple[int, int]) -> tuple[int, int]:
+        t = torch.tensor(counts, dtype=torch.int64, device=_collective_device())
+        dist.all_reduce(t)
+        return int(t[0]), int(t[1])
+
+    def _reduce_gradients(self) -> None:
+        _all_reduce_gradients(self.model)
+
+    def _gather_stats(self, parts: list[dict[str, float]]) -> list[dict[str, float]]:
         gathered: list = [None] * self.world_size
-        dist.all_gather_object(gathered, (dict(acc), gap, len(local.behavior) if local is not None else 0))
-        merged: dict[str, list[float]] = defaultdict(list)
-        for part, _, _ in gathered:
-            for k, v in part.items():
-                merged[k] += v
-        out = {k: float(np.mean(v)) for k, v in merged.items()}
-        out["grad/norm"] = acc["grad/norm"][-1] if acc["grad/norm"] else 0.0  # identical on every rank
-        out["proximal/behavior_gap"] = sum(g for _, g, _ in gathered) / max(1, sum(n for _, _, n in gathered))
-        if teacher is not None and local is not None and proximal is not None:
-            out.update(_teacher_gap_by_domain(local, teacher, proximal))  # this rank's share
-        out["optim/lr"] = lr
-        out["dist/world_size"] = self.world_size
-        return out
+        dist.all_gather_object(gathered, parts)
+        return [part for rank_parts in gathered for part in rank_parts]
 
 
 def _subset(rows: _Rows, seqs: list[int]) -> _Rows:
@@ -250,10 +222,8 @@ def _device(model: torch.nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
-def _all_reduce_int(value: int) -> int:
-    t = torch.tensor([value], dtype=torch.int64, device="cuda" if dist.get_backend() == "nccl" else "cpu")
-    dist.all_reduce(t)
-    return int(t.item())
+def _collective_device() -> str:
+    return "cuda" if dist.get_backend() == "nccl" else "cpu"
 
 
 def _all_reduce_gradients(model: torch.nn.Module) -> None:

@@ -10,10 +10,12 @@ model (``save_pretrained``: config.json, generation_config.json, safetensors wei
 config's end-of-sequence, padding and start ids filled in from the tokenizer where it has none, so
 ``generate`` stops on end of sequence) and the tokenizer the run used (``export_tokenizer``).
 
-``rollbook export`` rebuilds the model of a kept checkpoint from the Hugging Face config the
-checkpoint holds (``config.json`` beside ``state.pt``; for a checkpoint written before that, from the
-run's resolved config, ``RUN_DIR/config.json``), loads its weights strictly and writes the same
-directory. Exported weights equal the checkpoint's, tensor for tensor.
+``rollbook export`` rebuilds the model of a kept checkpoint from the Hugging Face configs the
+checkpoint holds (``config.json`` and ``generation_config.json`` beside ``state.pt``, written by
+``save_hf_configs``; for a checkpoint written before them, from the run's resolved config,
+``RUN_DIR/config.json``, and its ``model.path``), loads its weights strictly and writes the same
+directory through the same ``write_hf_dir``: file for file what the run wrote to ``hf/step-NNNNNN``
+for that step (generation config included: its end-of-sequence ids and sampling defaults).
 """
 
 from __future__ import annotations
@@ -26,8 +28,9 @@ import shutil
 
 import torch
 
-from rollbook.durable import fsync_dir
-from rollbook.models import ModelConfig, quiet_transformers
+from rollbook.config import ModelConfig
+from rollbook.fsync import fsync_dir
+from rollbook.language_models import quiet_transformers
 
 log = logging.getLogger("rollbook.trainer")
 
@@ -93,6 +96,18 @@ def write_hf_dir(
     os.replace(tmp, out)
     fsync_dir(out.parent)
     return out
+
+
+def save_hf_configs(model: torch.nn.Module, directory: pathlib.Path) -> None:
+    """``model``'s ``config.json`` (its architecture) and ``generation_config.json`` (its end-of-sequence
+    ids, sampling defaults) into ``directory``, a checkpoint: what ``rollbook export`` rebuilds the
+    model's configuration from (``_checkpoint_model``). Nothing for a model without them."""
+    hf_config = getattr(model, "config", None)
+    if hasattr(hf_config, "to_json_file"):
+        hf_config.to_json_file(directory / "config.json")
+    generation = getattr(model, "generation_config", None)
+    if hasattr(generation, "to_json_file"):
+        generation.to_json_file(directory / "generation_config.json")
 
 
 def export_tokenizer(model_config: ModelConfig, out: pathlib.Path, *, tokenizer_dir: str | os.PathLike | None = None) -> None:
@@ -200,7 +215,7 @@ def _checkpoint_model(path: pathlib.Path) -> tuple[torch.nn.Module, ModelConfig]
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from rollbook.errors import CommandError
-    from rollbook.models import build_student
+    from rollbook.language_models import build_student
 
     model_config = _run_model_config(path)
     if (path / "config.json").is_file():
@@ -210,13 +225,34 @@ def _checkpoint_model(path: pathlib.Path) -> tuple[torch.nn.Module, ModelConfig]
             raise CommandError(
                 f"{path}: corrupt checkpoint: config.json does not load ({' '.join(str(exc).split())[:200]})"
             ) from None
-        return AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32), model_config or ModelConfig()
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+        _restore_generation_config(model, path, model_config)
+        return model, model_config or ModelConfig()
     if model_config is None:
         raise CommandError(
             f"{path}: no config.json in the checkpoint and no run config at {path.parent.parent / 'config.json'}: "
             "the model's architecture is unknown"
         )
     return build_student(model_config), model_config
+
+
+def _restore_generation_config(model: torch.nn.Module, path: pathlib.Path, model_config: ModelConfig | None) -> None:
+    """The generation config the run's model held: the checkpoint's ``generation_config.json``, else
+    (a checkpoint written before it) the one of the run's ``model.path``, else the model's default."""
+    from transformers import GenerationConfig
+
+    from rollbook.errors import CommandError
+
+    for source in (path, pathlib.Path(model_config.path) if model_config and model_config.path else None):
+        if source is not None and (source / "generation_config.json").is_file():
+            try:
+                generation = GenerationConfig.from_pretrained(source, local_files_only=True)
+            except Exception as exc:  # noqa: BLE001 - a damaged generation_config.json
+                raise CommandError(
+                    f"{source}: generation_config.json does not load ({' '.join(str(exc).split())[:200]})"
+                ) from None
+            model.generation_config = generation  # type: ignore[assignment]  # a transformers PreTrainedModel, typed as its nn.Module base
+            return
 
 
 def _run_model_config(path: pathlib.Path) -> ModelConfig | None:

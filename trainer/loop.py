@@ -26,7 +26,6 @@ import logging
 import math
 import pathlib
 import time
-from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -35,9 +34,9 @@ import numpy as np
 import pyarrow as pa
 import torch
 
+from rollbook.config import TrainerConfig
 from rollbook.trainer import losses
 from rollbook.trainer.checkpoint import TrainerState, load_checkpoint, save_checkpoint
-from rollbook.trainer.config import TrainerConfig
 from rollbook.trainer.export import export_due, export_model
 from rollbook.trainer.model_builders import build_reference
 from rollbook.trainer.packing import gather_tokens, pack_sequences, packed_log_softmax, packed_logprobs
@@ -108,7 +107,6 @@ class Trainer:
         model: torch.nn.Module,
         teacher: TeacherScorer | None = None,
         publishers: Sequence[Publisher] = (),
-        on_step: Callable[[dict], None] | None = None,
         reference: torch.nn.Module | None = None,
     ):
         if config.loss.distill_coef > 0 and teacher is None:
@@ -129,7 +127,6 @@ class Trainer:
         if config.loss.kl_coef > 0:
             self.reference = build_reference(config, model) if reference is None else reference.eval().requires_grad_(False)
         self.publishers = list(publishers)
-        self.on_step = on_step
         self.run_dir = pathlib.Path(config.run_dir)
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
         self.state = TrainerState()
@@ -152,20 +149,13 @@ class Trainer:
         return self.state
 
     def run(self) -> list[dict]:
-        """Train until ``num_steps`` steps are done; returns each step's statistics."""
+        """Start, then train until ``num_steps`` steps are done (trainer/drive.py, with no placement);
+        returns each step's statistics."""
+        from rollbook.trainer.drive import drive
+
         self.start()
-        history = []
-        waited_since = time.monotonic()
-        while self.state.step < self.config.num_steps:
-            stats = self.step()
-            if stats is None:
-                if time.monotonic() - waited_since > self.config.max_wait_s:
-                    raise TimeoutError(f"no batch for {self.config.max_wait_s:g} s at step {self.state.step}")
-                time.sleep(self.config.poll_interval_s)
-                continue
-            waited_since = time.monotonic()
-            history.append(stats)
-        return history
+        cfg = self.config
+        return drive(self, num_steps=cfg.num_steps, max_wait_s=cfg.max_wait_s, poll_interval_s=cfg.poll_interval_s).history
 
     # ---- one step ---------------------------------------------------------------------------------
 
@@ -221,8 +211,6 @@ class Trainer:
             stats.get("ppo/clip_frac", 0.0),
             stats["perf/tokens_per_s"],
         )
-        if self.on_step:
-            self.on_step(stats)
         return stats
 
     def _apply_lr(self) -> float:
@@ -242,34 +230,72 @@ class Trainer:
         return lr
 
     def update(self, rows: _Rows) -> dict:
-        """Proximal log-probs, then the minibatch updates; returns averaged statistics."""
+        """Proximal log-probs, then the minibatch updates; returns the step's statistics.
+
+        The one update path of every trainer: ``DistributedTrainer`` overrides only the four cross-rank
+        hooks (``_local_rows``, ``_sum_over_ranks``, ``_reduce_gradients``, ``_gather_stats``), which
+        are identities here; a term added to the loss goes into ``_loss`` and reaches both."""
         cfg = self.config
         lr = self._apply_lr()
-        proximal = self._proximal(rows)
-        teacher = self._teacher_logprobs(rows) if cfg.loss.distill_coef > 0 else None
-        reference = self._reference_logprobs(rows) if self.reference is not None else None
-        order = np.random.permutation(len(rows.outputs))
-        acc: dict[str, list[float]] = defaultdict(list)
-        per_sequence, distill_per_sequence = _aggregations(cfg.loss)
-        weights = rows.sequence_weights() if per_sequence or distill_per_sequence else None
+        local = self._local_rows(rows)  # this rank's share (None: no group for it this step)
+        proximal = teacher = reference = weights = None
+        if local is not None:
+            proximal = self._proximal(local)
+            teacher = self._teacher_logprobs(local) if cfg.loss.distill_coef > 0 else None
+            reference = self._reference_logprobs(local) if self.reference is not None else None
+            if any(_aggregations(cfg.loss)):
+                weights = local.sequence_weights()
+        order = np.random.permutation(len(local.outputs) if local is not None else 0)
+        parts: list[dict[str, float]] = []  # one per micro-batch, reduced by reduce_stats
+        grad_norms: list[float] = []
         for minibatch in np.array_split(order, cfg.num_minibatches):
-            if len(minibatch) == 0:
-                continue
+            # what the losses average over: sequences and tokens, summed over the ranks
+            units = (len(minibatch), len(local.token_slice(minibatch))) if local is not None and len(minibatch) else (0, 0)
+            totals = self._sum_over_ranks(units)
+            if totals[0] == 0:
+                continue  # the same on every rank
             self.optimizer.zero_grad(set_to_none=True)
-            totals = (len(minibatch), len(rows.token_slice(minibatch)))  # sequences, tokens
-            for seqs, idx, packed in self._micro_batches(rows, minibatch):
-                stats = self._micro_step(rows, seqs, idx, packed, totals, proximal, teacher, reference, weights)
-                for k, v in stats.items():
-                    acc[k].append(float(v))
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
-            acc["grad/norm"].append(float(grad_norm))
+            if units[0]:
+                assert local is not None and proximal is not None
+                for seqs, idx, packed in self._micro_batches(local, minibatch):
+                    stats = self._micro_step(local, seqs, idx, packed, totals, proximal, teacher, reference, weights)
+                    parts.append({k: float(v) for k, v in stats.items()})
+            self._reduce_gradients()
+            grad_norms.append(float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)))
             self.optimizer.step()
-        out = {k: float(np.mean(v)) for k, v in acc.items()}
+        if local is not None and proximal is not None and len(local.behavior):
+            parts.append(
+                {
+                    "proximal/behavior_gap": float((proximal - local.behavior).abs().mean()),
+                    "proximal/num_valid_tokens": len(local.behavior),
+                }
+            )
+        if teacher is not None and local is not None and proximal is not None:
+            parts += _teacher_gap_by_domain(local, teacher, proximal)
+        out = reduce_stats(self._gather_stats(parts))
+        out["grad/norm"] = float(np.mean(grad_norms)) if grad_norms else 0.0  # identical on every rank
         out["optim/lr"] = lr
-        out["proximal/behavior_gap"] = float((proximal - rows.behavior).abs().mean())
-        if teacher is not None:
-            out.update(_teacher_gap_by_domain(rows, teacher, proximal))
+        out["dist/world_size"] = self.world_size
         return out
+
+    # ---- the cross-rank hooks of update(): identities on one rank (DistributedTrainer: collectives) ----
+
+    world_size = 1
+
+    def _local_rows(self, rows: _Rows) -> _Rows | None:
+        """The rows this rank trains on: all of them."""
+        return rows
+
+    def _sum_over_ranks(self, counts: tuple[int, int]) -> tuple[int, int]:
+        """A minibatch's (sequences, tokens) over every rank: the micro-batch losses' denominators."""
+        return counts
+
+    def _reduce_gradients(self) -> None:
+        """Make every rank's accumulated gradients the whole minibatch's (before the clip)."""
+
+    def _gather_stats(self, parts: list[dict[str, float]]) -> list[dict[str, float]]:
+        """Every rank's micro-batch statistics, for ``reduce_stats``."""
+        return parts
 
     def _micro_step(self, rows: _Rows, seqs, idx, packed, totals, proximal, teacher, reference, weights) -> dict:
         """One packed micro-batch of a minibatch (``totals``: its sequences and tokens over every rank):
@@ -305,6 +331,10 @@ class Trainer:
             student_full=student_full,
         )
         (loss * share).backward()
+        # the units the loss values average over, their weights in reduce_stats
+        stats["loss/num_units"] = len(seqs) if per_sequence else len(idx)
+        if teacher is not None:
+            stats["mopd/num_units"] = len(seqs) if distill_per_sequence else len(idx)
         return stats
 
     def _loss(
@@ -492,11 +522,81 @@ def _micro_share(seqs: int, tokens: int, totals: tuple[int, int], per_sequence: 
     return seqs / totals[0] if per_sequence else tokens / totals[1]
 
 
-def _teacher_gap_by_domain(rows: _Rows, teacher: torch.Tensor, student: torch.Tensor) -> dict:
+def _teacher_gap_by_domain(rows: _Rows, teacher: torch.Tensor, student: torch.Tensor) -> list[dict[str, float]]:
+    """``teacher_gap/DOMAIN``, the mean of log pi_T - log pi_student over the domain's tokens, one
+    ``reduce_stats`` part per domain (weighted by ``num_tokens/DOMAIN``)."""
     gap = (teacher - student).numpy()
     seq = rows.seq_of_token.numpy()
-    out = {}
+    out = []
     for domain in sorted(set(rows.domains)):
         seqs = [i for i, d in enumerate(rows.domains) if d == domain]
-        out[f"teacher_gap/{domain}"] = float(gap[np.isin(seq, seqs)].mean())
+        mine = np.isin(seq, seqs)
+        if mine.any():
+            out.append({f"teacher_gap/{domain}": float(gap[mine].mean()), f"num_tokens/{domain}": int(mine.sum())})
+    return out
+
+
+_MEAN_WEIGHTS = {
+    # loss values: each averages over its loss's units (tokens, or sequences under sequence_mean)
+    "loss/total": "loss/num_units",
+    "ppo/loss": "loss/num_units",
+    "kl/mean": "loss/num_units",
+    "mopd/loss": "mopd/num_units",
+    # fractions of the tokens kept in the loss (behavior_weight_action = "mask" drops some)
+    "ppo/clip_frac": "ppo/num_loss_tokens",
+    "ppo/dual_clip_frac": "ppo/num_loss_tokens",
+    "mopd/adv_clip_frac": "mopd/num_loss_tokens",
+}
+
+
+def stat_reduction(key: str) -> tuple[str, str | None]:
+    """How the statistic ``key`` of a micro-batch combines with the others of the step, on this rank
+    and across ranks: ``(op, weight)``, the rule by name for every statistic the losses
+    (trainer/losses.py) and ``update`` produce:
+
+    - a count, a key with a ``num_*`` part (``ppo/num_loss_tokens``, ``loss/num_units``, ``num_tokens/DOMAIN``): the sum;
+    - an extreme, ``..._max`` or ``..._min``: the max or the min;
+    - anything else is a mean, weighted by the count it averages over: a loss value
+      (``loss/total``, ``ppo/loss``, ``kl/mean``, ``mopd/loss``) by its loss's units (tokens, or
+      sequences under ``loss.aggregation = "sequence_mean"``); a fraction of the kept tokens by
+      ``PREFIX/num_loss_tokens``; ``teacher_gap/DOMAIN`` by ``num_tokens/DOMAIN``; any other
+      ``PREFIX/NAME`` by ``PREFIX/num_valid_tokens``.
+
+    So the step's statistics are those of one micro-batch holding the whole batch, whatever the
+    micro-batch size and the number of ranks. A new statistic follows the rule or gets an entry here."""
+    last = key.rsplit("/", 1)[-1]
+    if any(part.startswith("num_") for part in key.split("/")):
+        return "sum", None
+    if last.endswith("_max"):
+        return "max", None
+    if last.endswith("_min"):
+        return "min", None
+    if key in _MEAN_WEIGHTS:
+        return "mean", _MEAN_WEIGHTS[key]
+    prefix, _, name = key.partition("/")
+    if prefix == "teacher_gap":
+        return "mean", f"num_tokens/{name}"
+    return "mean", f"{prefix}/num_valid_tokens"
+
+
+def reduce_stats(parts: Sequence[dict[str, float]]) -> dict[str, float]:
+    """One step's statistics from its micro-batches' (every rank's), by ``stat_reduction``; a mean
+    over no weight is 0."""
+    out: dict[str, float] = {}
+    weights: dict[str, float] = {}
+    for part in parts:
+        for key, value in part.items():
+            op, weight_key = stat_reduction(key)
+            if op == "sum":
+                out[key] = out.get(key, 0) + value
+            elif op == "max":
+                out[key] = max(out.get(key, value), value)
+            elif op == "min":
+                out[key] = min(out.get(key, value), value)
+            else:
+                weight = part[weight_key]  # type: ignore[index]  # a mean always has one
+                out[key] = out.get(key, 0.0) + weight * value
+                weights[key] = weights.get(key, 0.0) + weight
+    for key, total in weights.items():
+        out[key] = out[key] / total if total else 0.0
     return out

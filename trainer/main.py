@@ -12,11 +12,13 @@ from __future__ import annotations
 import logging
 import os
 import sys
-import time
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from rollbook.client import StoreClient
-from rollbook.trainer.config import TrainerConfig
+from rollbook.config import TrainerConfig
+
+if TYPE_CHECKING:
+    from rollbook.trainer.drive import Outcome
 
 log = logging.getLogger("rollbook.trainer")
 
@@ -43,23 +45,30 @@ def train(config: TrainerConfig) -> list[dict]:
             dist.destroy_process_group()
         _leave()  # every rank here is a trained gloo rank (see _leave); the launcher reads exit code 0
     if config.num_ranks == 1:
-        return train_rank(config)
+        return train_rank(config).history
     return _spawned(config)
 
 
 def train_rank(
-    config: TrainerConfig, *, publishers: list | None = None, on_step=None, build=None, on_weight_port=None, on_start=None
-) -> list[dict]:
+    config: TrainerConfig,
+    *,
+    publishers: list | None = None,
+    build=None,
+    on_weight_port=None,
+    on_start=None,
+    drive_with: dict | None = None,
+) -> Outcome:
     """The trainer (rank 0 of a joined process group, or the only one): store client, weight
-    publishers, the loop. ``publishers``, ``on_step``, ``build`` (returns (student, teacher)),
-    ``on_weight_port`` (told the weight server's bound port) and ``on_start`` (called once the first
-    version is published and announced, before the first pull) let a launcher (rollbook/run_ray.py)
-    add its own."""
+    publishers, the drive loop (trainer/drive.py). ``publishers``, ``build`` (returns (student,
+    teacher)), ``on_weight_port`` (told the weight server's bound port), ``on_start`` (called once the
+    first version is published and announced, before the first pull) and ``drive_with`` (more
+    arguments of ``drive``: a placement that evaluates, ``eval_every``, ``metrics``, ``say``) let a
+    launcher (the ray placement of ``rollbook run``) add its own."""
     import torch
     import torch.distributed as dist
 
     from rollbook.errors import ConfigError
-    from rollbook.models import build_student
+    from rollbook.language_models import build_student
     from rollbook.trainer.loop import Trainer
     from rollbook.trainer.model_builders import build_teachers
 
@@ -89,16 +98,16 @@ def train_rank(
     student, teacher = build() if build is not None else (build_student(config.model), build_teachers(config))
     try:
         with StoreClient.from_env(config.server, trainer_key=config.trainer_key) as client:
-            trainer = cls(config, client, model=student, teacher=teacher, publishers=publishers, on_step=on_step)
+            trainer = cls(config, client, model=student, teacher=teacher, publishers=publishers)
             _start(trainer, client, config)
             if on_start is not None:
                 on_start()
-            history = _run(trainer, config)
+            outcome = _run(trainer, config, **(drive_with or {}))
     finally:
         if weight_server is not None:
             weight_server.stop(grace=5)
     log.info("done: %d steps, version %d", trainer.state.step, trainer.state.version)
-    return history
+    return outcome
 
 
 def size_for_tokenizer(config: TrainerConfig) -> int | None:
@@ -123,10 +132,10 @@ def size_for_tokenizer(config: TrainerConfig) -> int | None:
 
 def registered_vocab(student, config: TrainerConfig, tokenizer_vocab: int | None = None) -> int:
     """The vocabulary ``rollbook train`` registers: the student's embedding rows
-    (``rollbook.models.model_vocab_size``), the ids the store's token check admits. A tokenizer with
+    (``rollbook.language_models.model_vocab_size``), the ids the store's token check admits. A tokenizer with
     more ids than that (``tokenizer_vocab``) is a ``ConfigError``: the model could not read them."""
     from rollbook.errors import ConfigError
-    from rollbook.models import model_vocab_size
+    from rollbook.language_models import model_vocab_size
 
     vocab = model_vocab_size(student)
     if tokenizer_vocab is not None and tokenizer_vocab > vocab:
@@ -141,7 +150,7 @@ def follow(config: TrainerConfig, *, build=None) -> list[dict]:
     """Ranks 1..N-1: no store client, no publisher; every step follows rank 0's pull."""
     import torch
 
-    from rollbook.models import build_student
+    from rollbook.language_models import build_student
     from rollbook.trainer.distributed import DistributedTrainer
     from rollbook.trainer.model_builders import build_teachers
 
@@ -184,7 +193,7 @@ def _spawned(config: TrainerConfig) -> list[dict]:
         child.start()
     try:
         init_group(0, config.num_ranks, init_method, backend=config.dist_backend, timeout_s=config.dist_timeout_s)
-        history = train_rank(config)
+        history = train_rank(config).history
         for child in children:
             child.join(timeout=60)
         return history
@@ -253,35 +262,16 @@ def _start(trainer, client, config: TrainerConfig) -> None:
         raise
 
 
-def _run(trainer, config: TrainerConfig) -> list[dict]:
-    """Train to ``num_steps``; while no batch is ready, say so every ``PROGRESS_EVERY_S`` seconds."""
-    from rollbook.errors import CommandError
+def _run(trainer, config: TrainerConfig, **drive_with) -> Outcome:
+    """Train to ``num_steps`` (trainer/drive.py); while no batch is ready, say so every
+    ``PROGRESS_EVERY_S`` seconds (a third of ``max_wait_s`` if less)."""
+    from rollbook.trainer.drive import drive
 
-    history: list[dict] = []
-    every = min(PROGRESS_EVERY_S, config.max_wait_s / 3)
-    waited_since = last_said = time.monotonic()
-    while trainer.state.step < config.num_steps:
-        stats = trainer.step()
-        now = time.monotonic()
-        if stats is not None:
-            history.append(stats)
-            waited_since = last_said = now
-            continue
-        if now - waited_since > config.max_wait_s:
-            raise CommandError(
-                f"no batch from the store for {config.max_wait_s:g} s at step {trainer.state.step} "
-                f"(model {config.model_id!r}, version {trainer.state.version}); is a rollout worker "
-                "submitting? (max_wait_s)"
-            )
-        if now - last_said >= every:
-            log.info(
-                "waiting for a batch: step %d, version %d, %d samples, %.0f s of max_wait_s %g",
-                trainer.state.step,
-                trainer.state.version,
-                config.num_samples,
-                now - waited_since,
-                config.max_wait_s,
-            )
-            last_said = now
-        time.sleep(config.poll_interval_s)
-    return history
+    return drive(
+        trainer,
+        num_steps=config.num_steps,
+        max_wait_s=config.max_wait_s,
+        poll_interval_s=config.poll_interval_s,
+        progress_every_s=min(PROGRESS_EVERY_S, config.max_wait_s / 3),
+        **drive_with,
+    )

@@ -1,6 +1,6 @@
 """Build the models a run trains with: the student (warm-started, cached in the run dir, or loaded from
 ``model.path``), the MOPD teacher(s) and the KL reference a config asks for. (The bare student, without
-warm start, is ``rollbook.models.build_student``, which the rollout worker uses too.) Every model from
+warm start, is ``rollbook.language_models.build_student``, which the rollout worker uses too.) Every model from
 a path is a local Hugging Face directory; a wrong path is a one-line ``ConfigError``."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pathlib
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from rollbook.models import build_student, load_model, model_vocab_size
+from rollbook.language_models import build_student, load_model, model_vocab_size
 from rollbook.tasks import build_domains, make_tasks
 from rollbook.trainer.warmstart import cached_warm_start, greedy_accuracy, sampled_accuracy
 
@@ -21,8 +21,7 @@ if TYPE_CHECKING:  # pragma: no cover
     import torch
     from transformers import PreTrainedModel
 
-    from rollbook.config import RunConfig
-    from rollbook.trainer.config import TeacherConfig, TrainerConfig
+    from rollbook.config import RunConfig, TeacherConfig, TrainerConfig
     from rollbook.trainer.teachers import TeacherScorer
 
 

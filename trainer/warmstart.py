@@ -22,7 +22,7 @@ from collections.abc import Mapping
 import torch
 import torch.nn.functional as F
 
-from rollbook.models import quiet_transformers
+from rollbook.language_models import quiet_transformers
 from rollbook.tasks import DOMAINS, TOKENIZER, Task, TaskDomain, score
 
 log = logging.getLogger("rollbook.trainer")

@@ -7,7 +7,9 @@ A stored trajectory moves ``pending`` -> ``ready`` -> ``leased`` -> ``trained`` 
   ``(model_id, session_id, request_id)``, that the caller did not consume, or, when none is marked,
   all but the latest by ``created_at``; and every unconsumed attempt of a call whose consumed
   attempt was rejected: ``RETRY_ORPHAN``), then groups whose members are all in and rewarded become
-  ``ready``; the incomplete-group policy handles the others (``INCOMPLETE_GROUP``).
+  ``ready``; the incomplete-group policy handles the others (``INCOMPLETE_GROUP``). A group is the
+  rows of one model with one ``group_id`` (``GROUP_KEY``): counted, completed, served and
+  normalized per model.
 - ``expire_leases``: unacked leases past their time return their rows to ``ready``.
 - ``reject_stale``: rows the trainer can no longer use (``trainer_version - min_version > eta``)
   become ``STALE``; versions only grow, so a stale row never becomes fresh again. Under ``wait`` and
@@ -18,33 +20,21 @@ Every function runs inside the caller's DuckDB transaction and takes ``now`` exp
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 import duckdb
-from pydantic import BaseModel, ConfigDict, Field
 
-from rollbook.validator.normalize import NormConfig
+from rollbook.config import ValidatorConfig
 from rollbook.validator.reasons import Reason
 
-GROUP_KEY = "CASE WHEN group_id = '' THEN 'traj:' || trajectory_id ELSE group_id END"
-
-
-class ValidatorConfig(BaseModel):
-    """Group readiness, normalization and lease settings of the store."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    norm: NormConfig = Field(default_factory=NormConfig, description="Grouped reward normalization applied when rows are served.")
-    incomplete_group_policy: Literal["wait", "drop", "keep"] = Field(
-        "wait",
-        description="wait: wait for missing members up to group_timeout_s, then reject the group as INCOMPLETE_GROUP. "
-        "drop: reject a group as soon as all its present members are rewarded but it is short of group_size. "
-        "keep: after group_timeout_s serve the group with its true size (members still unrewarded then are INCOMPLETE_GROUP).",
-    )
-    group_timeout_s: float = Field(
-        600.0, gt=0, description="How long a group may wait for members (wait / keep), from its first member's arrival."
-    )
-    lease_seconds: float = Field(300.0, gt=0, description="Default lease time; unacked leases expire and their rows return.")
+# A group is the samples of one prompt from one policy: the rows of one model with one group_id
+# (the same group_id under two models is two groups). GROUP_KEY names it in one string (the model
+# id's length first, so no two (model_id, group_id) pairs meet); a row with no group_id is a group
+# of one. GROUP_NAME is the name shown in the `groups` table and in details.
+GROUP_KEY = (
+    "CASE WHEN group_id = '' THEN 'traj:' || trajectory_id ELSE length(model_id) || ':' || model_id || ':' || group_id END"
+)
+GROUP_NAME = "CASE WHEN group_id = '' THEN 'traj:' || trajectory_id ELSE group_id END"
 
 
 def one_row(result: duckdb.DuckDBPyConnection) -> tuple[Any, ...]:
@@ -68,7 +58,7 @@ def reject_rows(
             """INSERT INTO rejections BY NAME
                SELECT t.trajectory_id, ? AS reason, r.detail, ? AS stage, t.session_id, t.group_id, t.request_id,
                       t.model_id, t.domain, t.worker_id, t.num_output_tokens::BIGINT AS num_output_tokens, ? AS rejected_at,
-                      t.consumed
+                      t.consumed, t.created_at
                FROM trajectories t JOIN _reject r USING (trajectory_id)""",
             [str(reason), stage, now],
         )
@@ -127,7 +117,7 @@ def _retry_orphans(con: duckdb.DuckDBPyConnection, now: float) -> int:
              SELECT {CALL_KEY}, arg_min(trajectory_id, rejected_at) AS lost_id, arg_min(reason, rejected_at) AS lost_reason
              FROM rejections JOIN touched USING ({CALL_KEY}) WHERE consumed GROUP BY ALL),
            ranked AS (
-             SELECT trajectory_id, group_id, status, attempt, request_id, consumed, lost_id, lost_reason,
+             SELECT trajectory_id, model_id, group_id, status, attempt, request_id, consumed, lost_id, lost_reason,
                     row_number() OVER w AS rk, first_value(trajectory_id) OVER w AS kept,
                     first_value(consumed) OVER w AS kept_consumed
              FROM trajectories JOIN touched USING ({CALL_KEY}) LEFT JOIN lost USING ({CALL_KEY})
@@ -154,7 +144,8 @@ def _retry_orphans(con: duckdb.DuckDBPyConnection, now: float) -> int:
 
 
 _GROUP_STATE = f"""
-    SELECT {GROUP_KEY} AS gkey, greatest(max(group_size), 1) AS expected, count(*) AS members,
+    SELECT {GROUP_KEY} AS gkey, any_value(model_id) AS model_id, any_value({GROUP_NAME}) AS gname,
+           greatest(max(group_size), 1) AS expected, count(*) AS members,
            count(original_reward) AS rewarded, min(received_at) AS first_at,
            bool_or(status = 'pending') AS has_pending
     FROM trajectories GROUP BY gkey"""
@@ -199,7 +190,7 @@ def _promote_ready(con: duckdb.DuckDBPyConnection, config: ValidatorConfig, now:
     con.execute(
         f"""CREATE OR REPLACE TEMP TABLE _ready AS
             WITH g AS ({_GROUP_STATE})
-            SELECT gkey, expected, members FROM g WHERE has_pending AND rewarded = members AND {complete}"""
+            SELECT gkey, model_id, gname, expected, members FROM g WHERE has_pending AND rewarded = members AND {complete}"""
     )
     (n,) = one_row(
         con.execute(
@@ -209,7 +200,7 @@ def _promote_ready(con: duckdb.DuckDBPyConnection, config: ValidatorConfig, now:
     )
     con.execute(
         """INSERT OR REPLACE INTO groups
-           SELECT gkey, expected, members, members, 'ready', ?, NULL FROM _ready""",
+           SELECT model_id, gname, expected, members, members, 'ready', ?, NULL FROM _ready""",
         [now],
     )
     con.execute("DROP TABLE _ready")
@@ -247,7 +238,7 @@ def reject_stale(
         raise ValueError("model_id is required: staleness is relative to one model's versions")
     con.execute(
         f"""CREATE OR REPLACE TEMP TABLE _stale AS
-            SELECT trajectory_id, {GROUP_KEY} AS gkey,
+            SELECT trajectory_id, {GROUP_KEY} AS gkey, {GROUP_NAME} AS gname,
                    'trainer version ' || $1 || ' minus oldest token version ' || min_version || ' = ' ||
                    ($1 - min_version) || ' > max_staleness ' || $2 AS detail
             FROM trajectories WHERE status IN ('pending', 'ready') AND $1 - min_version > $2 AND model_id = $3""",
@@ -258,10 +249,11 @@ def reject_stale(
         reject_rows(
             con,
             f"""SELECT t.trajectory_id,
-                       'group ' || s.gkey || ' lost ' || s.n || ' member(s) to STALE at this pull (e.g. ' || s.example ||
+                       'group ' || s.gname || ' lost ' || s.n || ' member(s) to STALE at this pull (e.g. ' || s.example ||
                        '); policy {policy} never serves a group short of its size' AS detail
                 FROM trajectories t
-                JOIN (SELECT gkey, count(*) AS n, min(trajectory_id) AS example FROM _stale GROUP BY gkey) s
+                JOIN (SELECT gkey, any_value(gname) AS gname, count(*) AS n, min(trajectory_id) AS example
+                      FROM _stale GROUP BY gkey) s
                   ON s.gkey = {_t_key()}
                 WHERE t.status IN ('pending', 'ready')""",
             Reason.INCOMPLETE_GROUP,
@@ -273,4 +265,8 @@ def reject_stale(
 
 
 def _t_key() -> str:
-    return "CASE WHEN t.group_id = '' THEN 'traj:' || t.trajectory_id ELSE t.group_id END"
+    """``GROUP_KEY`` of the rows of ``trajectories t``."""
+    return (
+        "CASE WHEN t.group_id = '' THEN 'traj:' || t.trajectory_id "
+        "ELSE length(t.model_id) || ':' || t.model_id || ':' || t.group_id END"
+    )

@@ -4,7 +4,8 @@
 ``(Reason, detail)`` pair; the store writes the pair to ``rejections`` and answers ``REJECTED``.
 Rules run in a fixed order and the first failure wins, so each trajectory gets exactly one code.
 Group- and pull-time rules (retry orphans, incomplete groups, staleness) live elsewhere in this
-package. The codes are documented in ``docs/evidence.md``.
+package. The codes are documented in ``docs/evidence.md``; the limits are ``IngestConfig``'s
+(rollbook/config/store.py).
 """
 
 from __future__ import annotations
@@ -15,51 +16,12 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
 
+from rollbook.config import IngestConfig
 from rollbook.trajectories import Ragged, TrajectoryColumns
 from rollbook.validator.reasons import Reason
 
 Verdict = tuple[Reason, str] | None
-
-
-class IngestConfig(BaseModel):
-    """Limits and tolerances of the ingest rules."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    max_output_tokens: int = Field(262_144, ge=1, description="Longest accepted output (tokens); longer is OVERSIZED.")
-    max_prompt_tokens: int = Field(262_144, ge=0, description="Longest accepted prompt (tokens); longer is OVERSIZED.")
-    max_id_length: int = Field(
-        256,
-        ge=8,
-        description="Longest accepted string field, in characters: every id (trajectory, session, group, "
-        "request, task, model, worker), domain and finish_reason; longer is OVERSIZED.",
-    )
-    max_abs_reward: float = Field(
-        1e6,
-        gt=0,
-        le=1e150,
-        description="Largest accepted |reward| (at ingest: REWARD_OUT_OF_RANGE; SetReward: "
-        "INVALID_ARGUMENT). Group normalization squares reward differences, so the bound keeps it finite and exact.",
-    )
-    max_group_size: int = Field(
-        65_536,
-        ge=1,
-        le=2**32 - 1,
-        description="Largest accepted group_size; larger is INVALID_GROUP_SIZE (a group "
-        "that size never completes, and a uint64 sent for the uint32 field arrives wrapped to its low 32 bits).",
-    )
-    positive_logprob_tolerance: float = Field(
-        1e-4, ge=0, description="A log-prob above this is POSITIVE_LOGPROB (log-softmax rounding can give tiny positives)."
-    )
-    sentinel_logprobs: list[float] = Field(
-        default_factory=lambda: [-9999.0],
-        description="Values engines write instead of a real log-prob (vLLM: -9999.0); any one of them is SENTINEL_LOGPROB.",
-    )
-    require_sampling_params: bool = Field(
-        True, description="Reject trajectories without `temperature` and `top_p` (MISSING_SAMPLING_PARAMS)."
-    )
 
 
 class Registry(Protocol):
@@ -248,12 +210,18 @@ def _evidence(row: _RowLike, config: IngestConfig) -> Verdict:
     if m.HasField("reward") and not math.isfinite(m.reward):
         return Reason.NONFINITE_REWARD, f"reward = {m.reward}"
     if m.HasField("reward") and abs(m.reward) > config.max_abs_reward:
-        return Reason.REWARD_OUT_OF_RANGE, f"reward = {m.reward:g}; |reward| must be <= max_abs_reward {config.max_abs_reward:g}"
+        return Reason.REWARD_OUT_OF_RANGE, reward_out_of_range(m.reward, config)
     if not math.isfinite(m.created_at):
         return Reason.NONFINITE_CREATED_AT, f"created_at = {m.created_at} (it orders the attempts of a request)"
     if m.group_size > config.max_group_size:
         return Reason.INVALID_GROUP_SIZE, f"group_size = {m.group_size} > max_group_size {config.max_group_size}"
     return None
+
+
+def reward_out_of_range(reward: float, config: IngestConfig) -> str:
+    """The detail of a reward above ``max_abs_reward`` (after the code, at ingest and in SetReward),
+    with both numbers exact (``repr``: 1000000.5 stays 1000000.5)."""
+    return f"reward = {float(reward)!r}; |reward| must be <= max_abs_reward {float(config.max_abs_reward)!r}"
 
 
 def _bad_sampling_param(m: Any) -> str | None:

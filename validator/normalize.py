@@ -3,7 +3,8 @@
 Rows are grouped by ``group_id`` (any group sizes, any row order, never a fixed stride). Modes:
 ``none``, ``group_mean_std`` (GRPO, arXiv 2402.03300), ``group_mean`` (Dr.GRPO, arXiv 2503.20783),
 ``leave_one_out`` (RLOO, arXiv 2402.14740), ``batch_mean_std``. A group of one is never silently
-erased by centering: ``NormConfig.singleton_policy`` says what happens to it.
+erased by centering: ``NormConfig.singleton_policy`` says what happens to it (``NormConfig``:
+rollbook/config/store.py).
 
     result = normalize_rewards(rewards, group_ids, NormConfig(mode="group_mean"))
 
@@ -12,56 +13,12 @@ Tests: ``pytest tests/unit/validator/test_normalize.py``.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-NormMode = Literal["none", "group_mean_std", "group_mean", "leave_one_out", "batch_mean_std"]
-SingletonPolicy = Literal["keep_raw", "batch_baseline", "drop"]
-
-_GROUP_MODES = ("group_mean_std", "group_mean", "leave_one_out")
-_STD_MODES = ("group_mean_std", "batch_mean_std")
-
-
-class NormConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    mode: NormMode = Field(
-        "group_mean_std",
-        description="none: raw rewards. group_mean_std: (r - mean_g) / (std_g + eps). group_mean: "
-        "r - mean_g. leave_one_out: r_i minus the mean of the other members of its group. "
-        "batch_mean_std: (r - mean_batch) / (std_batch + eps), groups ignored.",
-    )
-    eps: float = Field(1e-5, ge=0.0, description="Added to the std before dividing (std modes only).")
-    std_unbiased: bool = Field(
-        False,
-        description="Divide the sum of squares by n - 1 instead of n (std modes only). The std of a "
-        "group of one is then defined as 0, never NaN; in the group modes it is unused because the "
-        "singleton policy sets that row, and a one-row batch in batch_mean_std normalizes to 0.",
-    )
-    singleton_policy: SingletonPolicy = Field(
-        "keep_raw",
-        description="Group modes only (in batch_mean_std a singleton is an ordinary batch member). "
-        "keep_raw: the row keeps its raw reward. batch_baseline: r minus the mean raw reward of the "
-        "rows in groups of two or more (of all rows when there are none; not scaled by a std). "
-        "drop: the row is flagged in NormResult.dropped, for rejection as SINGLETON_DROPPED.",
-    )
-
-    @model_validator(mode="after")
-    def _warn_ignored(self) -> NormConfig:
-        ignored: list[str] = []
-        if self.mode not in _STD_MODES:
-            ignored += [f for f in ("eps", "std_unbiased") if f in self.model_fields_set]
-        if self.mode not in _GROUP_MODES and "singleton_policy" in self.model_fields_set:
-            ignored.append("singleton_policy")
-        if ignored:
-            message = f"NormConfig: {', '.join(ignored)} has no effect with mode={self.mode!r}"
-            warnings.warn(message, stacklevel=2)
-        return self
+from rollbook.config import NormConfig
 
 
 @dataclass(frozen=True)

@@ -17,8 +17,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from rollbook.config import ValidatorConfig
 from rollbook.v1 import rollbook_pb2 as pb
-from rollbook.validator.groups import GROUP_KEY, ValidatorConfig, expire_leases, one_row, reject_rows, reject_stale, settle
+from rollbook.validator.groups import GROUP_KEY, expire_leases, one_row, reject_rows, reject_stale, settle
 from rollbook.validator.normalize import normalize_rewards
 from rollbook.validator.reasons import Reason
 

@@ -17,12 +17,7 @@ from rollbook.weights.base import (
     checksum,
     load_into,
 )
-from rollbook.weights.network import (
-    NetworkPublisher,
-    NetworkReceiver,
-    WeightStreamConfig,
-    create_weight_server,
-)
+from rollbook.weights.network import NetworkPublisher, NetworkReceiver, create_weight_server
 from rollbook.weights.shm import SharedMemoryPublisher, SharedMemoryReceiver
 
 __all__ = [
@@ -36,7 +31,6 @@ __all__ = [
     "WeightChannel",
     "WeightPublisher",
     "WeightSnapshot",
-    "WeightStreamConfig",
     "checksum",
     "create_weight_server",
     "load_into",

@@ -29,8 +29,8 @@ from typing import TYPE_CHECKING
 
 import grpc
 import numpy as np
-from pydantic import BaseModel, Field
 
+from rollbook.config import WeightStreamConfig
 from rollbook.v1 import weights_pb2 as pb
 from rollbook.v1 import weights_pb2_grpc
 from rollbook.weights.base import (
@@ -51,17 +51,6 @@ if TYPE_CHECKING:  # pragma: no cover
     from rollbook.tls import ClientTLS, ServerTLS
 
 MAX_MESSAGE_BYTES = 8 << 20  # both ends; a header lists every tensor, a chunk is <= 3 MiB
-
-
-class WeightStreamConfig(BaseModel):
-    """How the publisher cuts and schedules updates."""
-
-    chunk_bytes: int = Field(
-        1 << 20, ge=4096, le=3 << 20, description="payload bytes per streamed message (gRPC's default limit is 4 MiB)"
-    )
-    anchor_every: int = Field(
-        20, ge=1, description="every this-many-th publish is a full anchor (no delta is offered for it); 1 disables deltas"
-    )
 
 
 @dataclass(frozen=True)

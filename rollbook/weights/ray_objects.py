@@ -1,4 +1,4 @@
-"""Ray's object store as a weight channel: the ray placement's default (rollbook/run_ray.py).
+"""Ray's object store as a weight channel: the ray placement's default (rollbook/run/ray_cluster.py).
 
 ``bench/weights.py --ray`` measured it against the network channel into a Ray actor holding its own
 model (48 MiB, docs/RESULTS.md "Weight channel"): 0.035 s against 0.218 s on the publisher's node

@@ -16,8 +16,9 @@ from typing import Any
 import grpc
 
 from rollbook.client import StoreClient
-from rollbook.run import StoreProcess
-from rollbook.store.server import StoreConfig, create_server
+from rollbook.config import StoreConfig
+from rollbook.run.store_process import StoreProcess
+from rollbook.store.server import create_server
 
 ADMIN_KEY = "test-admin-key"
 TRAINER_KEY = "test-trainer-key"

@@ -1,4 +1,4 @@
-"""Roles and keys on every RPC, against a real ``rollbook serve`` (issue 11, findings 5 and 8).
+"""Roles and keys on every RPC, against a real ``rollbook serve``.
 
 The role table: every RPC x {no key, a key that is no role's, each role's key}. The RPC's own role
 and admin get through (the call then answers as it would anyway: OK, NOT_FOUND for an unknown lease,
@@ -142,7 +142,7 @@ def test_a_refused_submit_stores_nothing(store):
 
 
 def test_a_reader_cannot_ack_a_lease_it_read_from_the_leases_table(store):
-    """Finding 5: anyone who could read lease ids could ack another trainer's lease."""
+    """Reading lease ids (the reader role) does not let a caller ack another trainer's lease."""
     with store.client() as client:
         assert client.submit([traj("lease-victim", reward=1.0)]).accepted == 1
         batch = client.pull_batch(trainer_id="victim", trainer_version=0, max_staleness=1, num_samples=1, model_id=MODEL)
@@ -280,7 +280,7 @@ def test_serve_off_loopback_refuses_plaintext_without_insecure(tmp_path):
 
 
 def test_store_config_off_loopback_accepts_strong_keys_with_insecure_and_never_dumps_them():
-    from rollbook.store.server import StoreConfig
+    from rollbook.config import StoreConfig
 
     config = StoreConfig(host="0.0.0.0", insecure=True, **{f"{r}_key": k for r, k in KEYS.items()})
     dumped = json.dumps(config.model_dump(mode="json")) + repr(config) + str(config)
@@ -288,9 +288,8 @@ def test_store_config_off_loopback_accepts_strong_keys_with_insecure_and_never_d
 
 
 def test_trainer_config_json_and_run_keys(tmp_path, monkeypatch):
-    from rollbook.config import write_resolved
-    from rollbook.run import _run_keys
-    from rollbook.trainer.config import TrainerConfig
+    from rollbook.config import TrainerConfig, write_resolved
+    from rollbook.run.main import _run_keys
 
     path = write_resolved(TrainerConfig(trainer_key="trainer-secret-0123456789"), tmp_path)
     assert "trainer-secret" not in path.read_text()

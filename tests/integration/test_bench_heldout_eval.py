@@ -12,7 +12,8 @@ import pathlib
 import subprocess
 import sys
 
-from rollbook.models import ModelConfig, build_student
+from rollbook.config import ModelConfig
+from rollbook.language_models import build_student
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 

@@ -1,9 +1,13 @@
-"""``bench/placement.py --json --png`` runs all three placements end to end (real store, real trainer,
-a local Ray instance for ``ray``), the kill-and-restart of each and the online scenario, and prints
-one JSON line, the markdown tables and a PNG. Tiny sizes: this checks that the benchmark works and
-that what it reports is true of the ledgers it leaves, not how fast anything is.
+"""``bench/placement.py --json`` runs each placement end to end (real store, real trainer, a local Ray
+instance for ``ray``), the kill-and-restart of each and the online scenario, and prints one JSON
+line, the markdown tables and, with ``--png``, a PNG. Tiny sizes: this checks that the benchmark
+works and that what it reports is true of the ledgers it leaves, not how fast anything is.
 
-Run: python -m pytest tests/integration/test_bench_placement.py -q   (several minutes: six runs)
+Two invocations, each checking every figure of the placements it ran: colocated and separated with
+the online scenario and the PNG, and ray alone. Only the ray one starts a Ray instance, so only it
+waits in the suite's Ray group (tests/conftest.py); the other runs beside it on the second worker.
+
+Run: python -m pytest tests/integration/test_bench_placement.py -q   (a few minutes: seven runs)
 """
 
 from __future__ import annotations
@@ -25,15 +29,14 @@ pytestmark = pytest.mark.slow
 KILL_AFTER, STEPS_AFTER_KILL = 2, 3
 
 
-def test_the_placement_bench_reports_every_figure_and_its_recovery_claims_hold_in_the_ledgers(tmp_path):
-    png = tmp_path / "placement.png"
+def _bench(tmp_path: pathlib.Path, *options: str) -> tuple[dict, str]:
+    """The bench's JSON report and its stderr, on the tiny configuration."""
     done = subprocess.run(
         [
             sys.executable,
             str(ROOT / "bench" / "placement.py"),
             "--json",
-            "--png",
-            str(png),
+            *options,
             "--steps",
             "2",
             "--samples",
@@ -72,9 +75,13 @@ def test_the_placement_bench_reports_every_figure_and_its_recovery_claims_hold_i
     )
     assert done.returncode == 0, done.stderr[-3000:]
     [line] = done.stdout.strip().splitlines()
-    report = json.loads(line)
+    return json.loads(line), done.stderr
+
+
+def _check_placements(report: dict, tmp_path: pathlib.Path, names: set[str]) -> dict:
+    """Every figure of each placement is reported, and its recovery claims hold in its ledger."""
     rows = {r["placement"]: r for r in report["placements"]}
-    assert set(rows) == {"colocated", "separated", "ray"}
+    assert set(rows) == names
     for name, row in rows.items():
         assert row["trained_tokens"] > 0 and row["trained_tok_s"] > 0, name
         assert 0 < row["trained_tok_s_from_first_rollout"] <= row["trained_tok_s"], name  # a longer span, never shorter
@@ -84,12 +91,6 @@ def test_the_placement_bench_reports_every_figure_and_its_recovery_claims_hold_i
         assert roles["store"] > 0 and roles["trainer"] > 0, (name, roles)
         assert row["largest_process_mib"] == max(roles.values()) and row["peak_pss_mib_total"] > 0, name
         assert row["restart_recovery_s"] is not None and row["restart_recovery_s"] > 0, (name, row["recovery"])
-    # colocated samples in the trainer's process; the others have rollout processes of their own
-    assert "rollout" not in rows["colocated"]["peak_rss_mib_by_role"]
-    assert rows["separated"]["processes_by_role"]["rollout"] == 1
-    assert rows["ray"]["processes_by_role"]["rollout"] == 2 and rows["ray"]["processes_by_role"]["trainer"] >= 2
-    assert rows["ray"]["peak_rss_mib_by_role"]["ray"] > 0 and rows["ray"]["peak_rss_mib_by_role"]["driver"] > 0
-    assert rows["ray"]["workers"] >= 1 and rows["colocated"]["workers"] == 1  # two steps: an actor may not have submitted yet
 
     steps = KILL_AFTER + STEPS_AFTER_KILL
     for name, row in rows.items():
@@ -101,12 +102,22 @@ def test_the_placement_bench_reports_every_figure_and_its_recovery_claims_hold_i
         con.close()
         assert audit["acked_twice"] == audit["acked_outside_steps"] == audit["steps_without_acked_lease"] == 0, (name, audit)
         assert audit["steps"] == list(range(steps)), (name, audit)
-    # the kill and the restart really happened: a second start evaluated at the checkpoint's step
-    for name in ("colocated", "separated", "ray"):
+        # the kill and the restart really happened: a second start evaluated at the checkpoint's step
         log = (tmp_path / f"{name}-recovery.log").read_text()
         assert "held-out reward before step 0" in log, log[-3000:]
-        assert f"held-out reward before step {rows[name]['recovery']['checkpointed_steps_at_kill']}" in log, log[-3000:]
-    assert "starting the group again from the last checkpoint" in (tmp_path / "ray-recovery.log").read_text()
+        assert f"held-out reward before step {recovery['checkpointed_steps_at_kill']}" in log, log[-3000:]
+    return rows
+
+
+def test_the_placement_bench_reports_every_figure_and_its_recovery_claims_hold_in_the_ledgers(tmp_path):
+    """Colocated and separated, the online scenario and the PNG."""
+    png = tmp_path / "placement.png"
+    report, stderr = _bench(tmp_path, "--placements", "colocated,separated", "--png", str(png))
+    rows = _check_placements(report, tmp_path, {"colocated", "separated"})
+    # colocated samples in the trainer's process; separated has a rollout process of its own
+    assert "rollout" not in rows["colocated"]["peak_rss_mib_by_role"]
+    assert rows["separated"]["processes_by_role"]["rollout"] == 1
+    assert rows["colocated"]["workers"] == 1
 
     online = report["online"]
     assert online["completions_received"] == online["accepted_rows"] == online["served_rows"] == 12
@@ -119,4 +130,18 @@ def test_the_placement_bench_reports_every_figure_and_its_recovery_claims_hold_i
     with Image.open(png) as image:
         image.load()  # decodes every pixel
         assert image.size[0] > 400 and image.size[1] > 200
-    assert "| placement |" in done.stderr and "served_equals_experienced" in done.stderr
+    assert "| placement |" in stderr and "served_equals_experienced" in stderr
+
+
+@pytest.mark.xdist_group(name="ray")  # a local Ray instance: one at a time on the machine (tests/conftest.py)
+def test_the_placement_bench_reports_every_figure_of_the_ray_placement_and_its_recovery_claims_hold(tmp_path):
+    """Two rollout actors and two trainer ranks; the recovery kills the rank actors and the driver
+    starts the group again from its checkpoint."""
+    report, stderr = _bench(tmp_path, "--placements", "ray", "--no-online")
+    rows = _check_placements(report, tmp_path, {"ray"})
+    ray = rows["ray"]
+    assert ray["processes_by_role"]["rollout"] == 2 and ray["processes_by_role"]["trainer"] >= 2
+    assert ray["peak_rss_mib_by_role"]["ray"] > 0 and ray["peak_rss_mib_by_role"]["driver"] > 0
+    assert ray["workers"] >= 1  # two steps: an actor may not have submitted yet
+    assert "starting the group again from the last checkpoint" in (tmp_path / "ray-recovery.log").read_text()
+    assert "online" not in report and "| placement |" in stderr

@@ -1,4 +1,4 @@
-"""Issue 12, acceptance 1, end to end through the real `rollbook run` CLI: a tiny Llama and a BPE
+"""Your own model, tokenizer and data, end to end through the real `rollbook run` CLI: a tiny Llama and a BPE
 tokenizer trained here with the ``tokenizers`` library (with a chat template), both saved with
 ``save_pretrained`` (tests/hf_fixtures.py); a JSONL math dataset (word problems with numeric answers)
 and a JSONL code dataset (write a function; hidden asserts), the ``math`` and ``code`` rewards per
@@ -19,7 +19,8 @@ from collections import Counter
 import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from rollbook.rewards import RewardConfig, build_reward, score_row
+from rollbook.config import RewardConfig
+from rollbook.rewards import build_reward, score_row
 from tests.hf_fixtures import save_tiny_model_dir
 from tests.integration.conftest import query_file, rollbook_cli
 
@@ -218,6 +219,25 @@ def test_a_missing_input_is_one_line_before_the_store_starts(tmp_path, what):
     assert not (tmp_path / "run" / "rollbook.duckdb").exists()  # no store was started, no ledger made
 
 
+def test_bad_rows_under_on_bad_row_fail_are_one_line_before_the_store_starts(tmp_path):
+    model = save_tiny_model_dir(tmp_path / "model")
+    config = _config(tmp_path, model)
+    with open(tmp_path / "math.jsonl", "a") as f:  # lines 5 and 6: no answer for the math reward; a domain without a reward
+        f.write(json.dumps({"id": "m5", "question": "What is 1 plus 1?", "domain": "math"}) + "\n")
+        f.write(json.dumps({"id": "m6", "question": "Name a colour.", "answer": "red", "domain": "art"}) + "\n")
+    done = rollbook_cli("run", "--config", str(config), "--rollout.dataset.on_bad_row", "fail", timeout=300)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "store:" not in done.stdout
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("rollbook run: error: "), done.stderr
+    assert "2 bad rows (on_bad_row = 'fail')" in lines[0]
+    assert f"{tmp_path / 'math.jsonl'}:5" in lines[0] and f"{tmp_path / 'math.jsonl'}:6" in lines[0]
+    run = tmp_path / "run"
+    assert not any((run / name).exists() for name in ("rollbook.duckdb", "keys.json", "store.json")), sorted(
+        p.name for p in run.iterdir()
+    )
+
+
 def test_the_toy_task_warm_start_is_refused_with_a_dataset(tmp_path):
     model = save_tiny_model_dir(tmp_path / "model")
     config = _config(tmp_path, model, top="[warm_start]\nstudent_steps = 20")
@@ -272,7 +292,7 @@ def test_rollbook_train_alone_registers_the_vocabulary_of_its_tokenizers_student
     import subprocess
     import sys
 
-    from rollbook.run import StoreProcess
+    from rollbook.run.store_process import StoreProcess
     from tests.hf_fixtures import save_bpe_tokenizer
     from tests.integration.conftest import clean_env
 

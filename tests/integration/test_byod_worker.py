@@ -1,4 +1,4 @@
-"""Your own data through the real store (issue 12): a BPE tokenizer trained here with a chat template,
+"""Your own data through the real store: a BPE tokenizer trained here with a chat template,
 a tiny Llama of that vocabulary, a JSONL dataset of math rows and code rows (hidden asserts) with bad
 rows, rewards from math-verify and the code sandbox in the reward pool. The stored token ids decode with that tokenizer to the prompts (chat template applied
 to chat rows) and to the completions that were scored; the dataset runs to the end of its epoch with
@@ -14,12 +14,12 @@ import torch
 from transformers import AutoTokenizer
 
 from rollbook.client import StoreClient
-from rollbook.datasets import DatasetConfig, FieldMap
-from rollbook.models import ModelConfig, TinyModelSpec, build_tiny_model
-from rollbook.rewards import RewardConfig, build_reward, score_row
+from rollbook.config import DatasetConfig, FieldMap, ModelConfig, RewardConfig, RolloutConfig
+from rollbook.language_models import TinyModelSpec, build_tiny_model
+from rollbook.rewards import build_reward, score_row
 from rollbook.rollout.engine import NativeEngine
-from rollbook.rollout.worker import RolloutConfig, RolloutWorker, registered_vocab_size
-from rollbook.run import StoreProcess
+from rollbook.rollout.worker import RolloutWorker, registered_vocab_size
+from rollbook.run.store_process import StoreProcess
 from tests.hf_fixtures import save_bpe_tokenizer
 
 CODE = RewardConfig(kind="code", timeout_s=10, cpu_s=2, memory_mb=256)

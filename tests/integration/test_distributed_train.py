@@ -15,7 +15,7 @@ import duckdb
 import pytest
 
 from rollbook.client import StoreClient
-from rollbook.run import StoreProcess
+from rollbook.run.store_process import StoreProcess
 from rollbook.tasks import TOKENIZER
 
 KEYS = {"admin_key": "admin-dist-key", "trainer_key": "trainer-dist-key"}

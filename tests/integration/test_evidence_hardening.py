@@ -1,5 +1,5 @@
-"""Acceptance (issue 10): the evidence chain, hardened. Each case was found from outside, over the
-real gRPC path, as a way an exported row could differ from what was experienced or a value ingest
+"""The evidence chain, hardened. Each case is a way, reachable from outside over the
+real gRPC path, an exported row could differ from what was experienced or a value ingest
 let through; each test here drives one case through a real ``rollbook serve`` process (or an
 in-process ``create_server``, still a real gRPC server over a real DuckDB file) and checks the
 documented behaviour (docs/evidence.md).
@@ -16,9 +16,9 @@ import time
 import grpc
 import pytest
 
+from rollbook.config import ValidatorConfig
 from rollbook.trajectories import trajectory_from_dict, varint_bytes
 from rollbook.v1 import rollbook_pb2 as pb
-from rollbook.validator.groups import ValidatorConfig
 from tests.integration.procs import InProcessStore, ServeProcess, ids_in, rows, rpc_code, trajectory
 
 MODEL = "hard-model"

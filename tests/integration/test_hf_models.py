@@ -167,7 +167,8 @@ def test_a_teacher_path_that_is_not_a_model_directory_is_one_line(tmp_path):
 def test_the_vocabulary_registered_for_a_model_directory_is_its_config_json(tmp_path):
     from transformers import Qwen2Config
 
-    from rollbook.models import ModelConfig, student_vocab_size
+    from rollbook.config import ModelConfig
+    from rollbook.language_models import student_vocab_size
 
     Qwen2Config(vocab_size=151_936, hidden_size=32, num_hidden_layers=1, num_attention_heads=2).save_pretrained(tmp_path)
     assert student_vocab_size(ModelConfig(path=str(tmp_path))) == 151_936

@@ -1,4 +1,4 @@
-"""The standing hostile Submit suite (issue 11, "a standing hostile suite", the non-SQL half).
+"""The standing hostile Submit suite (the non-SQL half; test_sql_hostile.py is the SQL half).
 
 Against one real ``rollbook serve`` with all four role keys, from a seeded generator (the same
 payloads every run):

@@ -1,4 +1,4 @@
-"""Acceptance (issue 3): leases through a real ``rollbook serve`` process.
+"""Leases through a real ``rollbook serve`` process.
 
 Trainer A pulls a batch with a two-second lease and dies without acking. Trainer B pulls at once
 and gets other rows only; then, after A's lease expired and version 2 was published, B pulls at

@@ -1,4 +1,4 @@
-"""Acceptance: the trainer's recomputed log-probs match the rollout engine's recorded ones.
+"""The trainer's recomputed log-probs match the rollout engine's recorded ones.
 
 Tokens sampled by ``NativeEngine`` (batched, left-padded, KV cache) and scored again by
 ``packed_logprobs`` (all sequences packed in one row, block-diagonal mask) with the same weights must
@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rollbook.models import TinyModelSpec, build_tiny_model
+from rollbook.language_models import TinyModelSpec, build_tiny_model
 from rollbook.rollout.engine import GenerationRequest, NativeEngine
 from rollbook.trainer.packing import pack_sequences, packed_logprobs
 

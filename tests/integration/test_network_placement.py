@@ -14,7 +14,7 @@ import duckdb
 import pytest
 
 from rollbook.client import StoreClient
-from rollbook.run import StoreProcess
+from rollbook.run.store_process import StoreProcess
 from rollbook.tasks import TOKENIZER
 
 KEYS = {"admin_key": "admin-net-key", "trainer_key": "trainer-net-key"}

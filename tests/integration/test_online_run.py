@@ -5,15 +5,13 @@ publishing over shared memory, a real ``rollbook proxy`` process following it, a
 - ``test_online_run_trains_on_the_agents_sessions``: a short run trains only on what the agent's
   sessions produced through the proxy (every trained trajectory is a proxy turn of a rewarded
   session, under a version the trainer published) and writes the held-out agent evaluation.
-- ``test_online_run_raises_the_agents_heldout_reward`` (slow): over three seeds, never one, the
-  agent's sampled held-out reward (its expected reward, eval/sampled_reward, common random numbers
-  at every evaluation) rises on average and no seed falls, as tests/integration/test_learning.py
-  holds for the rollout worker. It plays string reversal, one try per episode, from a student
-  warm-started to a greedy training accuracy of 0.3 (``LEARNS``): held-out reversals share the
-  procedure with the training ones, where held-out one-digit sums are facts of their own (the
-  config's two-try addition game moves its held-out reward within noise; docs/RESULTS.md "Online").
-  60 steps and 200 held-out reversals: at 30 steps and 40 the rise (+0.08 to +0.13 on seeds 0 and 1)
-  was within one run's asynchronous noise, and CI once saw seed 1 end 0.03 below its start.
+- ``test_online_run_raises_the_agents_sampled_heldout_reward`` (slow): one short run of
+  ``configs/smoke.toml`` in online mode (bench/learning.py's ``check-online``: string reversal, one
+  try, from a student warm-started to greedy training accuracy 0.3; 12 steps, evaluated on every
+  held-out reversal, 16 samples each) raises the agent's sampled
+  held-out reward (its expected reward, the same random numbers at every evaluation) by more than
+  the checks' margin, as tests/integration/test_learning.py holds for the rollout worker. The
+  claim over seeds (60 steps, 200 held-out problems) is bench/learning.py's ``online`` case.
 """
 
 from __future__ import annotations
@@ -24,21 +22,14 @@ import subprocess
 import sys
 
 import duckdb
-import numpy as np
 import pytest
+
+from tests.integration.learning_check import check_heldout_rises
 
 pytest.importorskip("fastapi")
 pytest.importorskip("openai")
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-SEEDS = (0, 1, 2)
-# the game whose held-out reward RL can raise (docs/RESULTS.md "Online", the reversal table)
-LEARNS = (
-    *("--rollout.domains", '["reverse"]', "--rollout.reverse_max_len", "4", "--online.num_problems", "256"),
-    *("--online.max_tokens", "6", "--online.turns", "1"),
-    *("--warm_start.student_steps", "400", "--warm_start.student_target", "0.3", "--warm_start.student_check_every", "10"),
-    *("--num_steps", "60", "--eval_every", "20", "--online.num_eval_problems", "200"),
-)
 
 
 def _run(run_dir: pathlib.Path, seed: int, *overrides: str, timeout: float = 1500) -> list[dict]:
@@ -77,6 +68,10 @@ def test_online_run_trains_on_the_agents_sessions(tmp_path):
         "1",
         "--online.num_eval_problems",
         "5",
+        "--trainer.num_samples",  # a step's batch: four groups of four sessions (turn 0 and turn 1 rows)
+        "16",
+        "--warm_start.student_steps",  # what it trains on, not how well: a short warm start
+        "20",
         timeout=900,
     )
     evals = [m for m in metrics if "eval/sampled_reward" in m]
@@ -93,7 +88,7 @@ def test_online_run_trains_on_the_agents_sessions(tmp_path):
     finally:
         con.close()
     assert steps == (3,)
-    assert len(trained) >= 3 * 16, len(trained)  # at least a few groups of four 2-turn sessions per step
+    assert len(trained) >= 3 * 16, len(trained)  # at least a batch of 16 rows (groups of four sessions) per step
     for worker, session, turn, group, consumed, reward, versions, published in trained:
         assert worker == "proxy" and session.startswith("s-") and turn in ("turn-0", "turn-1"), (worker, session, turn)
         assert group.startswith("agent-0-") and group.endswith("/" + turn) and consumed
@@ -102,14 +97,6 @@ def test_online_run_trains_on_the_agents_sessions(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(3600)  # three runs of ~8 min here (25 min in all)
-def test_online_run_raises_the_agents_heldout_reward(tmp_path):
-    gains, report = [], []
-    for seed in SEEDS:
-        metrics = _run(tmp_path / f"online-{seed}", seed, *LEARNS)
-        sampled = [m["eval/sampled_reward"] for m in metrics if "eval/sampled_reward" in m]
-        gains.append(sampled[-1] - sampled[0])
-        report.append((seed, [round(s, 3) for s in sampled], [m["eval/reward"] for m in metrics if "eval/reward" in m]))
-    # docs/RESULTS.md ("Online") has the measured seeds: +0.147, +0.113, +0.294 (mean +0.185)
-    assert min(gains) > -0.02, report
-    assert np.mean(gains) > 0.05, report
+@pytest.mark.timeout(1800)  # a warm start to 0.3, then 12 steps; a loaded machine takes it past 600 s
+def test_online_run_raises_the_agents_sampled_heldout_reward(tmp_path):
+    check_heldout_rises("check-online", tmp_path / "online")

@@ -1,4 +1,4 @@
-"""Acceptance (issue 3): an online, agent-style workload through a real ``rollbook serve`` process.
+"""An online, agent-style workload through a real ``rollbook serve`` process.
 
 Fifty agent sessions, each one logical LLM call whose SDK timed out and retried: two or three
 attempts share a ``request_id`` and exactly one is ``consumed`` (not always the latest). Attempts

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def ray_local():
     ray = pytest.importorskip("ray")
-    from rollbook.env import prepare_local_ray
+    from rollbook.environment import prepare_local_ray
 
     prepare_local_ray()
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
@@ -25,7 +25,8 @@ def ray_local():
 
 def _model(seed: int):
     """About 1 MiB of weights: above Ray's inline limit (100 KiB), so in the object store."""
-    from rollbook.models import ModelConfig, build_student
+    from rollbook.config import ModelConfig
+    from rollbook.language_models import build_student
 
     return build_student(ModelConfig(hidden_size=128, intermediate_size=256), seed=seed)
 

@@ -1,4 +1,4 @@
-"""``rollbook report`` on a finished run (issue 13, acceptance 5): report.md, the PNG plots and
+"""``rollbook report`` on a finished run: report.md, the PNG plots and
 summary.json exist, the PNGs decode, and summary.json's numbers are the ledger's SQL answers, asked
 through ``rollbook query --db`` (the path a user takes). The run is a real ``rollbook run`` of
 configs/demo.toml, shrunk (specialist teachers, MOPD + RL), with broken evidence submitted to its
@@ -63,8 +63,8 @@ def finished_run(tmp_path_factory) -> pathlib.Path:
     for domain in ("addition", "program"):  # each teacher's held-out accuracy, before RL starts
         assert f"teacher {domain}: held-out accuracy " in done.stdout.split("held-out reward before step")[0]
     assert f"report: {run_dir / 'report.md'}" in done.stdout  # rollbook run writes the report itself
-    from rollbook.demo import generate_workload
-    from rollbook.run import StoreProcess
+    from rollbook.cli.demo import generate_workload
+    from rollbook.run.store_process import StoreProcess
 
     store = StoreProcess(run_dir / "rollbook.duckdb")  # broken evidence, after the run: rejections to count
     try:

@@ -13,10 +13,11 @@ import pytest
 import torch
 
 from rollbook.client import StoreClient
-from rollbook.models import TinyModelSpec, build_tiny_model
+from rollbook.config import RolloutConfig
+from rollbook.language_models import TinyModelSpec, build_tiny_model
 from rollbook.rollout.engine import NativeEngine
-from rollbook.rollout.worker import RolloutConfig, RolloutWorker
-from rollbook.run import StoreProcess
+from rollbook.rollout.worker import RolloutWorker
+from rollbook.run.store_process import StoreProcess
 from rollbook.tasks import TOKENIZER
 
 KEYS = {"admin_key": "admin-test-key", "trainer_key": "trainer-test-key"}
@@ -29,6 +30,7 @@ def store(tmp_path):
     proc.stop()
 
 
+@pytest.mark.smoke
 def test_weight_update_mid_generation_gives_mixed_version_trajectories_the_store_accepts(store):
     torch.manual_seed(0)
     model = build_tiny_model(TinyModelSpec(vocab_size=TOKENIZER.vocab_size))
@@ -75,7 +77,7 @@ def _run(tmp_path: pathlib.Path, *extra: str) -> subprocess.CompletedProcess:
         "rollbook.cli",
         "run",
         "--config",
-        "configs/quickstart.toml",
+        "configs/smoke.toml",
         "--run_dir",
         str(tmp_path / "run"),
         "--num_steps",
@@ -101,9 +103,12 @@ def _ledger(tmp_path: pathlib.Path) -> duckdb.DuckDBPyConnection:
     return duckdb.connect(str(tmp_path / "run" / "rollbook.duckdb"), read_only=True)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(
-    "placement,eta,given", [("colocated", 0, True), ("separated", 2, False)], ids=["colocated", "separated-default-eta"]
+    "placement,eta,given",
+    [
+        pytest.param("colocated", 0, True, id="colocated", marks=pytest.mark.smoke),  # the fast lane's one short run
+        pytest.param("separated", 2, False, id="separated-default-eta", marks=pytest.mark.slow),
+    ],
 )
 def test_rollbook_run_trains_and_records_every_step(tmp_path, placement, eta, given):
     # separated without a bound: the run's default eta for the placement (2) reaches both sides

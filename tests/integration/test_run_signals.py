@@ -58,7 +58,7 @@ def test_a_signal_stops_the_run_and_the_processes_it_started(tmp_path, placement
             "rollbook.cli",
             "run",
             "--config",
-            str(REPO / "configs" / "quickstart.toml"),
+            str(REPO / "configs" / "smoke.toml"),
             "--run_dir",
             str(tmp_path / "run"),
             "--num_steps",

@@ -18,7 +18,7 @@ import grpc
 import pyarrow.parquet as pq
 import pytest
 
-from rollbook import cli
+from rollbook.cli import main as cli
 from tests.integration.conftest import (
     MODEL,
     count,
@@ -188,14 +188,15 @@ def test_the_row_cap_cuts_and_says_so(store):
     assert "result cut at 5 rows" in done.stderr
 
 
-def test_a_query_past_its_timeout_is_interrupted_and_the_server_keeps_serving(store):
+def test_a_query_past_its_timeout_is_deadline_exceeded_and_the_server_keeps_serving(store):
     with store.client() as client:
         err = rpc_error(lambda: client.query(ENDLESS, timeout_s=1.0))
-        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert "exceeded its timeout of 1 s" in err.details()
+        assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED, err.details()
+        assert err.details() == "query exceeded its timeout of 1 s"
         assert client.query("SELECT count(*) AS n FROM trajectories").to_pylist() == [{"n": 30}]
     done = rollbook_cli("query", "--server", store.address, "--timeout", "1", ENDLESS)
-    assert done.returncode != 0 and "exceeded its timeout" in done.stderr
+    assert done.returncode != 0 and "query exceeded its timeout of 1 s" in done.stderr, done.stderr
+    assert "not reachable" not in done.stderr and "Traceback" not in done.stderr, done.stderr
 
 
 # ---- rollbook query --db: the server is down --------------------------------------------------
@@ -334,8 +335,8 @@ def test_query_db_sees_acknowledged_rows_the_killed_server_had_not_folded(tmp_pa
     assert json.loads(done.stdout) == {"n": len(acked)} and "not yet folded" not in done.stderr
 
 
-# ---- issue 11: a query cannot hurt the store (findings 1, 2, 3, 6, 7, 8) --------------------------
-# A store with tight sandbox limits (env ROLLBOOK_QUERY_*, read by StoreConfig.from_env).
+# ---- a query cannot hurt the store ---------------------------------------------------------------
+# A store with tight sandbox limits (env ROLLBOOK_QUERY_*, read by store/server.py env_values).
 
 LIMITED_TIMEOUT_S = 3.0
 LIMITED_GRACE_S = 1.0
@@ -456,9 +457,9 @@ def _serving(store, expect_rows: int = 40) -> None:
         assert client.ack_batch(batch.lease_id, "t-sql") == 1
 
 
-def test_f1_an_internal_error_in_a_query_never_reaches_the_ledger(limited):
-    """Issue 11, finding 1: the recursive CTE invalidated the ledger's DuckDB instance; now it only
-    meets its sandbox's memory limit, and every read RPC keeps working without a restart."""
+def test_an_internal_error_in_a_query_never_reaches_the_ledger(limited):
+    """A recursive CTE cannot invalidate the ledger's DuckDB instance: it only meets its sandbox's
+    memory limit, and every read RPC keeps working without a restart."""
     result, took = raw_query(limited, RECURSIVE_CTE)
     assert isinstance(result, grpc.RpcError), result
     assert result.code() in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INVALID_ARGUMENT), result.details()
@@ -478,8 +479,8 @@ MEMORY_BOMBS = [
 ]
 
 
-def test_f2_memory_bombs_stay_within_the_documented_bound(limited):
-    """Issue 11, finding 2: single queries took the host's memory past 14 GB. Now the server and its
+def test_memory_bombs_stay_within_the_documented_bound(limited):
+    """A single query cannot take the host's memory: the server and its
     sandbox processes together stay under the server's own size plus the documented engine bound,
     and each bomb ends with a clear error (the memory cap, or the timeout where it grows slowly)."""
     import concurrent.futures
@@ -497,30 +498,35 @@ def test_f2_memory_bombs_stay_within_the_documented_bound(limited):
             # the bound on memory above holds either way
             ended = (result.code(), result.details())
             assert (ended[0] == grpc.StatusCode.RESOURCE_EXHAUSTED and "memory" in ended[1]) or (
-                ended[0] == grpc.StatusCode.INVALID_ARGUMENT and f"exceeded its timeout of {LIMITED_TIMEOUT_S:g} s" in ended[1]
+                ended[0] == grpc.StatusCode.DEADLINE_EXCEEDED and f"exceeded its timeout of {LIMITED_TIMEOUT_S:g} s" in ended[1]
             ), (sql, ended)
             assert took < LIMITED_TIMEOUT_S + OVERRUN_S, (sql, took)
         with concurrent.futures.ThreadPoolExecutor(3) as pool:  # three at once: two run, one waits
             outcomes = list(pool.map(lambda _: raw_query(limited, "SELECT length(repeat('x', 4000000000)) AS n"), range(3)))
         for result, _took in outcomes:
-            assert isinstance(result, grpc.RpcError) and result.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, result
+            assert isinstance(result, grpc.RpcError), result
+            # the memory cap; or, for the one that waited on a loaded machine, its timeout ran out first
+            assert result.code() == grpc.StatusCode.RESOURCE_EXHAUSTED or (
+                result.code() == grpc.StatusCode.DEADLINE_EXCEEDED and "exceeded its timeout" in result.details()
+            ), (result.code(), result.details())
     assert sampler.peak < bound, (sampler.peak, bound)
     print(f"\nserver + sandboxes: {base:.0f} MiB at rest, peak {sampler.peak:.0f} MiB, bound {bound:.0f} MiB")
     _serving(limited)
 
 
 @pytest.mark.parametrize("asked", [-1.0, float("nan"), float("inf"), 0.0, 1e9, -float("inf")])
-def test_f3_the_caller_cannot_switch_off_the_timeout(limited, asked):
-    """Issue 11, finding 3: timeout_seconds of -1 or NaN disabled the limit. Now such a value is
-    refused before the query runs (the request field check), and the sandbox itself treats any
+def test_the_caller_cannot_switch_off_the_timeout(limited, asked):
+    """A timeout_seconds of -1, NaN or any other non-finite or non-positive value cannot disable the
+    limit: such a value is refused before the query runs (the request field check), and the sandbox itself treats any
     value that is not a finite positive number up to the server's as the server's
     (``test_timeouts_the_caller_asks_for_are_validated``): either way nothing runs past it."""
     result, took = raw_query(limited, ENDLESS, timeout_seconds=asked, deadline=30.0)
     assert isinstance(result, grpc.RpcError), result
-    assert result.code() == grpc.StatusCode.INVALID_ARGUMENT, result.details()
     if "timeout_seconds" in result.details():  # refused before it runs by the request field check
+        assert result.code() == grpc.StatusCode.INVALID_ARGUMENT, result.details()
         assert asked < 0 or not math.isfinite(asked) or asked > 3600, result.details()
     else:  # run, under the server's timeout
+        assert result.code() == grpc.StatusCode.DEADLINE_EXCEEDED, result.details()
         assert f"exceeded its timeout of {LIMITED_TIMEOUT_S:g} s" in result.details(), result.details()
     assert took < LIMITED_TIMEOUT_S + OVERRUN_S, took
 
@@ -530,14 +536,15 @@ def test_f3_a_call_that_ignores_interrupts_is_killed_at_the_timeout(limited):
     process, answers, and a fresh process serves the next query."""
     result, took = raw_query(limited, UNINTERRUPTIBLE, timeout_seconds=1.0)
     assert isinstance(result, grpc.RpcError), result
+    assert result.code() == grpc.StatusCode.DEADLINE_EXCEEDED, result.details()
     assert "exceeded its timeout of 1 s" in result.details(), result.details()
     assert took < 1.0 + OVERRUN_S, took
     _serving(limited)
 
 
-def test_f6_nested_and_serialized_sql_cannot_reach_files(limited, tmp_path):
-    """Issue 11, finding 6: nested query(), json_execute_serialized_sql, SUMMARIZE over query() read
-    the ledger file, and read_csv/glob reached other files. None answers with a file's bytes."""
+def test_nested_and_serialized_sql_cannot_reach_files(limited, tmp_path):
+    """Nested query(), json_execute_serialized_sql, SUMMARIZE over query(), read_csv and glob cannot
+    read the ledger file or other files: none answers with a file's bytes."""
     secret = limited.db.parent / "secret.csv"
     secret.write_text("marker\nSECRET-f6\n")
     db = str(limited.db)
@@ -564,9 +571,9 @@ def _ledger_files(db) -> dict[str, tuple[int, int]]:
     return {str(p): (p.stat().st_size, p.stat().st_mtime_ns) for p in files if p.exists()}
 
 
-def test_f7_table_functions_that_write_cannot_touch_the_ledger(tmp_path):
-    """Issue 11, finding 7: ``SELECT * FROM checkpoint()`` wrote the ledger (the file grew).
-    Now no query changes any ledger file, whatever it calls."""
+def test_table_functions_that_write_cannot_touch_the_ledger(tmp_path):
+    """No query changes any ledger file, whatever it calls (``SELECT * FROM checkpoint()`` would
+    write the ledger outside the sandbox)."""
     from tests.integration.conftest import clean_env
 
     s = start_store(tmp_path / "rollbook.duckdb", env=clean_env(**LIMITED_ENV))
@@ -595,9 +602,9 @@ def test_f7_table_functions_that_write_cannot_touch_the_ledger(tmp_path):
 
 
 @pytest.mark.parametrize("terms", [1000, 5000])
-def test_f8_a_deeply_nested_expression_is_invalid_argument(limited, terms):
-    """Issue 11, finding 8 (SQL half): ``SELECT 1+1+...+1`` with 1,000 terms answered UNKNOWN (a
-    Python recursion error); it is INVALID_ARGUMENT with a message that says why."""
+def test_a_deeply_nested_expression_is_invalid_argument(limited, terms):
+    """``SELECT 1+1+...+1`` with 1,000 terms is INVALID_ARGUMENT with a message that says why, never
+    UNKNOWN from a Python recursion error."""
     result, _ = raw_query(limited, "SELECT " + "+".join(["1"] * terms) + " AS n")
     assert isinstance(result, grpc.RpcError), result
     assert result.code() == grpc.StatusCode.INVALID_ARGUMENT, (result.code(), result.details())
@@ -639,7 +646,7 @@ def _ppid(pid: int) -> int | None:
 def test_a_store_on_a_relative_ledger_path_answers_queries(tmp_path, monkeypatch):
     """`rollbook run` starts its store on `runs/NAME/rollbook.duckdb`, relative to the working
     directory; the sandbox workers run in their own directories, so every path they get is absolute."""
-    from rollbook.run import StoreProcess
+    from rollbook.run.store_process import StoreProcess
 
     monkeypatch.chdir(tmp_path)
     store = StoreProcess(pathlib.Path("runs/rel/rollbook.duckdb"))

@@ -55,6 +55,7 @@ def keyed_store(tmp_path_factory):
 # ---- verdicts ------------------------------------------------------------------------------------
 
 
+@pytest.mark.smoke
 def test_generated_stub_gets_accepted_duplicate_and_rejected_verdicts(store):
     with grpc.insecure_channel(store.address) as channel:
         stub = pb_grpc.TrajectoryStoreStub(channel)
@@ -80,6 +81,7 @@ def test_generated_stub_gets_accepted_duplicate_and_rejected_verdicts(store):
         assert rows(client, "SELECT reason FROM rejections WHERE trajectory_id = 'stub-bad'") == [{"reason": "NONFINITE_LOGPROB"}]
 
 
+@pytest.mark.smoke
 def test_store_client_submit_returns_every_verdict_and_stores_the_evidence(store):
     batch = [traj(f"client-{i}", n=8 + i, version=i % 2) for i in range(10)]
     batch.append(traj("client-unregistered", model_id="nobody"))

@@ -20,8 +20,8 @@ import time
 import duckdb
 import pytest
 
+from rollbook.cli.demo import generate_workload
 from rollbook.client import StoreClient
-from rollbook.demo import generate_workload
 from rollbook.rollout.spool import Spool
 from rollbook.rollout.submitter import Submitter
 

@@ -1,5 +1,4 @@
-"""Streams that cannot starve the store (issue 11, finding 4; acceptance 3), against real ``rollbook
-serve`` processes.
+"""Streams that cannot starve the store, against real ``rollbook serve`` processes.
 
 With 200 idle Submit streams open (and a few dozen slow ones sending a batch now and then), a normal
 client's Submit, PullBatch, Query and GetStats still succeed; a stream idle past

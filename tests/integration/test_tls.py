@@ -1,5 +1,4 @@
-"""TLS on the store and the weight channel, with a CA and certificates made in the test (issue 11,
-finding 8; acceptance 4): submit, pull, SQL (client and ``rollbook query``/``stats``) and the weight
+"""TLS on the store and the weight channel, with a CA and certificates made in the test: submit, pull, SQL (client and ``rollbook query``/``stats``) and the weight
 stream over TLS against a real ``rollbook serve``; a plaintext client cannot talk to a TLS store; with
 ``--tls-client-ca`` a client without a certificate is refused at the handshake.
 """
@@ -113,7 +112,7 @@ def test_mutual_tls_refuses_a_client_without_a_certificate(tmp_path, certs):
 
 @pytest.mark.parametrize("mutual", [False, True], ids=["tls", "mutual-tls"])
 def test_the_weight_stream_over_tls(certs, mutual):
-    from rollbook.models import build_tiny_model
+    from rollbook.language_models import build_tiny_model
     from rollbook.weights import NetworkPublisher, NetworkReceiver, create_weight_server
     from tests.weight_helpers import SPEC, assert_bit_equal
 
@@ -142,7 +141,8 @@ def test_the_weight_stream_over_tls(certs, mutual):
 
 
 def test_serve_off_loopback_starts_with_tls_and_strong_keys(certs):
-    from rollbook.store.server import StoreConfig
+    from rollbook.config import StoreConfig
+    from rollbook.store.server import store_tls
 
     config = StoreConfig(host="0.0.0.0", tls_cert=certs.server_cert, tls_key=certs.server_key, **KEYS)
-    assert config.tls() is not None and not config.insecure
+    assert store_tls(config) is not None and not config.insecure

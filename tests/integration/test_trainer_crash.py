@@ -1,4 +1,4 @@
-"""Acceptance (issue 4): a kill -9 of the trainer neither loses nor double-trains a batch.
+"""A kill -9 of the trainer neither loses nor double-trains a batch.
 
 A real ``rollbook serve`` store holds 40 rewarded groups of four (version 0). ``rollbook train``
 runs as its own process (10 steps of 16 samples, 3 s leases) and is SIGKILLed after three steps,

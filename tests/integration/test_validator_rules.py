@@ -1,4 +1,4 @@
-"""Acceptance (issue 3): one minimal trajectory per evidence rule, over the real gRPC path.
+"""One minimal trajectory per evidence rule, over the real gRPC path.
 
 Each case breaks exactly one rule of ``docs/evidence.md`` and must get exactly that code:
 ingest-time codes in the ``Submit`` verdict (and in ``rejections``, stage ``ingest``, never in
@@ -18,9 +18,8 @@ import time
 import grpc
 import pytest
 
+from rollbook.config import NormConfig, ValidatorConfig
 from rollbook.v1 import rollbook_pb2 as pb
-from rollbook.validator.groups import ValidatorConfig
-from rollbook.validator.normalize import NormConfig
 from rollbook.validator.reasons import Reason
 from tests.integration.procs import InProcessStore, ServeProcess, ids_in, rows, rpc_code, trajectory
 
@@ -319,3 +318,113 @@ def test_singleton_policy_drop_rejects_groups_of_one_at_pull(configured_store):
     assert sorted(batch.table.column("trajectory_id").to_pylist()) == ["pair-0", "pair-1"]
     assert _rejections(client) == [("lonely-a", "SINGLETON_DROPPED", "pull"), ("lonely-b", "SINGLETON_DROPPED", "pull")]
     assert ids_in(client, "trajectories") == {"pair-0", "pair-1"}
+
+
+# ---- groups are per model (default config, `rollbook serve`) ------------------------------------
+
+
+def test_a_group_id_shared_by_two_models_is_one_group_per_model(store):
+    """A group is the samples of one prompt from one policy: the same ``group_id`` under two models
+    is two groups, counted, completed, served and normalized each on its own."""
+    _own_model(store, "shared-a")
+    _own_model(store, "shared-b")
+    group = dict(group_id="g-shared", group_size=2)
+    store.submit(
+        [
+            trajectory("shared-a-0", model_id="shared-a", reward=1.0, **group),
+            trajectory("shared-b-0", model_id="shared-b", reward=3.0, **group),
+        ]
+    )
+    # one member of two in each model's group: neither is complete (policy wait: not served yet)
+    assert _pull_all(store, "shared-a").num_rows == 0
+    assert _pull_all(store, "shared-b").num_rows == 0
+    store.submit(
+        [
+            trajectory("shared-a-1", model_id="shared-a", reward=0.0, **group),
+            trajectory("shared-b-1", model_id="shared-b", reward=5.0, **group),
+        ]
+    )
+    served = {}
+    for model in ("shared-a", "shared-b"):
+        batch = _pull_all(store, model)
+        served.update(zip(batch.table.column("trajectory_id").to_pylist(), batch.table.column("reward").to_pylist()))
+    # group_mean_std within each model's pair: [1, 0] -> [+1, -1] and [3, 5] -> [-1, +1]
+    assert served == {
+        "shared-a-0": pytest.approx(1.0, abs=1e-3),
+        "shared-a-1": pytest.approx(-1.0, abs=1e-3),
+        "shared-b-0": pytest.approx(-1.0, abs=1e-3),
+        "shared-b-1": pytest.approx(1.0, abs=1e-3),
+    }
+    assert rows(store, "SELECT model_id, group_id, num_members FROM groups WHERE group_id = 'g-shared' ORDER BY model_id") == [
+        {"model_id": "shared-a", "group_id": "g-shared", "num_members": 2},
+        {"model_id": "shared-b", "group_id": "g-shared", "num_members": 2},
+    ]
+
+
+# ---- SetReward: where a session's reward goes, and its range ------------------------------------
+
+
+def test_set_reward_by_session_refuses_when_the_last_interaction_was_rejected(store):
+    """The session's last call was consumed but rejected (a NaN log-prob): its reward goes nowhere,
+    never to the earlier call."""
+    _own_model(store, "turns-m")
+    t0 = time.time()
+    turn = dict(model_id="turns-m", session_id="sess-turns", consumed=True, reward=None)
+    result = store.submit(
+        [
+            trajectory("turn-1", request_id="r1", created_at=t0, **turn),
+            trajectory("turn-2", request_id="r2", created_at=t0 + 1, output_logprobs=[-0.5, math.nan, -0.5, -0.5], **turn),
+        ]
+    )
+    assert result.verdicts["turn-2"].reason == "NONFINITE_LOGPROB"
+    try:
+        store.set_reward(1.0, session_id="sess-turns")
+    except grpc.RpcError as exc:
+        err = exc
+    else:
+        raise AssertionError("SetReward by session rewarded an earlier call")
+    assert err.code() == grpc.StatusCode.FAILED_PRECONDITION, err.details()
+    assert err.details() == "the last interaction of session 'sess-turns' (trajectory 'turn-2') was rejected (NONFINITE_LOGPROB)"
+    assert rows(store, "SELECT original_reward FROM trajectories WHERE trajectory_id = 'turn-1'") == [{"original_reward": None}]
+    assert rows(store, "SELECT count(*) AS n FROM rewards WHERE session_id = 'sess-turns'") == [{"n": 0}]
+
+
+@pytest.mark.parametrize("reward", [2e9, -2e9, 1000000.5])
+def test_set_reward_out_of_range_is_reward_out_of_range_with_the_exact_value(store, reward):
+    tid = f"range-{reward!r}"
+    store.submit([trajectory(tid, model_id=MODEL, reward=None)])
+    try:
+        store.set_reward(reward, trajectory_id=tid)
+    except grpc.RpcError as exc:
+        err = exc
+    else:
+        raise AssertionError(f"SetReward accepted {reward!r}")
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err.details()
+    assert err.details() == f"REWARD_OUT_OF_RANGE: reward = {reward!r}; |reward| must be <= max_abs_reward 1000000.0"
+    assert rows(store, f"SELECT original_reward FROM trajectories WHERE trajectory_id = '{tid}'") == [{"original_reward": None}]
+
+
+def test_a_submitted_reward_out_of_range_shows_the_exact_value(store):
+    verdict = store.submit([trajectory("range-submit", model_id=MODEL, reward=1000000.5)]).verdicts["range-submit"]
+    assert verdict.reason == "REWARD_OUT_OF_RANGE"
+    assert verdict.detail == "reward = 1000000.5; |reward| must be <= max_abs_reward 1000000.0"
+
+
+# ---- RegisterModel: a model's vocabulary is fixed -----------------------------------------------
+
+
+def test_registering_a_model_again_keeps_its_vocab_size_or_refuses(store):
+    store.register_model("vocab-m", vocab_size=VOCAB)
+    store.register_model("vocab-m", vocab_size=VOCAB)  # the same again: nothing changes
+    try:
+        store.register_model("vocab-m", vocab_size=VOCAB * 2)
+    except grpc.RpcError as exc:
+        err = exc
+    else:
+        raise AssertionError("a second RegisterModel changed the model's vocab_size")
+    assert err.code() == grpc.StatusCode.FAILED_PRECONDITION, err.details()
+    details = err.details()
+    assert "'vocab-m'" in details and f"vocab_size {VOCAB}" in details and str(VOCAB * 2) in details, details
+    assert "new model_id" in details, details
+    assert store.get_model("vocab-m").vocab_size == VOCAB
+    assert rows(store, "SELECT vocab_size FROM models WHERE model_id = 'vocab-m'") == [{"vocab_size": VOCAB}]

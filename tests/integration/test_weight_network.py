@@ -11,16 +11,10 @@ import grpc
 import pytest
 import torch
 
-from rollbook.models import build_tiny_model
+from rollbook.config import WeightStreamConfig
+from rollbook.language_models import build_tiny_model
 from rollbook.v1 import weights_pb2, weights_pb2_grpc
-from rollbook.weights import (
-    ChecksumMismatch,
-    NetworkPublisher,
-    NetworkReceiver,
-    WeightStreamConfig,
-    checksum,
-    create_weight_server,
-)
+from rollbook.weights import ChecksumMismatch, NetworkPublisher, NetworkReceiver, checksum, create_weight_server
 from rollbook.weights.network import WeightServicer, stream_update
 from tests.weight_helpers import SPEC, adamw_step, assert_bit_equal
 

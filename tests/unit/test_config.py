@@ -1,4 +1,4 @@
-"""rollbook/config.py: dotted overrides, config files, one source of truth in RunConfig, the
+"""rollbook/config/: dotted overrides, config files, one source of truth in RunConfig, the
 [store] section, and the field listing behind ``--help-config``. No torch, no processes.
 
 Run: ``python -m pytest tests/unit/test_config.py -q``.
@@ -148,8 +148,8 @@ def test_store_section_sets_policies_and_refuses_what_the_run_owns(tmp_path):
 
 
 def test_store_json_for_the_child_holds_the_policies_and_no_key(tmp_path):
-    from rollbook.run import write_store_config
-    from rollbook.store.server import StoreConfig
+    from rollbook.config import StoreConfig
+    from rollbook.run.main import write_store_config
 
     config = load_config(RunConfig, None, ["--store.validator.incomplete_group_policy", "drop"])
     path = write_store_config(config, tmp_path)
@@ -159,9 +159,7 @@ def test_store_json_for_the_child_holds_the_policies_and_no_key(tmp_path):
 
 
 def test_store_configs_forbid_unknown_fields():
-    from rollbook.store.server import StoreConfig
-    from rollbook.validator.groups import ValidatorConfig
-    from rollbook.validator.ingest import IngestConfig
+    from rollbook.config import IngestConfig, StoreConfig, ValidatorConfig
 
     for model in (StoreConfig, IngestConfig, ValidatorConfig):
         with pytest.raises(ValueError, match="no_such"):

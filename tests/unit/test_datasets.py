@@ -1,6 +1,6 @@
 """Dataset files (JSONL, Parquet, CSV) with bad rows: each bad row reported as file:line with its
 reason and skipped (or the dataset refused), field mapping, the stable held-out split, shuffling and
-epochs (issue 12, acceptance 5 at the reader's level; the worker test runs one to the end)."""
+epochs (at the reader's level; the worker test runs one to the end)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from rollbook.datasets import DatasetConfig, DatasetError, FieldMap, RowSampler, load_dataset, read_rows
+from rollbook.config import DatasetConfig, FieldMap
+from rollbook.datasets import DatasetError, RowSampler, load_dataset, read_rows
 
 
 def _jsonl(path, lines: list[bytes]):
@@ -145,8 +146,7 @@ def test_missing_file_and_unknown_suffix_are_precise(tmp_path):
 def test_the_example_config_loads_and_dataset_fields_are_checked_together():
     import pathlib
 
-    from rollbook.config import RunConfig, load_config
-    from rollbook.rollout.worker import RolloutConfig
+    from rollbook.config import RolloutConfig, RunConfig, load_config
 
     root = pathlib.Path(__file__).resolve().parents[2]
     config = load_config(RunConfig, str(root / "configs" / "byod.toml"), [])

@@ -1,4 +1,4 @@
-"""``rollbook.run_ray.ray_session``: a local Ray instance that times out starting (its raylet's fixed
+"""``rollbook.run.ray_cluster.ray_session``: a local Ray instance that times out starting (its raylet's fixed
 30 s on a loaded machine) is started again, up to ``MAX_RAY_STARTS`` times; any other failure, or a
 failure joining a cluster at ``ray.address``, is raised at once. ``ray.init`` is replaced by a fake
 here (the real start is in tests/integration/test_ray_placement.py)."""
@@ -36,13 +36,17 @@ def fake(monkeypatch):
         monkeypatch.setattr(ray, "is_initialized", lambda: False)
         monkeypatch.setattr(ray, "init", f.init)
         monkeypatch.setattr(ray, "shutdown", f.shutdown)
+        # one live node with room for every actor (run_ray.check_placement asks once Ray is up)
+        monkeypatch.setattr(
+            ray, "nodes", lambda: [{"Alive": True, "NodeManagerAddress": "127.0.0.1", "Resources": {"CPU": 64.0}}]
+        )
         return f
 
     return install
 
 
 def test_a_local_start_that_timed_out_is_made_again(fake):
-    from rollbook.run_ray import ray_session
+    from rollbook.run.ray_cluster import ray_session
 
     f = fake(
         [
@@ -56,7 +60,7 @@ def test_a_local_start_that_timed_out_is_made_again(fake):
 
 
 def test_it_gives_up_after_max_starts_and_raises_other_failures_at_once(fake):
-    from rollbook.run_ray import MAX_RAY_STARTS, ray_session
+    from rollbook.run.ray_cluster import MAX_RAY_STARTS, ray_session
 
     f = fake([Exception("The current node timed out during startup")] * MAX_RAY_STARTS)
     with pytest.raises(Exception, match="timed out during startup"), ray_session(_config()):

@@ -1,4 +1,4 @@
-"""The ``code`` reward's sandbox (issue 12, acceptance 2): harmful programs each get reward 0 with a
+"""The ``code`` reward's sandbox: harmful programs each get reward 0 with a
 recorded reason within the timeout, nothing escapes, and the pool keeps scoring afterwards; good
 programs pass, partly right ones record the fraction passed."""
 
@@ -10,7 +10,8 @@ import uuid
 
 import pytest
 
-from rollbook.rewards import RewardConfig, RewardPool
+from rollbook.config import RewardConfig
+from rollbook.rewards import RewardPool
 from rollbook.sandbox_exec import SandboxLimits, extract_program, run_program
 
 WALL_S = 4.0

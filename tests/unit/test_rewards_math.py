@@ -1,4 +1,4 @@
-"""The ``math`` reward (math-verify) against a hand-labelled table (issue 12, acceptance 3), and the
+"""The ``math`` reward (math-verify) against a hand-labelled table, and the
 ``exact`` / ``regex`` / ``module:function`` kinds and the error convention (a verifier that cannot
 judge is an ``error`` outcome, never 0.0)."""
 
@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import pytest
 
+from rollbook.config import RewardConfig
 from rollbook.errors import ConfigError
-from rollbook.rewards import RewardConfig, RewardPool, build_reward, score_row
+from rollbook.rewards import RewardPool, build_reward, score_row
 
 # (reference answer, completion, expected reward); hand-labelled
 MATH_TABLE = [

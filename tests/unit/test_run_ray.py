@@ -1,4 +1,4 @@
-"""rollbook/run_ray.py refuses, in one line and before starting anything, a local Ray instance too
+"""rollbook/run/ray_cluster.py refuses, in one line and before starting anything, a local Ray instance too
 small for the actors the config declares (they would wait for CPUs forever)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from rollbook.errors import CommandError
 
 def test_a_local_ray_instance_smaller_than_the_declared_actors_is_refused_in_one_line(tmp_path):
     pytest.importorskip("ray")
-    from rollbook.run_ray import run_ray
+    from rollbook.run.ray_cluster import run_ray
 
     config = RunConfig.model_validate(
         {
@@ -31,7 +31,7 @@ def test_without_ray_address_a_new_local_instance_is_started_even_when_another_c
     user's, on a shared machine: seen as "When connecting to an existing cluster, num_cpus and num_gpus
     must not be provided"); "local" always starts one of its own."""
     ray = pytest.importorskip("ray")
-    from rollbook.run_ray import run_ray
+    from rollbook.run.ray_cluster import run_ray
 
     asked: dict = {}
 

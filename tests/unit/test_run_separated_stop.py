@@ -1,5 +1,5 @@
 """``rollbook run --placement separated`` stops its rollout worker with SIGTERM and waits a bounded
-time (rollbook/run_separated.py ``_wait_or_kill``): a worker that does not stop is killed, with a
+time (rollbook/run/separated.py ``_wait_or_kill``): a worker that does not stop is killed, with a
 line saying so, instead of the finished run failing on the wait."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import signal
 import subprocess
 import sys
 
-from rollbook.run_separated import WORKER_STOP_S, _wait_or_kill
+from rollbook.run.separated import WORKER_STOP_S, _wait_or_kill
 
 
 def _child(code: str) -> subprocess.Popen:

@@ -20,9 +20,9 @@ import pytest
 import torch
 
 from rollbook.client import PulledBatch, StoreClient, TrainerClient
-from rollbook.models import TinyModelSpec, build_tiny_model
+from rollbook.config import TrainerConfig
+from rollbook.language_models import TinyModelSpec, build_tiny_model
 from rollbook.rollout.engine import GenerationEngine, NativeEngine
-from rollbook.trainer.config import TrainerConfig
 from rollbook.trainer.loop import Trainer
 from rollbook.trainer.teachers import LocalTeacher, TeacherScorer
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from rollbook.models import TinyModelSpec, build_tiny_model
+from rollbook.language_models import TinyModelSpec, build_tiny_model
 from rollbook.weights import (
     ChecksumMismatch,
     Layout,

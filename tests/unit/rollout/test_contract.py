@@ -12,9 +12,10 @@ import threading
 import grpc
 
 from rollbook.client import ModelInfo
+from rollbook.config import WorkerConfig
 from rollbook.rollout import main as worker_main
 from rollbook.rollout.gate import StalenessGate
-from rollbook.rollout.main import TrainerContract, WorkerConfig
+from rollbook.rollout.main import TrainerContract
 
 
 class _RpcError(grpc.RpcError):

@@ -1,4 +1,4 @@
-"""The rollout worker on dataset rows (issue 12): the engine's stop predicate (stop strings), prompts
+"""The rollout worker on dataset rows: the engine's stop predicate (stop strings), prompts
 the tokenizer refuses reported as bad rows, verifier errors sent without a reward, and scoring that
 overlaps generation (the next chunk generates while the reward pool scores the previous one)."""
 
@@ -11,11 +11,10 @@ import time
 import pytest
 import torch
 
-from rollbook.datasets import DatasetConfig
-from rollbook.models import TinyModelSpec, build_tiny_model
-from rollbook.rewards import RewardConfig
+from rollbook.config import DatasetConfig, RewardConfig, RolloutConfig
+from rollbook.language_models import TinyModelSpec, build_tiny_model
 from rollbook.rollout.engine import GenerationRequest, GenerationResult, NativeEngine
-from rollbook.rollout.worker import RolloutConfig, RolloutWorker
+from rollbook.rollout.worker import RolloutWorker
 from rollbook.tasks import TOKENIZER
 
 
@@ -149,7 +148,7 @@ def test_on_bad_row_fail_refuses_a_prompt_the_tokenizer_cannot_encode(tmp_path):
 
 
 def test_the_model_directory_gives_the_tokenizer_and_the_registered_vocabulary(tmp_path):
-    from rollbook.models import ModelConfig
+    from rollbook.config import ModelConfig
     from rollbook.rollout.worker import registered_vocab_size, tokenizer_for, use_model_tokenizer
     from tests.hf_fixtures import save_tiny_model_dir
 

@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from rollbook.models import TinyModelSpec, build_tiny_model
+from rollbook.language_models import TinyModelSpec, build_tiny_model
 from rollbook.rollout.engine import (
     GenerationEngine,
     GenerationRequest,

@@ -1,5 +1,5 @@
 """The proxy's policies without processes: chat rendering, which attempts are one logical call,
-where a reward goes, the trajectories an attempt becomes, and admission (rollout/proxy*.py).
+where a reward goes, the trajectories an attempt becomes, and admission (rollout/proxy/).
 
 Run: python -m pytest tests/unit/rollout/test_proxy.py -q
 """
@@ -11,9 +11,10 @@ import asyncio
 import pytest
 
 from rollbook.rollout.engine import GenerationResult
-from rollbook.rollout.proxy import ApiError, Gate
-from rollbook.rollout.proxy_render import CharRenderer, RenderError
-from rollbook.rollout.proxy_sessions import SessionError, Sessions, reward_targets
+from rollbook.rollout.proxy.admission import Gate
+from rollbook.rollout.proxy.render import CharRenderer, RenderError
+from rollbook.rollout.proxy.schemas import ApiError
+from rollbook.rollout.proxy.sessions import SessionError, Sessions, reward_targets
 from rollbook.tasks import TOKENIZER
 
 BODY = {"model": "tiny", "messages": [{"role": "user", "content": "1+2="}]}
@@ -120,7 +121,7 @@ def test_the_gate_holds_completions_while_paused_and_refuses_beyond_its_bounds()
 
 
 def test_the_proxy_command_refuses_an_open_non_loopback_bind_and_a_bad_channel_in_one_line(monkeypatch, capsys):
-    from rollbook.cli import main
+    from rollbook.cli.main import main
 
     for role in ("ADMIN", "WORKER"):
         monkeypatch.delenv(f"ROLLBOOK_{role}_KEY", raising=False)
@@ -157,7 +158,8 @@ def test_a_delivered_attempt_whose_call_is_retried_is_submitted_unconsumed_and_t
     """The race a timeout leaves: the response was written, but the client had already given up and
     retries. The proxy holds a delivered attempt until the session shows it was read (next call,
     reward, end, or consume_settle_s); a retry of its call first means it was not."""
-    from rollbook.rollout.proxy import Proxy, ProxyConfig
+    from rollbook.config import ProxyConfig
+    from rollbook.rollout.proxy.core import Proxy
 
     async def scenario(store: _FakeStore) -> Proxy:
         proxy = Proxy(ProxyConfig(), _FakeEngine(), store, admin_key=None, worker_key=None)

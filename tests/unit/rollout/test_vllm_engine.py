@@ -9,7 +9,7 @@ pytestmark = pytest.mark.gpu
 
 def test_vllm_engine_records_one_logprob_and_version_per_token(tmp_path):
     pytest.importorskip("vllm")
-    from rollbook.models import TinyModelSpec, build_tiny_model
+    from rollbook.language_models import TinyModelSpec, build_tiny_model
     from rollbook.rollout.vllm_engine import VllmEngine
 
     build_tiny_model(TinyModelSpec(vocab_size=64)).save_pretrained(tmp_path)

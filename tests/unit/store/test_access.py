@@ -7,7 +7,8 @@ import math
 import grpc
 import pytest
 
-from rollbook.store.access import RPC_ROLE, Denied, KeyRing, check_keys, field_error, weak_key_reason
+from rollbook.config.store import check_keys, weak_key_reason
+from rollbook.store.access import RPC_ROLE, Denied, KeyRing, field_error
 from rollbook.v1 import rollbook_pb2 as pb
 
 KEYS = {

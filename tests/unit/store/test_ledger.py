@@ -17,7 +17,7 @@ import pyarrow as pa
 import pytest
 
 from rollbook.store import wal
-from rollbook.store.ledger import ACCEPTED, DUPLICATE, REJECTED, Ledger
+from rollbook.store.ledger import ACCEPTED, DUPLICATE, REJECTED, Ledger, ModelConflict, NotRewardable
 from rollbook.trajectories import trajectory_from_dict
 
 MODEL = "m"
@@ -119,6 +119,62 @@ def test_recovery_reads_a_log_segment_written_before_rejections_had_consumed(tmp
     conformed = wal._conform(old.to_batches(), REJECTION_SCHEMA)
     assert conformed.schema == REJECTION_SCHEMA and conformed.column("consumed").to_pylist() == [None]
     assert conformed.column("trajectory_id").to_pylist() == ["x"]
+
+
+def test_a_file_made_before_groups_were_per_model_opens_with_its_groups_keyed_by_model(tmp_path):
+    """An older file's ``groups`` (keyed by group_id alone) and ``rejections`` (no created_at) are
+    brought to the current shape when the ledger opens it; its rows keep their values."""
+    import duckdb
+
+    from rollbook.store.schema import _DUCK_TYPES, REJECTION_SCHEMA
+
+    db = tmp_path / "old.duckdb"
+    con = duckdb.connect(str(db))
+    con.execute(
+        """CREATE TABLE groups (group_id VARCHAR PRIMARY KEY, expected_size UINTEGER, num_members UINTEGER,
+           num_rewarded UINTEGER, status VARCHAR, ready_at DOUBLE, closed_at DOUBLE)"""
+    )
+    con.execute("INSERT INTO groups VALUES ('g-old', 2, 2, 2, 'ready', 5.0, NULL)")
+    old_columns = [f"{f.name} {_DUCK_TYPES[f.type]}" for f in REJECTION_SCHEMA if f.name != "created_at"]
+    con.execute(f"CREATE TABLE rejections ({', '.join(old_columns)})")
+    con.execute("INSERT INTO rejections (trajectory_id, reason) VALUES ('rej-old', 'STALE')")
+    con.close()
+    ledger = open_ledger(db)
+    try:
+        ledger.submit([row(f"new-{i}", group_id="g-old", group_size=2, reward=float(i)) for i in range(2)])
+        ledger.flush()
+        got = ledger.con.execute("SELECT model_id, group_id, num_members FROM groups ORDER BY ALL").fetchall()
+        assert got == [("", "g-old", 2), (MODEL, "g-old", 2)]
+        assert ledger.con.execute("SELECT trajectory_id, created_at FROM rejections").fetchall() == [("rej-old", None)]
+    finally:
+        ledger.close()
+
+
+def test_a_session_reward_is_refused_when_its_last_interaction_was_rejected(ledger):
+    ledger.submit(
+        [
+            row("turn-1", session_id="s", request_id="r1", consumed=True, created_at=1.0),
+            row(
+                "turn-2",
+                session_id="s",
+                request_id="r2",
+                consumed=True,
+                created_at=2.0,
+                output_logprobs=[-1.0, float("nan"), -1.0, -1.0],
+            ),
+        ]
+    )
+    with pytest.raises(
+        NotRewardable, match=r"the last interaction of session 's' \(trajectory 'turn-2'\) was rejected \(NONFINITE_LOGPROB\)"
+    ):
+        ledger.set_reward(0.5, session_id="s")
+
+
+def test_registering_a_model_with_another_vocab_size_is_refused(ledger):
+    ledger.register_model(MODEL, 100)  # the same again: nothing changes
+    with pytest.raises(ModelConflict, match="'m' is registered with vocab_size 100, not 200"):
+        ledger.register_model(MODEL, 200)
+    assert ledger.model_entry(MODEL).vocab_size == 100
 
 
 def test_empty_ids_are_each_rejected_and_never_deduplicated(ledger):

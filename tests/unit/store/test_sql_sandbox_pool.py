@@ -265,3 +265,51 @@ def test_snapshots_are_reused_until_their_max_age(tmp_path):
         snaps.close()
     finally:
         ledger.close()
+
+
+# Distinct strings in a hash table: about 330 MiB resident at its peak under a 256 MiB memory limit
+# and a 768 MiB process limit; it succeeds in a fresh worker.
+MEMORY_HEAVY = "SELECT count(*) AS n FROM (SELECT DISTINCT range::VARCHAR || 'abcdefghijklmnop' AS s FROM range(4000000))"
+
+
+def test_a_query_gets_the_same_answer_after_memory_heavy_queries_in_its_worker(files):
+    """What earlier queries left in a worker process (memory its allocator keeps) never turns a
+    query that succeeds in a fresh worker into RESOURCE_EXHAUSTED."""
+    snap, _, tmp_path = files
+    pool = make_pool(tmp_path, snap)  # one worker: every query runs after the ones before it
+    try:
+        for _ in range(3):
+            assert table(pool.run(MEMORY_HEAVY))[0].to_pylist() == [{"n": 4000000}]
+    finally:
+        pool.close()
+
+
+def test_a_query_past_its_timeout_is_deadline_exceeded(files):
+    snap, _, tmp_path = files
+    pool = make_pool(tmp_path, snap)
+    try:
+        with pytest.raises(QueryError, match="exceeded its timeout of 0.5 s") as err:
+            table(pool.run("SELECT sum(hash(range)) FROM range(10000000000000)", timeout_s=0.5))
+        assert err.value.code == "DEADLINE_EXCEEDED"
+        assert table(pool.run("SELECT 1 AS x"))[0].to_pylist() == [{"x": 1}]
+    finally:
+        pool.close()
+
+
+def test_running_out_of_memory_in_a_used_worker_is_decided_by_a_fresh_one(files):
+    """A query that runs out of memory in a worker that served queries before runs once more in a
+    fresh worker, whose answer stands; in a fresh worker the first answer stands."""
+    snap, _, tmp_path = files
+    pool = make_pool(tmp_path, snap)
+    bomb = "SELECT length(repeat('x', 4000000000)) AS n"
+    try:
+        table(pool.run("SELECT 1"))
+        with pytest.raises(QueryError, match="memory limit") as err:
+            table(pool.run(bomb))
+        assert err.value.code == RESOURCES
+        assert pool.respawns == 2  # the fresh worker for the second run, and its replacement
+        with pytest.raises(QueryError, match="memory limit"):
+            table(pool.run(bomb))  # a fresh worker already: no second run
+        assert pool.respawns == 3
+    finally:
+        pool.close()

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rollbook.models import TinyModelSpec, build_tiny_model
+from rollbook.language_models import TinyModelSpec, build_tiny_model
 from rollbook.trainer.checkpoint import TrainerState, load_checkpoint, save_checkpoint
 
 

@@ -16,8 +16,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from rollbook.models import TinyModelSpec, build_tiny_model
-from rollbook.trainer.config import TrainerConfig
+from rollbook.config import TrainerConfig
+from rollbook.language_models import TinyModelSpec, build_tiny_model
 from rollbook.trainer.distributed import shard_groups
 from rollbook.trainer.loop import Trainer, _Rows
 
@@ -60,8 +60,40 @@ def _teacher(kw: dict):
     return LocalTeacher(build_tiny_model(TinyModelSpec(vocab_size=VOCAB), seed=7))
 
 
-def _rank(rank: int, world: int, init_method: str, out: str, num_groups: int, kw: dict) -> None:
+# Every two-rank case of this module: (groups in the batch, TrainerConfig fields). One pair of rank
+# processes takes them all in one process group (the ``two_ranks`` fixture): spawning two
+# interpreters that import torch and transformers is most of a case's time, the step itself is not.
+STEP = {"lr": 1e-2, "grad_clip": 1e6}
+KL = {"kl_coef": 0.5, "kl_estimator": "k1"}
+STEP_CASES = {  # test_two_ranks_with_half_the_groups_each_take_the_step_of_one_rank_with_all
+    "unclipped": {**STEP, "loss": {}},
+    "clipped": {**STEP, "grad_clip": 0.05, "loss": {}},
+    "kl-penalty": {**STEP, "loss": KL},
+    "sequence-mean": {**STEP, "loss": {"aggregation": "sequence_mean", **KL}},
+}
+STATS_CASES = {  # test_two_ranks_report_the_step_statistics_of_one_rank
+    "token-mean": {**STEP, "loss": {}},
+    "sequence-mean-with-kl-and-mopd": {
+        **STEP,
+        "loss": {"aggregation": "sequence_mean", "kl_coef": 0.5, "distill_coef": 1.0, "distill_aggregation": "token_mean"},
+    },
+}
+CASES: dict[str, tuple[int, dict]] = {
+    **{name: (6, kw) for name, kw in STEP_CASES.items()},
+    # loss.distill_aggregation differs from loss.aggregation; 3 groups over 2 ranks share them unevenly
+    "mopd-beside-rl": (
+        3,
+        {**STEP, "loss": {"aggregation": "sequence_mean", "distill_aggregation": "token_mean", "distill_coef": 1.0}},
+    ),
+    "full-distill": (3, {**STEP, "loss": {"aggregation": "sequence_mean", "distill_coef": 1.0, "distill_estimator": "full"}}),
+    "one-group": (1, {"lr": 1e-2}),
+    **{f"stats-{name}": (4, kw) for name, kw in STATS_CASES.items()},
+}
+
+
+def _rank(rank: int, world: int, init_method: str, out: str, cases: dict[str, tuple[int, dict]]) -> None:
     import faulthandler
+    import traceback
 
     import torch.distributed as dist
 
@@ -71,14 +103,21 @@ def _rank(rank: int, world: int, init_method: str, out: str, num_groups: int, kw
     torch.set_num_threads(1)
     init_group(rank, world, init_method, backend="gloo", timeout_s=60)
     try:
-        np.random.seed(0)
-        table = batch(num_groups)
-        trainer = DistributedTrainer(
-            _config(pathlib.Path(out), **kw), object() if rank == 0 else None, model=_model(), teacher=_teacher(kw)
-        )
-        trainer._table = table
-        stats = trainer.update(_Rows.from_table(table))
-        torch.save({"params": trainer.model.state_dict(), "grads": _grads(trainer.model), "stats": stats}, f"{out}/rank{rank}.pt")
+        for name, (num_groups, kw) in cases.items():
+            case_dir = pathlib.Path(out) / name
+            case_dir.mkdir(exist_ok=True)
+            try:
+                np.random.seed(0)
+                table = batch(num_groups)
+                trainer = DistributedTrainer(
+                    _config(case_dir, **kw), object() if rank == 0 else None, model=_model(), teacher=_teacher(kw)
+                )
+                trainer._table = table
+                stats = trainer.update(_Rows.from_table(table))
+                result = {"params": trainer.model.state_dict(), "grads": _grads(trainer.model), "stats": stats}
+            except Exception:  # this case's tests fail with it; the next case still runs
+                result = {"error": traceback.format_exc()}
+            torch.save(result, case_dir / f"rank{rank}.pt")
     finally:
         # Rank 0 hosts the group's TCP store: it tears down last, as `rollbook train`'s own ranks do
         # (trainer/main.py joins its children first).
@@ -98,12 +137,23 @@ def _rank(rank: int, world: int, init_method: str, out: str, num_groups: int, kw
     os._exit(0)
 
 
-def _two_ranks(tmp_path: pathlib.Path, num_groups: int, **kw) -> list[dict]:
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> dict[str, list[dict]]:
+    """Each case's step on two gloo ranks, each rank with its share of the batch: one spawn of two
+    rank processes for the whole module, which take the cases one after another."""
+    out = tmp_path_factory.mktemp("two-ranks")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         init = f"tcp://127.0.0.1:{s.getsockname()[1]}"
-    mp.spawn(_rank, args=(2, init, str(tmp_path), num_groups, kw), nprocs=2, join=True)
-    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    mp.spawn(_rank, args=(2, init, str(out), CASES), nprocs=2, join=True)
+    return {name: [torch.load(out / name / f"rank{r}.pt", weights_only=False) for r in range(2)] for name in CASES}
+
+
+def _ranks_of(two_ranks: dict[str, list[dict]], case: str) -> list[dict]:
+    ranks = two_ranks[case]
+    for rank, result in enumerate(ranks):
+        assert "error" not in result, f"rank {rank} of case {case}:\n{result['error']}"
+    return ranks
 
 
 def _one_rank(tmp_path: pathlib.Path, num_groups: int, **kw) -> dict:
@@ -136,19 +186,11 @@ def _assert_same(a: dict, b: dict, lr: float = 1e-2) -> None:
         assert float((b["params"][name] - tensor).abs().max()) <= 2 * lr * 1.001, name
 
 
-@pytest.mark.parametrize(
-    "grad_clip,loss",
-    [
-        (1e6, {}),
-        (0.05, {}),
-        (1e6, {"kl_coef": 0.5, "kl_estimator": "k1"}),
-        (1e6, {"aggregation": "sequence_mean", "kl_coef": 0.5, "kl_estimator": "k1"}),
-    ],
-    ids=["unclipped", "clipped", "kl-penalty", "sequence-mean"],
-)
-def test_two_ranks_with_half_the_groups_each_take_the_step_of_one_rank_with_all(tmp_path, grad_clip, loss):
-    one = _one_rank(tmp_path / "one", 6, grad_clip=grad_clip, lr=1e-2, loss=loss)
-    ranks = _two_ranks(tmp_path, 6, grad_clip=grad_clip, lr=1e-2, loss=loss)
+@pytest.mark.slow  # two gloo rank processes
+@pytest.mark.parametrize("case", list(STEP_CASES))
+def test_two_ranks_with_half_the_groups_each_take_the_step_of_one_rank_with_all(tmp_path, two_ranks, case):
+    one = _one_rank(tmp_path / "one", 6, **STEP_CASES[case])
+    ranks = _ranks_of(two_ranks, case)
     before = _model().state_dict()
     assert any(not torch.equal(before[k], v) for k, v in one["params"].items())  # the step moved the weights
     _assert_same(one, ranks[0])
@@ -157,29 +199,33 @@ def test_two_ranks_with_half_the_groups_each_take_the_step_of_one_rank_with_all(
     assert ranks[0]["stats"]["dist/world_size"] == 2
 
 
-def test_an_mopd_term_averaged_over_tokens_beside_an_rl_term_over_sequences_is_the_single_rank_step(tmp_path):
+@pytest.mark.slow  # two gloo rank processes
+def test_an_mopd_term_averaged_over_tokens_beside_an_rl_term_over_sequences_is_the_single_rank_step(tmp_path, two_ranks):
     """loss.distill_aggregation differs from loss.aggregation: each term takes its own share of the
     batch (sequences for the one, tokens for the other), and 3 groups over 2 ranks share them unevenly."""
-    loss = {"aggregation": "sequence_mean", "distill_aggregation": "token_mean", "distill_coef": 1.0}
-    one = _one_rank(tmp_path / "one", 3, lr=1e-2, grad_clip=1e6, loss=loss)
-    ranks = _two_ranks(tmp_path, 3, lr=1e-2, grad_clip=1e6, loss=loss)
+    num_groups, kw = CASES["mopd-beside-rl"]
+    one = _one_rank(tmp_path / "one", num_groups, **kw)
+    ranks = _ranks_of(two_ranks, "mopd-beside-rl")
     _assert_same(one, ranks[0])
     _assert_same(ranks[0], ranks[1])
 
 
-def test_the_full_vocabulary_distillation_on_two_ranks_is_the_single_rank_step(tmp_path):
+@pytest.mark.slow  # two gloo rank processes
+def test_the_full_vocabulary_distillation_on_two_ranks_is_the_single_rank_step(tmp_path, two_ranks):
     """loss.distill_estimator = "full": each rank runs the teacher on its own micro-batches."""
-    loss = {"aggregation": "sequence_mean", "distill_coef": 1.0, "distill_estimator": "full"}
-    one = _one_rank(tmp_path / "one", 3, lr=1e-2, grad_clip=1e6, loss=loss)
-    ranks = _two_ranks(tmp_path, 3, lr=1e-2, grad_clip=1e6, loss=loss)
+    num_groups, kw = CASES["full-distill"]
+    one = _one_rank(tmp_path / "one", num_groups, **kw)
+    ranks = _ranks_of(two_ranks, "full-distill")
     assert "mopd/kl_mean" in one["stats"]
     _assert_same(one, ranks[0])
     _assert_same(ranks[0], ranks[1])
 
 
-def test_a_rank_without_a_group_still_joins_and_the_step_is_the_single_rank_step(tmp_path):
-    one = _one_rank(tmp_path / "one", 1, lr=1e-2)
-    ranks = _two_ranks(tmp_path, 1, lr=1e-2)
+@pytest.mark.slow  # two gloo rank processes
+def test_a_rank_without_a_group_still_joins_and_the_step_is_the_single_rank_step(tmp_path, two_ranks):
+    num_groups, kw = CASES["one-group"]
+    one = _one_rank(tmp_path / "one", num_groups, **kw)
+    ranks = _ranks_of(two_ranks, "one-group")
     _assert_same(one, ranks[0])
     _assert_same(one, ranks[1])
 
@@ -198,3 +244,35 @@ def test_shares_are_whole_groups_covering_the_batch_once_and_balanced():
     loads = [sum(lengths[i] for i in s) for s in shares]
     assert max(loads) - min(loads) <= max(sum(lengths[i] for i in range(g * 4, g * 4 + 4)) for g in range(7))
     assert shard_groups(table, 1, 3) == shares[1]  # the same answer every time (every rank computes it)
+
+
+def _assert_same_stats(one: dict, two: dict) -> None:
+    """Counts (``num_*``) and extremes (``*_max``, ``*_min``) exactly, means within float noise."""
+    for key, value in one.items():
+        if key == "dist/world_size":
+            continue
+        assert key in two, key
+        if any(part.startswith("num_") for part in key.split("/")) or key.endswith(("_max", "_min")):
+            assert two[key] == value, key
+        else:
+            assert two[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
+    assert two.keys() == one.keys()
+
+
+@pytest.mark.slow  # two gloo rank processes
+@pytest.mark.parametrize("case", list(STATS_CASES))
+def test_two_ranks_report_the_step_statistics_of_one_rank(tmp_path, two_ranks, case):
+    """Counts summed over the ranks, maxima maxed, means weighted by what they average over: the ledger
+    reads the same whatever the number of ranks (one 16-row batch, 4 groups)."""
+    one = _one_rank(tmp_path / "one", 4, **STATS_CASES[case])
+    ranks = _ranks_of(two_ranks, f"stats-{case}")
+    assert one["stats"]["ppo/num_loss_tokens"] == one["stats"]["ppo/num_valid_tokens"] > 0
+    _assert_same_stats(one["stats"], ranks[0]["stats"])
+    assert ranks[0]["stats"]["dist/world_size"] == 2 and one["stats"]["dist/world_size"] == 1
+
+
+def test_a_step_over_several_micro_batches_reports_the_statistics_of_one(tmp_path):
+    """The same reduction over the packed micro-batches of one rank: the counts are the batch's."""
+    whole = _one_rank(tmp_path / "whole", 4, lr=1e-2, grad_clip=1e6)
+    split = _one_rank(tmp_path / "split", 4, lr=1e-2, grad_clip=1e6, micro_batch_tokens=64)
+    _assert_same_stats(whole["stats"], split["stats"])

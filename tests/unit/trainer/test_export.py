@@ -11,10 +11,10 @@ import pathlib
 import pytest
 import torch
 
-from rollbook.cli import main as rollbook
-from rollbook.models import TinyModelSpec, build_tiny_model
+from rollbook.cli.main import main as rollbook
+from rollbook.config import TrainerConfig
+from rollbook.language_models import TinyModelSpec, build_tiny_model
 from rollbook.tasks import TOKENIZER
-from rollbook.trainer.config import TrainerConfig
 from rollbook.trainer.export import _save_tokenizer, export_checkpoint
 from rollbook.trainer.loop import Trainer
 from tests.unit.trainer.test_loop import FakeStore
@@ -193,3 +193,33 @@ def test_teacher_temperature_divides_the_teachers_logits_when_they_score(tmp_pat
         assert not torch.allclose(sharp, packed_logprobs(trainer.model, packed, 1.0), atol=1e-3)
     with pytest.raises(ValueError, match="teacher_temperature"):
         TrainerConfig(teacher_temperature=0)
+
+
+def test_rollbook_export_writes_the_directory_the_run_wrote_for_the_same_step(tmp_path):
+    """A model.path whose generation config names several end-of-sequence ids and sampling defaults:
+    `rollbook export` of step 2 writes what the run's own hf/step-000002 holds, file for file."""
+    from safetensors.torch import load_file
+
+    from tests.hf_fixtures import save_tiny_model_dir
+
+    base = save_tiny_model_dir(tmp_path / "base", vocab_size=64)
+    generation = json.loads((base / "generation_config.json").read_text())
+    generation.update(eos_token_id=[generation["eos_token_id"], 5], do_sample=True, temperature=0.7, top_p=0.9)
+    (base / "generation_config.json").write_text(json.dumps(generation))
+    run = tmp_path / "run"
+    config = TrainerConfig(run_dir=str(run), num_samples=4, num_steps=2, model={"path": str(base)}, lr=0.05)
+    from rollbook.language_models import build_student
+
+    Trainer(config, FakeStore(), model=build_student(config.model)).run()
+    (run / "config.json").write_text(config.model_dump_json())  # as `rollbook train` writes it
+    assert rollbook(["export", str(run / "checkpoints" / "step-000002"), "--to", str(tmp_path / "out")]) == 0
+
+    ours, theirs = run / "hf" / "step-000002", tmp_path / "out"
+    assert sorted(p.name for p in theirs.iterdir()) == sorted(p.name for p in ours.iterdir())
+    written = json.loads((ours / "generation_config.json").read_text())
+    assert (written["eos_token_id"], written["temperature"], written["top_p"]) == (generation["eos_token_id"], 0.7, 0.9)
+    for p in ours.iterdir():
+        if p.suffix == ".safetensors":
+            assert _same(load_file(theirs / p.name), load_file(p)), p.name
+        else:
+            assert (theirs / p.name).read_text() == p.read_text(), p.name

@@ -8,9 +8,9 @@ import math
 import pytest
 import torch
 
-from rollbook.models import TinyModelSpec, build_tiny_model
+from rollbook.config import TrainerConfig
+from rollbook.language_models import TinyModelSpec, build_tiny_model
 from rollbook.trainer import losses
-from rollbook.trainer.config import TrainerConfig
 from rollbook.trainer.loop import Trainer
 from tests.unit.trainer.test_loop import FakeStore
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from rollbook.client import PulledBatch
-from rollbook.models import TinyModelSpec, build_tiny_model
-from rollbook.trainer.config import TrainerConfig
+from rollbook.config import TrainerConfig
+from rollbook.language_models import TinyModelSpec, build_tiny_model
 from rollbook.trainer.loop import Trainer
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rollbook.models import TinyModelSpec, build_tiny_model
+from rollbook.language_models import TinyModelSpec, build_tiny_model
 from rollbook.trainer.packing import block_causal_mask, pack_sequences, packed_logprobs
 
 VOCAB = 32

@@ -10,12 +10,11 @@ import pathlib
 
 import pytest
 
-from rollbook.config import RunConfig
+from rollbook.config import ModelConfig, RunConfig, TrainerConfig
 from rollbook.errors import ConfigError
-from rollbook.models import ModelConfig, build_student, model_vocab_size
-from rollbook.run_support import check_inputs
+from rollbook.language_models import build_student, model_vocab_size
+from rollbook.run.inputs import check_inputs
 from rollbook.tasks import TOKENIZER
-from rollbook.trainer.config import TrainerConfig
 from rollbook.trainer.export import export_tokenizer
 from rollbook.trainer.loop import Trainer
 from rollbook.trainer.main import registered_vocab, size_for_tokenizer

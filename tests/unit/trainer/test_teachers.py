@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from rollbook.models import TinyModelSpec, build_tiny_model
+from rollbook.language_models import TinyModelSpec, build_tiny_model
 from rollbook.trainer.packing import PackedMicroBatch, gather_tokens, pack_sequences, packed_log_softmax, packed_logprobs
 from rollbook.trainer.teachers import DomainRouter, FullScorer, LocalTeacher, MixtureRouter, TeacherScorer, full_scorer
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import duckdb
 
+from rollbook.config import ValidatorConfig
 from rollbook.store.schema import DDL
 from rollbook.store.tables import trajectories_table
 from rollbook.trajectories import decode_messages, trajectory_from_dict
 from rollbook.v1 import rollbook_pb2 as pb
-from rollbook.validator.groups import ValidatorConfig
 from rollbook.validator.pull import lease_batch
 
 T0 = 1000.0  # received_at of the first insert; `now` values below are relative to it

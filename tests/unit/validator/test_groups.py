@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import pytest
 
-from rollbook.validator.groups import ValidatorConfig, expire_leases, reject_stale, settle
+from rollbook.config import ValidatorConfig
+from rollbook.validator.groups import expire_leases, reject_stale, settle
 from rollbook.validator.pull import ack_lease
 from tests.unit.validator.ledger_rows import T0, connect, insert, pull, rejected, served, status, traj
 

@@ -20,9 +20,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from rollbook.config import IngestConfig
 from rollbook.trajectories import decode, decode_messages
 from rollbook.v1 import rollbook_pb2 as pb
-from rollbook.validator.ingest import STRING_FIELDS, IngestConfig, VersionSet, check, check_batch
+from rollbook.validator.ingest import STRING_FIELDS, VersionSet, check, check_batch
 from rollbook.validator.reasons import Reason
 
 INT32 = (-(2**31), 2**31 - 1)

@@ -12,9 +12,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from rollbook.config import IngestConfig
 from rollbook.trajectories import decode, decode_messages, trajectory_from_dict
 from rollbook.validator import ingest
-from rollbook.validator.ingest import IngestConfig, VersionSet
+from rollbook.validator.ingest import VersionSet
 from rollbook.validator.reasons import Reason
 
 VOCAB = 100
@@ -207,8 +208,9 @@ def test_check_batch_flags_negative_and_out_of_vocab_prompt_tokens_like_check():
     """Prompts (some empty) are checked over the batch's flat prompt array; each row keeps its own verdict."""
     import numpy as np
 
+    from rollbook.config import IngestConfig
     from rollbook.trajectories import decode, decode_messages, trajectory_from_dict
-    from rollbook.validator.ingest import IngestConfig, VersionSet, check, check_batch
+    from rollbook.validator.ingest import VersionSet, check, check_batch
 
     class Registry:
         def vocab_size(self, model_id):

@@ -12,7 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from rollbook.validator.normalize import NormConfig, normalize_rewards
+from rollbook.config import NormConfig
+from rollbook.validator.normalize import normalize_rewards
 
 Batch = tuple[np.ndarray, list[str]]  # rewards [N], group ids [N]
 

@@ -9,8 +9,9 @@ from __future__ import annotations
 import pyarrow as pa
 import pytest
 
+from rollbook.config import ValidatorConfig
 from rollbook.v1 import rollbook_pb2 as pb
-from rollbook.validator.groups import ValidatorConfig, expire_leases
+from rollbook.validator.groups import expire_leases
 from rollbook.validator.pull import InvalidPull, LeaseError, NotLeaseOwner, UnknownLease, ack_lease, lease_batch
 from tests.unit.validator.ledger_rows import T0, connect, insert, pull, rejected, served, status, traj
 

@@ -16,9 +16,9 @@ import uuid
 
 import numpy as np
 
+from rollbook.cli.query import format_table
 from rollbook.client import StoreClient
-from rollbook.query_cli import format_table
-from rollbook.run import StoreProcess
+from rollbook.run.store_process import StoreProcess
 
 QUESTIONS = [
     (

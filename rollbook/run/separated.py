@@ -9,18 +9,19 @@ import os
 import pathlib
 import subprocess
 import sys
-import time
 import uuid
 
-from rollbook import env as rollbook_env
+from rollbook import environment as rollbook_env
 from rollbook.config import RunConfig
 from rollbook.lifetime import child_env
-from rollbook.run_support import MetricsLog, heldout_text, install_weights, step_line
+from rollbook.run.driving import drive_run, install_weights
+from rollbook.trainer.drive import Placement
 
 
 def run_separated(config: RunConfig, client, address: str, keys: dict) -> dict:
+    from rollbook.config import WorkerConfig
     from rollbook.rollout.engine import NativeEngine
-    from rollbook.rollout.main import WorkerConfig, write_worker_config
+    from rollbook.rollout.main import write_worker_config
     from rollbook.rollout.worker import RolloutWorker
     from rollbook.trainer.loop import Trainer
     from rollbook.trainer.model_builders import build_models
@@ -32,7 +33,6 @@ def run_separated(config: RunConfig, client, address: str, keys: dict) -> dict:
     publisher = SharedMemoryPublisher(channel, student.state_dict(), checksum=True)
     evaluator = NativeEngine(copy.deepcopy(student), version=0, seed=config.rollout.seed)
     judge = RolloutWorker(evaluator, config.rollout, model_id=config.trainer.model_id)
-    metrics = MetricsLog(run_dir / "metrics.jsonl")
     trainer = Trainer(
         config.trainer,
         client,
@@ -56,33 +56,35 @@ def run_separated(config: RunConfig, client, address: str, keys: dict) -> dict:
         env=child_env(rollbook_env.with_keys(dict(os.environ), {"worker_key": keys["worker_key"]})),
     )  # the worker role only
     try:
-        first = {"step": trainer.state.step, **judge.evaluate()}
-        metrics.write(first)
-        print(f"held-out reward before step {trainer.state.step}: {heldout_text(first)}", flush=True)
-        waited = time.monotonic()
-        while trainer.state.step < config.num_steps:
-            stats = trainer.step()
-            if stats is None:
-                if worker.poll() == 0 and config.rollout.dataset is not None and config.rollout.dataset.epochs:
-                    print(f"dataset epochs done at step {trainer.state.step}: stopping", flush=True)
-                    break
-                if worker.poll() is not None:
-                    raise RuntimeError(f"rollout worker exited with {worker.returncode}")
-                if time.monotonic() - waited > config.trainer.max_wait_s:
-                    raise TimeoutError("no batch from the rollout worker")
-                time.sleep(config.trainer.poll_interval_s)
-                continue
-            waited = time.monotonic()
-            done = trainer.state.step
-            if done % config.eval_every == 0 or done == config.num_steps:
-                stats.update(judge.evaluate())
-                print(step_line(stats, config.num_steps, extra=f"staleness<={stats['batch/staleness_max']}  "), flush=True)
-            metrics.write(stats)
+        epochs = config.rollout.dataset is not None and bool(config.rollout.dataset.epochs)
+        return drive_run(config, trainer, Separated(judge, worker, epochs))
     finally:
         worker.terminate()
         _wait_or_kill(worker, WORKER_STOP_S)
         publisher.close()
-    return {"first": first, "last": metrics.last_eval()}
+
+
+class Separated(Placement):
+    """Rollout in a ``rollbook rollout`` process beside the trainer: the trainer waits for its batches
+    (stopping when the worker ended a dataset's epochs, failing when it died); held-out reward on an
+    engine here that takes every published version."""
+
+    def __init__(self, judge, worker: subprocess.Popen, epochs: bool):
+        self.judge, self.worker, self.epochs = judge, worker, epochs
+
+    def evaluate(self) -> dict:
+        return self.judge.evaluate()
+
+    def waiting(self) -> str | None:
+        code = self.worker.poll()
+        if code == 0 and self.epochs:
+            return "dataset epochs done"
+        if code is not None:
+            raise RuntimeError(f"rollout worker exited with {code}")
+        return None
+
+    def console_extra(self, stats: dict) -> str:
+        return f"staleness<={stats['batch/staleness_max']}  "
 
 
 # From SIGTERM to a stopped worker: it finishes its round, then flushes its spool for up to 120 s

@@ -1,6 +1,6 @@
 """What the ``rollbook`` subcommands that talk to a store share: the client flags and a
-``StoreClient`` built from them and the environment (rollbook/env.py). Its own module so that
-``cli`` and ``query_cli`` both import it and not each other."""
+``StoreClient`` built from them and the environment (rollbook/environment.py). Its own module so that
+``main`` and ``query`` both import it and not each other."""
 
 from __future__ import annotations
 

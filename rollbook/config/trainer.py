@@ -1,5 +1,5 @@
-"""Trainer configuration (pydantic; every field documented). No torch import here: the CLI parses
-and validates the config before it imports torch."""
+"""Configuration of the trainer (``rollbook train``, and the trainer inside ``rollbook run``): its
+loss, its teachers, and how its end of the network weight channel cuts what it serves."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from rollbook.models import ModelConfig
+from rollbook.config.language_model import ModelConfig
 
 
 class LossConfig(BaseModel):
@@ -128,7 +128,14 @@ class TrainerConfig(BaseModel):
         "stream is read-only and unauthenticated: bind loopback or a private interface. None = off.",
     )
     num_steps: int = Field(50, ge=1, description="Optimizer steps (each on one pulled batch) before stopping.")
-    num_samples: int = Field(64, ge=1, description="Samples per pulled batch (whole groups, so it may be exceeded by one group).")
+    num_samples: int = Field(
+        64,
+        ge=1,
+        description="Samples per pulled batch, at most: whole ready groups, oldest first, while they fit (a first "
+        "group larger than this is served whole). A step trains on what is ready when it pulls: with fewer rows "
+        "ready it takes fewer (at least one group; train_steps.stats batch/num_samples says how many), it does "
+        "not wait for a full batch.",
+    )
     num_minibatches: int = Field(1, ge=1, description="Optimizer updates per batch (the batch split by sequences).")
     micro_batch_tokens: int = Field(
         8192, ge=64, description="Largest packed micro-batch (tokens); gradients accumulate across them."
@@ -203,3 +210,15 @@ class TrainerConfig(BaseModel):
         if self.teacher_routing == "domain" and len(self.teachers) > 1 and any(t.domain is None for t in self.teachers):
             raise ValueError("teacher_routing 'domain' with several teachers needs a domain on each")
         return self
+
+
+class WeightStreamConfig(BaseModel):
+    """How the trainer's network weight channel (rollbook/weights/network.py, ``NetworkPublisher``)
+    cuts and schedules updates."""
+
+    chunk_bytes: int = Field(
+        1 << 20, ge=4096, le=3 << 20, description="payload bytes per streamed message (gRPC's default limit is 4 MiB)"
+    )
+    anchor_every: int = Field(
+        20, ge=1, description="every this-many-th publish is a full anchor (no delta is offered for it); 1 disables deltas"
+    )

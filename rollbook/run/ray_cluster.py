@@ -7,7 +7,7 @@ placements, as Ray actors on any nodes of a cluster.
     ray start --address HEAD:6379 --resources '{"rollout_node": 1}'       # ... and each other machine
     rollbook run ... --placement ray --ray.address HEAD:6379 --ray.store_resources '{store_node = 1}' ...
 
-- the store: the run's own ``rollbook serve`` process beside this driver (``rollbook/run.py``), or,
+- the store: the run's own ``rollbook serve`` process beside this driver (``rollbook/run/main.py``), or,
   with ``ray.store_resources``, under a ``StoreActor`` on the node they name (``RayStore``), bound
   to ``ray.store_host``; its ledger is RUN_DIR/rollbook.duckdb on that node's disk;
 - the trainer: ``trainer.num_ranks`` actors (``TrainerRank``), one data-parallel group
@@ -21,7 +21,9 @@ placements, as Ray actors on any nodes of a cluster.
   hold the first weights before its first pull, so every actor feeds the run from step 0.
 
 On several machines RUN_DIR must be one path they all share: rank 0 checkpoints there, the actors
-spool there, the store keeps the ledger there.
+spool there, the store keeps the ledger there. Once Ray is up, before the store or any actor starts,
+``check_placement`` refuses in one line a placement the live nodes cannot hold (Ray would wait on it
+forever without a word).
 
 Failures: a rollout actor that dies is restarted by Ray (``ray.max_restarts``) with the same
 arguments, so it reopens the same spool and, first thing, resends what was spooled and not yet
@@ -41,8 +43,9 @@ import socket
 import time
 from typing import Any
 
-from rollbook import env as rollbook_env
+from rollbook import environment as rollbook_env
 from rollbook.config import RunConfig
+from rollbook.trainer.drive import Placement
 
 log = logging.getLogger("rollbook.run")
 
@@ -91,20 +94,26 @@ class TrainerRank:
             if self.rank != 0:
                 follow(trainer_cfg, build=lambda: build_models(cfg))
                 return {}
+            from rollbook.run.driving import MetricsLog, say
+
             judge = _Judge(cfg)
             publishers = [judge.install]
             if kind == "ray":  # the rollout actors first: the judge evaluates the first version at length
                 from rollbook.weights.ray_objects import RayObjectPublisher
 
                 publishers.insert(0, RayObjectPublisher(where).publish)
-            train_rank(
-                trainer_cfg,
-                build=lambda: build_models(cfg),
-                publishers=publishers,
-                on_step=judge.on_step,
-                on_start=lambda: _wait_for_first_weights(rollout_names),
-            )
-            return {"first": judge.first, "last": judge.metrics.last_eval()}
+            metrics = MetricsLog.for_run(cfg)
+            try:
+                outcome = train_rank(
+                    trainer_cfg,
+                    build=lambda: build_models(cfg),
+                    publishers=publishers,
+                    on_start=lambda: _wait_for_first_weights(rollout_names),
+                    drive_with={"placement": judge, "eval_every": cfg.eval_every, "metrics": metrics, "say": say},
+                )
+            finally:
+                metrics.close()
+            return outcome.summary()
         finally:
             dist.destroy_process_group()
 
@@ -139,40 +148,29 @@ def _wait_for_first_weights(names: tuple[str, ...], timeout_s: float = FIRST_WEI
         log.warning("rollout actor(s) %s hold no weights after %.0f s; training without waiting for them", missing, timeout_s)
 
 
-class _Judge:
-    """Rank 0's held-out evaluation: an engine that takes every published version, evaluated before
-    the first step and every ``eval_every`` steps, rows into RUN_DIR/metrics.jsonl."""
+class _Judge(Placement):
+    """Rank 0's placement: held-out evaluation on an engine that takes every published version (the
+    rollout actors feed the store; the drive loop waits for their batches)."""
 
     def __init__(self, config: RunConfig):
         from rollbook.rollout.engine import NativeEngine
         from rollbook.rollout.worker import RolloutWorker
-        from rollbook.run_support import MetricsLog
         from rollbook.trainer.model_builders import build_models
 
-        self.config = config
         student, _ = build_models(config)
         self.engine = NativeEngine(student, version=0, seed=config.rollout.seed)
         self.worker = RolloutWorker(self.engine, config.rollout, model_id=config.trainer.model_id)
-        self.metrics = MetricsLog(pathlib.Path(config.run_dir) / "metrics.jsonl")
-        self.first: dict | None = None
 
     def install(self, version: int, state_dict) -> None:
-        from rollbook.run_support import heldout_text, install_weights
+        from rollbook.run.driving import install_weights
 
         install_weights(self.engine, version, state_dict)
-        if self.first is None:  # the resumed or initial version, before any step of this start
-            self.first = {"step": version, **self.worker.evaluate()}
-            self.metrics.write(self.first)
-            print(f"held-out reward before step {version}: {heldout_text(self.first)}", flush=True)
 
-    def on_step(self, stats: dict) -> None:
-        from rollbook.run_support import step_line
+    def evaluate(self) -> dict:
+        return self.worker.evaluate()
 
-        done = int(stats["step"]) + 1
-        if done % self.config.eval_every == 0 or done == self.config.num_steps:
-            stats.update(self.worker.evaluate())
-            print(step_line(stats, self.config.num_steps, extra=f"ranks {stats.get('dist/world_size', 1)}  "), flush=True)
-        self.metrics.write(stats)
+    def console_extra(self, stats: dict) -> str:
+        return f"ranks {stats.get('dist/world_size', 1)}  "
 
 
 class RolloutActor:
@@ -268,12 +266,12 @@ def run_ray(config: RunConfig, address: str, keys: dict) -> dict:
 
 
 class StoreActor:
-    """The run's ``rollbook serve`` process (``run_support.StoreProcess``) on the node Ray places this
+    """The run's ``rollbook serve`` process (``rollbook/run/store_process.py``) on the node Ray places this
     actor on (``ray.store_resources``): the ledger RUN_DIR/rollbook.duckdb is on that node's disk. The
     store process dies with the actor (rollbook/lifetime.py)."""
 
     def __init__(self, db: str, keys: dict, config_file: str, host: str) -> None:
-        from rollbook.run_support import StoreProcess
+        from rollbook.run.store_process import StoreProcess
 
         self._store = StoreProcess(pathlib.Path(db), **keys, config_file=config_file, extra_args=("--host", host))
         self._address = self._store.address
@@ -328,6 +326,7 @@ def ray_session(config: RunConfig):
     except ImportError:
         raise CommandError("placement 'ray' needs the ray package: pip install -c constraints.txt -e '.[bench]'") from None
     if ray.is_initialized():
+        check_placement(config, _alive_nodes(), where="the Ray cluster")
         yield
         return
     rc = config.ray
@@ -363,16 +362,85 @@ def ray_session(config: RunConfig):
             )
             ray.shutdown()
     try:
+        check_placement(
+            config, _alive_nodes(), where=f"the Ray cluster at {rc.address}" if rc.address else "the local Ray instance"
+        )
         yield
     finally:
         ray.shutdown()
 
 
+def _alive_nodes() -> list[dict]:
+    """Each live node of the joined cluster: ``{"name": its address, "resources": {name: amount}}``."""
+    import ray
+
+    return [
+        {"name": n.get("NodeManagerAddress", n.get("NodeID", "?")), "resources": dict(n.get("Resources", {}))}
+        for n in ray.nodes()
+        if n.get("Alive")
+    ]
+
+
+def placement_demands(config: RunConfig) -> list[tuple[str, dict[str, float]]]:
+    """(which actor, the Ray resources it declares) for every actor the run places: the store's (with
+    ``ray.store_resources``), each rollout actor's, each trainer rank's (the weight board declares none)."""
+    rc = config.ray
+    out: list[tuple[str, dict[str, float]]] = []
+    if rc.store_resources and config.online is None:
+        out.append(("the store", {"CPU": rc.store_cpus, **rc.store_resources}))
+    for i in range(rc.num_workers):
+        pinned = rc.worker_resources[i % len(rc.worker_resources)] if rc.worker_resources else {}
+        out.append((f"rollout actor {i}", {"CPU": rc.worker_cpus, **pinned}))
+    for rank in range(config.trainer.num_ranks):
+        gpus = {"GPU": rc.trainer_gpus} if rc.trainer_gpus else {}
+        out.append((f"trainer rank {rank}", {"CPU": rc.trainer_cpus, **gpus, **rc.trainer_resources}))
+    return out
+
+
+def check_placement(config: RunConfig, nodes: list[dict], *, where: str = "the Ray cluster") -> None:
+    """Refuse, in one line (``ConfigError``), a placement the cluster's live nodes cannot hold, which Ray
+    would otherwise wait on forever without a word: an actor that no single node has room for (a custom
+    resource no node has, more CPUs than any node), or more of a resource than all the nodes hold
+    together (two trainer ranks pinned to ``{trainer_node = 1}`` on a cluster with one such node).
+    ``nodes``: ``{"name", "resources"}`` per live node (``_alive_nodes``). The check is against the
+    nodes up at the start: an autoscaling cluster needs its nodes started first. A placement that fits
+    but finds the cluster busy with other work still waits for it."""
+    from rollbook.errors import ConfigError
+
+    demands = placement_demands(config)
+    have = " ".join(f"{n['name']} {_resources_text(n['resources'])}" for n in nodes) or "no live node"
+    for actor, asked in demands:
+        if not any(all(n["resources"].get(k, 0.0) >= v for k, v in asked.items()) for n in nodes):
+            raise ConfigError(
+                f"ray placement: {actor} asks for {_resources_text(asked)}: no node of {where} has it (nodes: {have})"
+            )
+    for key in sorted({k for _, asked in demands for k in asked}):
+        total = sum(asked.get(key, 0.0) for _, asked in demands)
+        held = sum(n["resources"].get(key, 0.0) for n in nodes)
+        if total > held + 1e-9:
+            groups: dict[tuple[str, str], int] = {}
+            for actor, asked in demands:
+                if asked.get(key):
+                    kind = actor.rsplit(" ", 1)[0] if actor[-1].isdigit() else actor
+                    groups[(kind, _resources_text(asked))] = groups.get((kind, _resources_text(asked)), 0) + 1
+            parts = " + ".join(f"{n} {kind}s x {text}" if n > 1 else f"{kind} {text}" for (kind, text), n in groups.items())
+            raise ConfigError(
+                f"ray placement: {parts} ask for {key} {total:g} in all; {where} has {key} {held:g} (nodes: {have})"
+            )
+
+
+def _resources_text(resources: dict[str, float]) -> str:
+    """``{CPU: 1, trainer_node: 1}``: the resources an actor declares or a node holds (Ray's own
+    bookkeeping entries, memory and ``node:`` addresses, left out)."""
+    shown = {k: v for k, v in resources.items() if k not in ("memory", "object_store_memory") and not k.startswith("node:")}
+    return "{" + ", ".join(f"{k}: {v:g}" for k, v in sorted(shown.items())) + "}"
+
+
 def _run_actors(config: RunConfig, run_dir: pathlib.Path, address: str, keys: dict) -> dict:
     import ray
 
+    from rollbook.config import WorkerConfig
     from rollbook.errors import CommandError
-    from rollbook.rollout.main import WorkerConfig
 
     rc = config.ray
     trainer_cls = ray.remote(TrainerRank)

@@ -11,7 +11,7 @@
     rollbook export runs/demo/checkpoints/step-000040 --to out/  # a checkpoint as a Hugging Face directory
 
 ``run``, ``train``, ``rollout``, ``proxy`` and ``serve`` take ``--config FILE`` and any config field as a
-dotted flag; ``--help-config`` lists the fields. Environment variables are read in rollbook/env.py
+dotted flag; ``--help-config`` lists the fields. Environment variables are read in rollbook/environment.py
 (keys, TLS files, ROLLBOOK_SERVER; docs/security.md).
 
 Errors: a configuration error (``ConfigError``, exit 2) and a condition the user must fix
@@ -25,8 +25,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from rollbook.cli_common import client_flags, store_client
-from rollbook.env import DEFAULT_SERVER
+from rollbook.cli.store_flags import client_flags, store_client
+from rollbook.environment import DEFAULT_SERVER
 from rollbook.errors import CommandError, ConfigError, unreachable
 
 # serve's flags -> StoreConfig fields (flags given win over --config and dotted overrides)
@@ -50,8 +50,8 @@ _KEY_FIELDS = ("worker_key", "trainer_key", "reader_key", "admin_key")
 
 def load_store_config(path: str | None, overrides: list[str], flags: dict | None = None):
     """StoreConfig from the environment, then ``path``, then dotted overrides, then ``flags``."""
-    from rollbook.config import load_config, read_config_file
-    from rollbook.store.server import StoreConfig, env_values
+    from rollbook.config import StoreConfig, load_config, read_config_file
+    from rollbook.store.server import env_values
 
     if path:
         in_file = sorted(set(_KEY_FIELDS) & read_config_file(path).keys())
@@ -75,7 +75,7 @@ def _serve(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def _query(args: argparse.Namespace) -> int:
-    from rollbook.query_cli import run_query_command
+    from rollbook.cli.query import run_query_command
 
     return run_query_command(args)
 
@@ -134,7 +134,7 @@ def _admin(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from rollbook.demo import run_demo
+    from rollbook.cli.demo import run_demo
 
     return run_demo(args)
 
@@ -142,7 +142,7 @@ def _demo(args: argparse.Namespace) -> int:
 def _report(args: argparse.Namespace) -> int:
     import pathlib
 
-    from rollbook.report import write_report
+    from rollbook.cli.report import write_report
 
     for run_dir in args.run_dirs:
         if not (pathlib.Path(run_dir) / "metrics.jsonl").exists() or not (pathlib.Path(run_dir) / "rollbook.duckdb").exists():
@@ -157,17 +157,16 @@ def _run(args: argparse.Namespace, overrides: list[str]) -> int:
 
     config = load_config(RunConfig, args.config, overrides)  # validated before torch is imported
     setup_logging(args.log_level)
-    from rollbook.run import run
+    from rollbook.run.main import run
 
     run(config)
     return 0
 
 
 def _train(args: argparse.Namespace, overrides: list[str]) -> int:
-    from rollbook import env
-    from rollbook.config import load_config, write_resolved
+    from rollbook import environment as env
+    from rollbook.config import TrainerConfig, load_config, write_resolved
     from rollbook.logs import setup_logging
-    from rollbook.trainer.config import TrainerConfig
 
     config = load_config(TrainerConfig, args.config, overrides)
     if config.trainer_key is None:
@@ -181,10 +180,9 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def _rollout(args: argparse.Namespace, overrides: list[str]) -> int:
-    from rollbook.config import load_config
+    from rollbook.config import WorkerConfig, load_config
     from rollbook.lifetime import stop_event
     from rollbook.logs import setup_logging
-    from rollbook.rollout.main import WorkerConfig
 
     if args.config is None and not overrides:
         raise ConfigError("rollbook rollout needs a worker config: --config configs/worker.toml (or --weights shm:NAME ...)")
@@ -205,14 +203,13 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _proxy(args: argparse.Namespace, overrides: list[str]) -> int:
-    from rollbook.config import load_config
+    from rollbook.config import ProxyConfig, load_config
     from rollbook.lifetime import stop_event
     from rollbook.logs import setup_logging
-    from rollbook.rollout.proxy import ProxyConfig
 
     config = load_config(ProxyConfig, args.config, overrides)
     setup_logging(args.log_level)
-    from rollbook.rollout.proxy import serve as serve_proxy
+    from rollbook.rollout.proxy.server import serve as serve_proxy
 
     serve_proxy(config, stop_event())
     return 0
@@ -220,7 +217,7 @@ def _proxy(args: argparse.Namespace, overrides: list[str]) -> int:
 
 def _config_model(command: str):
     if command == "proxy":
-        from rollbook.rollout.proxy import ProxyConfig
+        from rollbook.config import ProxyConfig
 
         return ProxyConfig
     if command == "run":
@@ -228,14 +225,14 @@ def _config_model(command: str):
 
         return RunConfig
     if command == "train":
-        from rollbook.trainer.config import TrainerConfig
+        from rollbook.config import TrainerConfig
 
         return TrainerConfig
     if command == "rollout":
-        from rollbook.rollout.main import WorkerConfig
+        from rollbook.config import WorkerConfig
 
         return WorkerConfig
-    from rollbook.store.server import StoreConfig
+    from rollbook.config import StoreConfig
 
     return StoreConfig
 
@@ -455,7 +452,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from rollbook import env
+    from rollbook import environment as env
     from rollbook.lifetime import tie_to_parent
 
     tie_to_parent()  # a child of `rollbook run` stops when it dies, even by SIGKILL

@@ -1,8 +1,4 @@
-"""Run configuration: one TOML per runnable scenario in ``configs/``, dotted overrides on the
-command line (``--trainer.lr 1e-4 --rollout.group_size 4``), the resolved config written into the run
-directory. Every command (``run``, ``train``, ``rollout``, ``serve``) loads its config through
-``load_config`` and lists its fields with ``--help-config`` (``field_help``). Parsing and validation
-import no torch.
+"""Configuration of ``rollbook run``: the store, the rollout worker(s) and the trainer of one run.
 
 One source of truth in ``RunConfig``: ``run_dir``, ``num_steps`` and ``max_staleness`` are set once at
 the top and the trainer's and the worker's copies follow them; a copy set explicitly to another
@@ -11,21 +7,13 @@ value is an error, never silently overwritten.
 
 from __future__ import annotations
 
-import json
-import pathlib
-import tomllib
-import types
-import typing
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from rollbook.errors import ConfigError
-from rollbook.rollout.worker import RolloutConfig
-from rollbook.store.server import StoreConfig
-from rollbook.trainer.config import TrainerConfig
-
-M = TypeVar("M", bound=BaseModel)
+from rollbook.config.rollout import RolloutConfig
+from rollbook.config.store import StoreConfig
+from rollbook.config.trainer import TrainerConfig
 
 
 class WarmStartConfig(BaseModel):
@@ -157,12 +145,41 @@ class OnlineConfig(BaseModel):
     agent_seed: int | None = Field(None, description="The agent's problem order seed; None = rollout.seed.")
 
 
+class TrackerConfig(BaseModel):
+    """Experiment trackers (rollbook/tracking.py): every row of RUN_DIR/metrics.jsonl also goes to each
+    tracker turned on here, each number under its flat metric name (``reward/mean``,
+    ``eval/sampled/addition``) at the row's trainer step. Off by default; the libraries are the
+    optional extra ``pip install 'rollbook[tracking]'``, and one turned on but not installed stops the
+    run at start in one line."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    tensorboard: bool = Field(
+        False,
+        description="Write TensorBoard event files to RUN_DIR/tensorboard/ (`tensorboard --logdir RUN_DIR/tensorboard`); "
+        "needs the tensorboard package.",
+    )
+    wandb: bool = Field(
+        False,
+        description="Log to Weights & Biases, its files under RUN_DIR/wandb/, the resolved config as the "
+        "wandb run's config; a resumed run continues the same wandb run (its id in RUN_DIR/wandb-id). Needs the wandb package.",
+    )
+    wandb_project: str = Field("rollbook", description="The wandb project.")
+    wandb_entity: str | None = Field(None, description="The wandb entity (user or team); None: the logged-in user's default.")
+    wandb_name: str | None = Field(None, description="The wandb run's display name; None: the run directory's name.")
+    wandb_mode: Literal["offline", "online", "disabled"] = Field(
+        "offline",
+        description="offline: written under RUN_DIR/wandb/ only, no network, no login (`wandb sync RUN_DIR/wandb/offline-run-*` "
+        "uploads it later); online: streamed to the wandb server (needs `wandb login` or WANDB_API_KEY); disabled: wandb does nothing.",
+    )
+
+
 SEPARATED_MAX_STALENESS = 2  # eta of the separated and ray placements when none is configured
 ONLINE_MAX_STALENESS = 4  # eta of the online mode: the agent is not gated, it plays ahead of the trainer
 
 
 class RayConfig(BaseModel):
-    """The ``ray`` placement of ``rollbook run`` (rollbook/run_ray.py): rollout workers and the
+    """The ``ray`` placement of ``rollbook run`` (rollbook/run/ray_cluster.py): rollout workers and the
     trainer's data-parallel ranks as Ray actors, the store as its server process beside the driver.
     On one host it starts a local Ray instance; ``address`` joins a cluster
     started with ``ray start --head`` / ``ray start --address HEAD:6379``."""
@@ -270,7 +287,8 @@ class RunConfig(BaseModel):
         "colocated",
         description="colocated: rollout and training alternate in one process (eta = 0 is strictly on-policy). "
         "separated: a rollout worker process runs asynchronously, weights over shared memory, bounded staleness. "
-        "ray: rollout workers and trainer ranks as Ray actors on any nodes, weights over the network channel ([ray]).",
+        "ray: rollout workers and trainer ranks as Ray actors on any nodes, weights through Ray's object store "
+        "(or the network channel: ray.weight_channel; [ray]).",
     )
     num_steps: int = Field(
         40, ge=1, description="Trainer steps in all (a resumed run trains up to this count). trainer.num_steps follows it."
@@ -293,6 +311,10 @@ class RunConfig(BaseModel):
         default_factory=StoreConfig,
         description="Store policies (validator, ingest, SQL and "
         "stream limits) of the store process the run starts; db, host, port, keys and TLS are the run's.",
+    )
+    tracker: TrackerConfig = Field(
+        default_factory=TrackerConfig,
+        description="Experiment trackers: TensorBoard and wandb, each off unless turned on (rollbook/tracking.py).",
     )
     online: OnlineConfig | None = Field(
         None,
@@ -364,146 +386,3 @@ def _one_value(name: str, top: BaseModel, *copies: tuple[str, BaseModel, str]) -
         spelled = ", ".join(f"{k} = {v!r}" for k, v in given.items())
         raise ValueError(f"{spelled} disagree: set {name} once (the others follow it)")
     return next(iter(given.values())) if given else getattr(top, name)
-
-
-def parse_overrides(items: list[str]) -> dict[str, Any]:
-    """``["--trainer.lr", "1e-4", "--placement=separated"]`` -> nested dict; values parse as TOML
-    scalars when they can (numbers, booleans, arrays), else as strings."""
-    out: dict[str, Any] = {}
-    it = iter(items)
-    for item in it:
-        if not item.startswith("--"):
-            raise ConfigError(f"expected --dotted.key VALUE, got {item!r}")
-        key, eq, value = item[2:].partition("=")
-        if not eq:
-            following = next(it, None)
-            if following is None:
-                raise ConfigError(f"override {item} has no value")
-            value = following
-        node = out
-        *parents, leaf = key.replace("-", "_").split(".")
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[leaf] = _scalar(value)
-    return out
-
-
-def _scalar(text: str) -> Any:
-    try:
-        return tomllib.loads(f"v = {text}")["v"]
-    except tomllib.TOMLDecodeError:
-        return text
-
-
-def _merge(base: dict, extra: dict) -> dict:
-    for k, v in extra.items():
-        base[k] = _merge(base.get(k, {}), v) if isinstance(v, dict) and isinstance(base.get(k), dict) else v
-    return base
-
-
-def read_config_file(path: str | pathlib.Path) -> dict[str, Any]:
-    """A TOML (or, by its ``.json`` suffix, JSON) config file as a dict; ``ConfigError`` when it is
-    missing or does not parse."""
-    path = pathlib.Path(path)
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        raise ConfigError(f"config file {str(path)!r} not found (the examples are in configs/)") from None
-    except OSError as exc:
-        raise ConfigError(f"cannot read config file {str(path)!r}: {exc.strerror or exc}") from None
-    try:
-        return json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
-    except (ValueError, tomllib.TOMLDecodeError) as exc:
-        raise ConfigError(f"config file {str(path)!r} does not parse: {exc}") from None
-
-
-def load_config(
-    model: type[M],
-    path: str | None,
-    overrides: list[str],
-    base: dict[str, Any] | None = None,
-    final: dict[str, Any] | None = None,
-) -> M:
-    """``base`` (e.g. values from the environment), then the file, then the dotted overrides, then
-    ``final`` (e.g. explicit flags); a missing file, a bad override or a refused value is a
-    ``ConfigError`` in one line."""
-    data: dict[str, Any] = dict(base or {})
-    if path:
-        data = _merge(data, read_config_file(path))
-    try:
-        data = _merge(_merge(data, parse_overrides(overrides)), dict(final or {}))
-        return model.model_validate(data)
-    except ValidationError as exc:
-        from rollbook.errors import one_line
-
-        raise ConfigError(one_line(exc)) from None
-    except ConfigError:
-        raise
-    except ValueError as exc:  # parse_overrides
-        raise ConfigError(str(exc)) from None
-
-
-def field_help(model: type[BaseModel], prefix: str = "") -> list[str]:
-    """Every field of ``model`` as ``--dotted.name  TYPE  (default: VALUE)`` and its description,
-    nested models expanded: what ``--help-config`` prints."""
-    lines: list[str] = []
-    for name, info in model.model_fields.items():
-        nested = _model_of(info.annotation)
-        dotted = f"{prefix}{name}"
-        if nested is not None:
-            if info.description:
-                lines.append(f"[{dotted}]  {info.description}")
-            lines += field_help(nested, f"{dotted}.")
-            continue
-        if info.exclude:  # keys: never in a config file, read from the environment
-            default = "from the environment"
-        elif info.is_required():
-            default = "required"
-        else:
-            value = info.get_default(call_default_factory=True)
-            default = repr(str(value) if isinstance(value, pathlib.PurePath) else value)
-        lines.append(f"--{dotted}  {_type_name(info.annotation)}  (default: {default})")
-        if info.description:
-            lines.append(f"      {info.description}")
-        inner = _inner_model(info.annotation)  # an optional section or a table of sections: their fields too
-        if inner is not None:
-            lines += field_help(inner[1], f"{dotted}.{inner[0]}")
-    return lines
-
-
-def _inner_model(annotation: Any) -> tuple[str, type[BaseModel]] | None:
-    """``Model | None`` -> ("", Model); ``dict[str, Model]`` -> ("<key>.", Model); else None."""
-    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
-    if origin in (typing.Union, types.UnionType):
-        models = [m for m in map(_model_of, args) if m is not None]
-        return ("", models[0]) if len(models) == 1 else None
-    if origin is dict and len(args) == 2 and _model_of(args[1]) is not None:
-        return ("<key>.", args[1])
-    return None
-
-
-def _model_of(annotation: Any) -> type[BaseModel] | None:
-    return annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
-
-
-def _type_name(annotation: Any) -> str:
-    if annotation is type(None):
-        return "None"
-    if isinstance(annotation, type) and not typing.get_args(annotation):
-        return annotation.__name__
-    origin = typing.get_origin(annotation)
-    args = typing.get_args(annotation)
-    if origin is Literal:
-        return "|".join(repr(a) for a in args)
-    if origin in (typing.Union, types.UnionType):
-        return " | ".join(_type_name(a) for a in args)
-    if origin is not None:
-        return f"{getattr(origin, '__name__', str(origin))}[{', '.join(_type_name(a) for a in args)}]"
-    return str(annotation).replace("typing.", "")
-
-
-def write_resolved(config: BaseModel, run_dir: str | pathlib.Path) -> pathlib.Path:
-    path = pathlib.Path(run_dir) / "config.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(config.model_dump(mode="json"), indent=2) + "\n")
-    return path

@@ -51,7 +51,7 @@ VARIABLES = (
 def get(name: str) -> str | None:
     """The value of one of ``VARIABLES`` (None when unset or empty)."""
     if name not in VARIABLES:
-        raise KeyError(f"{name} is not a Rollbook environment variable (rollbook/env.py lists them)")
+        raise KeyError(f"{name} is not a Rollbook environment variable (rollbook/environment.py lists them)")
     return os.environ.get(name) or None
 
 

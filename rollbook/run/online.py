@@ -31,15 +31,15 @@ import os
 import pathlib
 import subprocess
 import sys
-import time
 import uuid
 from typing import TYPE_CHECKING, Literal
 
-from rollbook import env as rollbook_env
+from rollbook import environment as rollbook_env
 from rollbook.config import OnlineConfig, RunConfig
 from rollbook.errors import CommandError
 from rollbook.lifetime import child_env
-from rollbook.run_support import MetricsLog, heldout_text, install_weights, step_line
+from rollbook.run.driving import drive_run, install_weights
+from rollbook.trainer.drive import Placement
 
 if TYPE_CHECKING:  # pragma: no cover
     from rollbook.rollout.engine import GenerationEngine
@@ -60,11 +60,11 @@ def online_problems(config: RunConfig, split: Literal["train", "heldout"], num: 
 
 class AgentEvaluation:
     """The agent's game (examples/arithmetic_agent.py ``play``) played directly on ``engine``: the same
-    rendering as the proxy (rollout/proxy_render.py), the same feedback and the same reward (the
+    rendering as the proxy (rollout/proxy/render.py), the same feedback and the same reward (the
     answer, stripped, equals the sum)."""
 
     def __init__(self, engine: GenerationEngine, tasks: list[Task], online: OnlineConfig, *, top_p: float = 1.0):
-        from rollbook.rollout.proxy_render import renderer
+        from rollbook.rollout.proxy.render import renderer
 
         self.engine, self.tasks, self.online, self.top_p = engine, tasks, online, top_p
         self.render = renderer()
@@ -149,9 +149,8 @@ class ProxyProcess:
 
 
 def run_online(config: RunConfig, client, address: str, keys: dict) -> dict:
-    from rollbook.config import write_resolved
+    from rollbook.config import ProxyConfig, write_resolved
     from rollbook.rollout.engine import NativeEngine
-    from rollbook.rollout.proxy import ProxyConfig
     from rollbook.trainer.loop import Trainer
     from rollbook.trainer.model_builders import build_models
     from rollbook.weights.shm import SharedMemoryPublisher
@@ -174,7 +173,6 @@ def run_online(config: RunConfig, client, address: str, keys: dict) -> dict:
     publisher = SharedMemoryPublisher(channel, student.state_dict(), checksum=True)
     evaluator = NativeEngine(copy.deepcopy(student), version=0, seed=config.rollout.seed)
     judge = AgentEvaluation(evaluator, heldout, online, top_p=config.rollout.top_p)
-    metrics = MetricsLog(run_dir / "metrics.jsonl")
     trainer = Trainer(
         config.trainer,
         client,
@@ -239,32 +237,8 @@ def run_online(config: RunConfig, client, address: str, keys: dict) -> dict:
         flush=True,
     )
     try:
-        first = {"step": trainer.state.step, **judge.evaluate()}
-        metrics.write(first)
-        print(f"held-out agent reward before step {trainer.state.step}: {heldout_text(first)}", flush=True)
-        waited = time.monotonic()
-        seen = _rewarded(client)
-        while trainer.state.step < config.num_steps:
-            # a step per num_samples newly rewarded turns: the trainer would otherwise take every
-            # few rows the agent finished (its pulls return what is ready), a batch too small to learn from
-            now = _rewarded(client)
-            stats = trainer.step() if now - seen >= config.trainer.num_samples else None
-            if stats is not None:
-                seen = now
-            if stats is None:
-                for name, proc in (("agent", agent_proc), ("proxy", proxy.proc)):
-                    if proc.poll() is not None:
-                        raise RuntimeError(f"the {name} process exited with {proc.returncode} (see {run_dir})")
-                if time.monotonic() - waited > config.trainer.max_wait_s:
-                    raise TimeoutError("no batch from the agent's sessions")
-                time.sleep(config.trainer.poll_interval_s)
-                continue
-            waited = time.monotonic()
-            done = trainer.state.step
-            if done % config.eval_every == 0 or done == config.num_steps:
-                stats.update(judge.evaluate())
-                print(step_line(stats, config.num_steps, extra=f"staleness<={stats['batch/staleness_max']}  "), flush=True)
-            metrics.write(stats)
+        placement = Online(judge, client, config.trainer.num_samples, {"agent": agent_proc, "proxy": proxy.proc}, run_dir)
+        return drive_run(config, trainer, placement)
     finally:
         agent_proc.terminate()
         try:
@@ -275,4 +249,37 @@ def run_online(config: RunConfig, client, address: str, keys: dict) -> dict:
         agent_log.close()
         proxy.stop()
         publisher.close()
-    return {"first": first, "last": metrics.last_eval()}
+
+
+class Online(Placement):
+    """An agent's sessions through ``rollbook proxy`` feed the trainer. A step per
+    ``num_samples`` newly rewarded turns: the trainer would otherwise take every few rows the agent
+    finished (its pulls return what is ready), a batch too small to learn from. Held-out reward is the
+    agent's game played here (``AgentEvaluation``); a dead agent or proxy fails the run."""
+
+    def __init__(self, judge: AgentEvaluation, client, num_samples: int, processes: dict, run_dir: pathlib.Path):
+        self.judge, self.client, self.num_samples = judge, client, num_samples
+        self.processes, self.run_dir = processes, run_dir
+        self.seen: int | None = None  # counted from the first try, after the evaluation before step 0
+        self.now = 0
+
+    def before_step(self) -> bool:
+        self.now = _rewarded(self.client)
+        if self.seen is None:
+            self.seen = self.now
+        return self.now - self.seen >= self.num_samples
+
+    def stepped(self, stats: dict) -> None:
+        self.seen = self.now
+
+    def evaluate(self) -> dict:
+        return self.judge.evaluate()
+
+    def waiting(self) -> str | None:
+        for name, proc in self.processes.items():
+            if proc.poll() is not None:
+                raise RuntimeError(f"the {name} process exited with {proc.returncode} (see {self.run_dir})")
+        return None
+
+    def console_extra(self, stats: dict) -> str:
+        return f"staleness<={stats['batch/staleness_max']}  "

@@ -1,7 +1,8 @@
 """Causal language models for the trainer, the rollout engine and teachers.
 
-``ModelConfig`` and ``build_student`` are shared by the trainer and the rollout worker (both build
-the same student), so they live here, below both (``docs/design.md``, "What each folder may import").
+``build_student`` is shared by the trainer and the rollout worker (both build the same student from
+the same ``ModelConfig``, rollbook/config/language_model.py), so it lives here, below both
+(``docs/design.md``, "What each folder may import").
 Models are Hugging Face ``transformers`` causal LMs, either loaded from a local directory or built
 from a tiny config in code; nothing is ever downloaded. torch and transformers are imported lazily so
 that the CLI and the store never pay for them.
@@ -15,34 +16,11 @@ import pathlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from pydantic import BaseModel, ConfigDict, Field
+from rollbook.config import ModelConfig
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
     from transformers import PreTrainedModel
-
-
-class ModelConfig(BaseModel):
-    """The student's architecture (or where to load it): built alike by the trainer and by a rollout
-    worker before its first weights arrive."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    path: str | None = Field(
-        None,
-        description="Local Hugging Face directory of the student (config.json + weights, e.g. saved with "
-        "save_pretrained; nothing is downloaded): the trainer and the rollout worker load the same directory and its "
-        "config.json vocab_size is what the store registers. None builds a tiny model from the fields below.",
-    )
-    vocab_size: int | None = Field(
-        None, ge=2, description="Tiny model: vocabulary size; None = the task tokenizer's (rollbook/tasks.py). Ignored with path."
-    )
-    hidden_size: int = Field(64, ge=8, description="Tiny model: hidden size.")
-    num_layers: int = Field(2, ge=1, description="Tiny model: number of decoder layers.")
-    num_heads: int = Field(4, ge=1, description="Tiny model: attention heads.")
-    num_kv_heads: int = Field(2, ge=1, description="Tiny model: key/value heads (grouped-query attention).")
-    intermediate_size: int = Field(128, ge=8, description="Tiny model: MLP width.")
-    seed: int = Field(0, description="Initialisation seed of the tiny model.")
 
 
 @dataclass(frozen=True)

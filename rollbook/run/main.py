@@ -12,7 +12,7 @@ file in a run directory.
    gate and receives weights over shared memory, while this process trains;
 4. evaluates greedy held-out reward every ``eval_every`` steps, writes ``metrics.jsonl`` and prints
    SQL answers about the run;
-5. writes the run report (``rollbook report``, rollbook/report.py): report.md, PNG plots, summary.json.
+5. writes the run report (``rollbook report``, rollbook/cli/report.py): report.md, PNG plots, summary.json.
 Kill it and run the same command again: the trainer resumes from its checkpoint. A run directory
 already past ``num_steps`` is refused in one line (and its config.json left as it is). The ``[store]``
 section reaches the store process as RUN_DIR/store.json (``rollbook serve --config``).
@@ -30,18 +30,12 @@ import signal
 import sys
 import threading
 
-from rollbook import env as rollbook_env
+from rollbook import environment as rollbook_env
 from rollbook.config import RunConfig, write_resolved
 from rollbook.errors import CommandError
-from rollbook.run_support import (  # StoreProcess: imported from here by tests and tools too
-    MetricsLog,
-    StoreProcess,
-    check_inputs,
-    heldout_text,
-    install_weights,
-    step_line,
-    steps_done,
-)
+from rollbook.run.driving import steps_done
+from rollbook.run.inputs import check_inputs
+from rollbook.run.store_process import StoreProcess
 
 log = logging.getLogger("rollbook.run")
 
@@ -92,12 +86,16 @@ def run(config: RunConfig) -> dict:
 
 def _start_store(config: RunConfig, run_dir: pathlib.Path, keys: dict, stack: contextlib.ExitStack):
     """The run's store: a child process here, or, with ``ray.store_resources`` under the ray placement,
-    under a Ray actor on the node those resources name (Ray is started first, on ``stack``)."""
+    under a Ray actor on the node those resources name. Under the ray placement Ray is started (or
+    joined) first, on ``stack``: a placement the cluster cannot hold is refused before any store starts."""
     db, store_config = run_dir / "rollbook.duckdb", write_store_config(config, run_dir)
-    if config.placement == "ray" and config.online is None and config.ray.store_resources:
-        from rollbook.run_ray import RayStore, ray_session
+    if config.placement == "ray" and config.online is None:
+        from rollbook.run.ray_cluster import ray_session
 
         stack.enter_context(ray_session(config))
+    if config.placement == "ray" and config.online is None and config.ray.store_resources:
+        from rollbook.run.ray_cluster import RayStore
+
         on_ray = RayStore(config, db.resolve(), keys, store_config.resolve())
         print(f"store: {on_ray.address} on Ray node {on_ray.node_id}, ledger {db} on that node", flush=True)
         return on_ray
@@ -113,18 +111,20 @@ def _run_with_store(config: RunConfig, store, keys: dict) -> dict:
     client = StoreClient.from_env(store.address, **keys)
     client.register_model(config.trainer.model_id, vocab_size=_vocab_size(config))
     if config.online is not None:  # learn from an agent through rollbook proxy (docs/online.md)
-        from rollbook.run_online import run_online
+        from rollbook.run.online import run_online
 
         summary = run_online(config, client, store.address, keys)
     elif config.placement == "colocated":
-        summary = _colocated(config, client)
+        from rollbook.run.colocated import run_colocated
+
+        summary = run_colocated(config, client)
     elif config.placement == "ray":
-        from rollbook.run_ray import run_ray
+        from rollbook.run.ray_cluster import run_ray
 
         summary = run_ray(config, store.address, keys)
         summary["store_node_id"] = getattr(store, "node_id", None)  # None: beside the driver
     else:
-        from rollbook.run_separated import run_separated
+        from rollbook.run.separated import run_separated
 
         summary = run_separated(config, client, store.address, keys)
     _print_sql(client)
@@ -142,7 +142,7 @@ def _exit_on_sigterm() -> None:
 
 
 def _vocab_size(config: RunConfig) -> int:
-    """The vocabulary the store checks token ids against: the model's (``rollbook.models.student_vocab_size``
+    """The vocabulary the store checks token ids against: the model's (``rollbook.language_models.student_vocab_size``
     through rollout/worker.py ``registered_vocab_size``). A tiny model for a dataset's own tokenizer takes
     that tokenizer's size."""
     from rollbook.rollout.worker import registered_vocab_size, use_model_tokenizer
@@ -156,9 +156,9 @@ def _vocab_size(config: RunConfig) -> int:
 
 
 def _report(run_dir: pathlib.Path) -> None:
-    """report.md, the plots and summary.json (rollbook/report.py); a failed report costs no training."""
+    """report.md, the plots and summary.json (rollbook/cli/report.py); a failed report costs no training."""
     try:
-        from rollbook.report import write_report
+        from rollbook.cli.report import write_report
 
         write_report([run_dir])
     except Exception as exc:  # the run's evidence and checkpoints are already safe
@@ -167,43 +167,6 @@ def _report(run_dir: pathlib.Path) -> None:
             file=sys.stderr,
             flush=True,
         )
-
-
-def _colocated(config: RunConfig, client) -> dict:
-    import copy
-
-    from rollbook.rollout.engine import NativeEngine
-    from rollbook.rollout.worker import RolloutWorker
-    from rollbook.trainer.loop import Trainer
-    from rollbook.trainer.model_builders import build_models
-
-    student, teacher = build_models(config)
-    engine = NativeEngine(copy.deepcopy(student), version=0, seed=config.rollout.seed)
-    worker = RolloutWorker(engine, config.rollout, model_id=config.trainer.model_id)
-    metrics = MetricsLog(pathlib.Path(config.run_dir) / "metrics.jsonl")
-    trainer = Trainer(
-        config.trainer, client, model=student, teacher=teacher, publishers=[lambda v, sd: install_weights(engine, v, sd)]
-    )
-    trainer.start()
-    first = {"step": trainer.state.step, **worker.evaluate()}
-    metrics.write(first)
-    print(f"held-out reward before step {trainer.state.step}: {heldout_text(first)}", flush=True)
-    while trainer.state.step < config.num_steps:
-        if worker.exhausted:  # a dataset whose epochs are done
-            print(f"dataset epochs done at step {trainer.state.step}: stopping", flush=True)
-            break
-        result = client.submit(worker.produce())
-        stats = trainer.step()
-        if stats is None:
-            log.warning("no ready batch after a rollout round (%s rejected)", result.rejected_by_reason())
-            continue
-        row = {**stats, **worker.stats.metrics()}
-        done = trainer.state.step
-        if done % config.eval_every == 0 or done == config.num_steps:
-            row.update(worker.evaluate())
-            print(step_line(row, config.num_steps), flush=True)
-        metrics.write(row)
-    return {"first": first, "last": metrics.last_eval()}
 
 
 def write_store_config(config: RunConfig, run_dir: pathlib.Path) -> pathlib.Path:
@@ -231,7 +194,7 @@ def _run_keys(run_dir: pathlib.Path) -> dict:
 
 
 def _print_sql(client) -> None:
-    from rollbook.query_cli import format_table
+    from rollbook.cli.query import format_table
 
     for title, sql in SUMMARY_SQL:
         print(f"\n== {title}\n   {sql}\n", flush=True)

@@ -20,9 +20,8 @@ import pyarrow as pa
 
 if TYPE_CHECKING:  # pragma: no cover
     import duckdb
-
-from rollbook import env
-from rollbook.env import DEFAULT_SERVER
+from rollbook import environment as env
+from rollbook.environment import DEFAULT_SERVER
 
 
 def run_query_command(args: argparse.Namespace) -> int:
@@ -46,7 +45,7 @@ def run_query_command(args: argparse.Namespace) -> int:
 def _via_server(server: str, args: argparse.Namespace, *, fallback: bool) -> pa.Table | None:
     import grpc
 
-    from rollbook.cli_common import store_client as _client
+    from rollbook.cli.store_flags import store_client as _client
 
     args.server = server
     with _client(args, timeout_s=max(args.timeout, 30.0)) as client:
@@ -58,6 +57,9 @@ def _via_server(server: str, args: argparse.Namespace, *, fallback: bool) -> pa.
                 return None
             if exc.code() == grpc.StatusCode.UNAVAILABLE:
                 print(f"rollbook query: error: store at {server} is not reachable", file=sys.stderr)
+                raise SystemExit(1) from None
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:  # the query's timeout (or no answer in time)
+                print(f"rollbook query: error: {exc.details()}; narrow the query or raise --timeout", file=sys.stderr)
                 raise SystemExit(1) from None
             print(f"rollbook query: error: {exc.details()}", file=sys.stderr)
             raise SystemExit(1) from None

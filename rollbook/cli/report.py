@@ -28,7 +28,7 @@ import pathlib
 import tempfile
 from typing import Any
 
-# The ledger's answers summary.json holds; the test of acceptance 5 asks the same SQL.
+# The ledger's answers summary.json holds; tests/integration/test_report.py asks the same SQL.
 SUMMARY_SQL = {
     "accepted": "SELECT count(*) AS n FROM trajectories",
     "rejected_by_reason": "SELECT reason, count(*) AS n FROM rejections GROUP BY reason ORDER BY reason",
@@ -54,7 +54,7 @@ def ledger_answers(db: pathlib.Path) -> dict[str, Any]:
     path: the copy includes acknowledged log batches not yet folded into DuckDB)."""
     import duckdb
 
-    from rollbook.query_cli import _private_copy
+    from rollbook.cli.query import _private_copy
 
     if not db.exists():
         raise FileNotFoundError(f"no ledger {db}")

@@ -1,0 +1,83 @@
+"""How the placements of ``rollbook run`` drive their trainer: the metrics file (``MetricsLog``:
+RUN_DIR/metrics.jsonl and the experiment trackers), the drive loop with the run's settings
+(``drive_run``), installing a published version into an in-process engine, and how far a run
+directory's trainer got (``steps_done``)."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import time
+
+
+class MetricsLog:
+    """Appends one JSON object per line. With a ``tracker`` (rollbook/tracking.py ``Tracker``) every
+    row also goes to the experiment trackers it holds."""
+
+    def __init__(self, path: pathlib.Path, tracker=None):
+        self.path = path
+        self.tracker = tracker
+
+    @classmethod
+    def for_run(cls, config) -> "MetricsLog":
+        """RUN_DIR/metrics.jsonl of a ``RunConfig``, with the trackers its ``[tracker]`` section turns on."""
+        from rollbook.tracking import Tracker
+
+        run_dir = pathlib.Path(config.run_dir)
+        tracker = Tracker(config.tracker, run_dir, config.model_dump(mode="json"))
+        return cls(run_dir / "metrics.jsonl", tracker=tracker if tracker.sinks else None)
+
+    def write(self, row: dict) -> None:
+        row = {"time": time.time(), **row}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        if self.tracker is not None:
+            self.tracker.log(row)
+
+    def close(self) -> None:
+        """Flush and close the trackers (they close at interpreter exit too); the file needs nothing."""
+        if self.tracker is not None:
+            self.tracker.close()
+
+
+def install_weights(engine, version: int, state_dict) -> None:
+    """A weight publisher for an engine in this process: take ``version`` when it is newer."""
+    if version > engine.version:
+        engine.update_weights(state_dict, version)
+
+
+def drive_run(config, trainer, placement) -> dict:
+    """Train a started ``trainer`` to the run's ``num_steps`` through the drive loop
+    (trainer/drive.py) with ``placement``, rows into RUN_DIR/metrics.jsonl (and the trackers), the
+    console lines on stdout; returns the held-out evaluations before the first and after the last step."""
+    from rollbook.trainer.drive import drive
+
+    metrics = MetricsLog.for_run(config)
+    try:
+        outcome = drive(
+            trainer,
+            num_steps=config.num_steps,
+            placement=placement,
+            eval_every=config.eval_every,
+            metrics=metrics,
+            max_wait_s=config.trainer.max_wait_s,
+            poll_interval_s=config.trainer.poll_interval_s,
+            say=say,
+        )
+    finally:
+        metrics.close()
+    return outcome.summary()
+
+
+def say(text: str) -> None:
+    print(text, flush=True)
+
+
+def steps_done(run_dir: pathlib.Path) -> int:
+    """Trainer steps the run directory's latest checkpoint holds (0 without one); reads JSON only."""
+    root = pathlib.Path(run_dir) / "checkpoints"
+    try:
+        name = (root / "LATEST").read_text().strip()
+        return int(json.loads((root / name / "trainer.json").read_text())["step"])
+    except (OSError, ValueError, KeyError):
+        return 0

@@ -1,0 +1,133 @@
+"""The OpenAI-format request bodies the proxy accepts, its control bodies, and its error answer.
+
+Request bodies are strict: a JSON string is not a number or a boolean (``"stream": "yes"`` is a 400, as
+at OpenAI). Unknown OpenAI fields the proxy does not use (``user``, ``seed``, ...) pass.
+"""
+
+import math
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from rollbook.rollout.proxy.render import RenderError
+
+
+# strict: a JSON string is not a number or a boolean ("stream": "yes" is a 400, as at OpenAI)
+class Message(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+
+    def text(self, index: int) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        parts = []
+        for j, part in enumerate(self.content):
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise RenderError(f"messages[{index}].content[{j}]: only text parts are supported", "messages")
+            parts.append(part["text"])
+        return "".join(parts)
+
+
+class Sampling(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)  # OpenAI fields the proxy does not use (user, seed, ...) pass
+    model: str
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)
+    max_tokens: int | None = Field(None, ge=1)
+    n: int = Field(1, ge=1)
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+
+    @field_validator("temperature", "top_p")
+    @classmethod
+    def _finite(cls, v: float | None) -> float | None:
+        if v is not None and not math.isfinite(v):
+            raise ValueError("must be finite")
+        return v
+
+
+class ChatRequest(Sampling):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=0)
+
+
+class CompletionRequest(Sampling):
+    prompt: str | list[int]
+    logprobs: int | None = Field(None, ge=0, le=0)
+    echo: bool = False
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, v: bool) -> bool:
+        if v:
+            raise ValueError("echo is not supported")
+        return v
+
+
+class StartSession(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    task_id: str = Field("", max_length=256)
+    domain: str = Field("", max_length=256)
+    group_id: str = Field("", max_length=200)
+    group_size: int = Field(1, ge=1, le=65536)
+
+
+class Reward(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    reward: float
+    call: str | int = "last"
+
+    @field_validator("reward")
+    @classmethod
+    def _finite(cls, v: float) -> float:
+        if not math.isfinite(v):
+            raise ValueError("must be finite")
+        return v
+
+
+class LoadWeights(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    path: str
+    version: int = Field(ge=0)
+    publish: bool = False
+
+
+class RegisterModel(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    model_id: str | None = None
+    publish_version: bool = True
+
+
+class ApiError(Exception):
+    """An OpenAI-format error answer."""
+
+    def __init__(self, status: int, message: str, *, code: str, param: str | None = None, type_: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.code, self.param = status, message, code, param
+        self.type = type_ or {
+            400: "invalid_request_error",
+            401: "authentication_error",
+            403: "permission_error",
+            404: "not_found_error",
+            409: "invalid_request_error",
+            413: "invalid_request_error",
+            429: "rate_limit_error",
+            503: "overloaded_error",
+        }.get(status, "server_error")
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def validation_error(exc: ValidationError) -> ApiError:
+    first = exc.errors()[0]
+    loc = ".".join(str(p) for p in first.get("loc", ()))
+    message = str(first.get("msg", "invalid")).removeprefix("Value error, ")
+    return ApiError(400, f"{loc}: {message}" if loc else message, code="invalid_value", param=loc or None)

@@ -1,0 +1,106 @@
+"""Building and serving the proxy: the engine from its config, the loopback rule, uvicorn on a thread,
+and ``serve`` (what ``rollbook proxy`` runs)."""
+
+import threading
+import time
+
+from rollbook.config import ProxyConfig
+from rollbook.rollout.engine import GenerationEngine
+from rollbook.rollout.proxy.app import create_app
+from rollbook.rollout.proxy.core import Proxy, read_state_dict
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def build_engine(config: ProxyConfig) -> GenerationEngine:
+    if config.engine == "vllm":
+        from rollbook.rollout.vllm_engine import VllmEngine
+
+        if not config.model.path:
+            from rollbook.errors import ConfigError
+
+            raise ConfigError("engine = 'vllm' needs model.path (a local model directory)")
+        return VllmEngine(config.model.path, version=config.version)
+    from rollbook.language_models import build_student
+    from rollbook.rollout.engine import NativeEngine
+
+    model = build_student(config.model)
+    if config.checkpoint:
+        model.load_state_dict(read_state_dict(config.checkpoint), strict=True)
+    # with a weight channel the built weights are never served: version -1 until the first one arrives
+    version = -1 if config.weights else config.version
+    return NativeEngine(model, version=version, seed=config.seed, max_batch_size=config.max_batch_size)
+
+
+def check_exposure(config: ProxyConfig, admin_key: str | None, worker_key: str | None) -> None:
+    if config.host not in LOOPBACK and (admin_key is None or worker_key is None):
+        from rollbook.errors import ConfigError
+
+        raise ConfigError(
+            f"host {config.host} is not loopback: set ROLLBOOK_ADMIN_KEY and ROLLBOOK_WORKER_KEY, else anyone "
+            "who reaches the port may start sessions and load weights"
+        )
+
+
+class ProxyServer:
+    """The app under uvicorn on its own thread (tests, ``rollbook run``); ``url`` once started."""
+
+    def __init__(self, proxy: Proxy, host: str = "127.0.0.1", port: int = 0):
+        import socket
+        import threading
+
+        import uvicorn
+
+        self.proxy = proxy
+        self.sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind((host, port))
+        self.port = self.sock.getsockname()[1]
+        self.url = f"http://{host}:{self.port}"
+        self.server = uvicorn.Server(
+            uvicorn.Config(create_app(proxy), log_level="warning", access_log=False, timeout_graceful_shutdown=5)
+        )
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    def start(self) -> "ProxyServer":
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the proxy's HTTP server did not start")
+            time.sleep(0.02)
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+        self.proxy.close()
+
+
+def serve(config: ProxyConfig, stop: threading.Event | None = None) -> None:
+    """``rollbook proxy``: build the engine, serve until ``stop`` is set (None: SIGINT/SIGTERM set it;
+    the CLI passes ``rollbook.lifetime.stop_event()``, also set when a tied parent dies)."""
+    from rollbook import environment as env
+
+    admin_key, worker_key = env.role_key("admin"), env.role_key("worker")
+    check_exposure(config, admin_key, worker_key)  # before anything slow is imported
+    import torch
+
+    from rollbook.client import StoreClient
+
+    torch.set_num_threads(max(1, min(4, torch.get_num_threads())))
+    engine = build_engine(config)
+    client = StoreClient.from_env(config.server)
+    proxy = Proxy(config, engine, client, admin_key=admin_key, worker_key=worker_key)
+    server = ProxyServer(proxy, config.host, config.port).start()
+    print(f"listening on {server.url}", flush=True)
+    if stop is None:
+        from rollbook.lifetime import stop_event  # a handler that takes no lock (StopEvent)
+
+        stop = stop_event()
+    try:
+        while not stop.is_set() and server.thread.is_alive():
+            stop.wait(0.5)
+    finally:
+        server.stop()
+        client.close()
