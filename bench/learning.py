@@ -25,7 +25,8 @@ Cases (each seed sets ``warm_start.seed``, ``trainer.model.seed`` and ``rollout.
   +0.113, +0.294);
 - ``ray``: ``--placement ray`` on a local Ray instance, two rollout actors and two trainer ranks,
   30 steps. Verdict: mean held-out and training gains above 0, no seed below -0.1;
-- ``check-colocated``, ``check-separated``, ``check-online``, ``check-ray``: the workloads of the
+- ``check-colocated``, ``check-separated``, ``check-online``, ``check-ray``, ``check-bf16`` (the
+  quick start in bfloat16, 50 steps): the workloads of the
   single-seed learning checks in the test suite (tests/integration/test_learning.py), run over
   seeds to choose the checks' seed and margin. Verdict: every seed's held-out gain above the check's
   margin.
@@ -78,6 +79,10 @@ CHECK_ONLINE = (
     *("--num_steps", str(CHECK_ONLINE_STEPS), "--eval_every", str(CHECK_ONLINE_STEPS), "--online.num_eval_problems", "200"),
     *("--online.eval_samples", "16"),
 )
+# bfloat16: the quick start's workload (the domains that generalize) in bfloat16, 50 steps with the
+# learning-rate schedule of 50
+CHECK_BF16_STEPS = 50
+CHECK_BF16 = ("--dtype", "bfloat16", "--num_steps", str(CHECK_BF16_STEPS), "--eval_every", str(CHECK_BF16_STEPS))
 CHECK_MARGIN = 0.005
 CHECK_SEED = 0
 
@@ -116,6 +121,7 @@ CASES: dict[str, Case] = {
     "check-separated": Case("configs/smoke.toml", (*CHECK, "--placement", "separated"), "heldout", {"min_gain": CHECK_MARGIN}),
     "check-online": Case("configs/smoke.toml", CHECK_ONLINE, "heldout", {"min_gain": CHECK_MARGIN}),
     "check-ray": Case("configs/smoke.toml", (*CHECK, *RAY_TWO_RANKS), "heldout", {"min_gain": CHECK_MARGIN}),
+    "check-bf16": Case("configs/quickstart.toml", CHECK_BF16, "heldout", {"min_gain": CHECK_MARGIN}),
 }
 DEFAULT_CASES = ("ppo", "mopd", "online", "ray")
 

@@ -62,6 +62,7 @@ def run_worker(
     of the first weights once the engine holds them (a launcher's barrier: rollbook/run/ray_cluster.py)."""
     import torch
 
+    from rollbook.devices import place
     from rollbook.language_models import build_student
     from rollbook.rollout.engine import NativeEngine
     from rollbook.rollout.worker import RolloutWorker, registered_vocab_size, use_model_tokenizer
@@ -76,7 +77,7 @@ def run_worker(
     if config.rollout.dataset is not None and model_cfg.path is None and model_cfg.vocab_size is None:
         # a tiny model for your own tokenizer: its vocabulary, not the toy tasks'
         model_cfg = model_cfg.model_copy(update={"vocab_size": registered_vocab_size(config.rollout, model_cfg)})
-    model = build_student(model_cfg)
+    model = place(build_student(model_cfg), config.rollout.device, config.rollout.dtype)
     load_into(model, snapshot)
     engine = NativeEngine(model, version=snapshot.version, seed=config.rollout.seed)
     worker = RolloutWorker(engine, config.rollout, model_id=config.model_id)

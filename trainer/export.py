@@ -6,7 +6,8 @@
 The loop exports every ``export_every`` steps and after the last one (``export_final``), keeping the
 newest ``export_keep_last`` under ``RUN_DIR/hf/``. An export is written to a temporary directory
 and renamed into place, so a kill leaves the previous exports and no half-written one. It holds the
-model (``save_pretrained``: config.json, generation_config.json, safetensors weights; the generation
+model (``save_pretrained``: config.json, generation_config.json, safetensors weights in the run's
+``trainer.dtype``; the generation
 config's end-of-sequence, padding and start ids filled in from the tokenizer where it has none, so
 ``generate`` stops on end of sequence) and the tokenizer the run used (``export_tokenizer``).
 
@@ -64,28 +65,41 @@ def export_model(
     *,
     keep_last: int = 2,
     tokenizer_dir: str | os.PathLike | None = None,
+    dtype: str = "float32",
 ) -> pathlib.Path:
     """Write ``RUN_DIR/hf/step-NNNNNN/`` (model + tokenizer) and keep the newest ``keep_last``.
-    ``tokenizer_dir``: the run's tokenizer directory (``TrainerConfig.tokenizer``), see ``export_tokenizer``."""
+    ``tokenizer_dir``: the run's tokenizer directory (``TrainerConfig.tokenizer``), see ``export_tokenizer``;
+    ``dtype``: the run's (``TrainerConfig.dtype``), the weights' in the export."""
     root = pathlib.Path(run_dir) / HF_DIR
     root.mkdir(parents=True, exist_ok=True)
-    final = write_hf_dir(model, model_config, root / f"step-{step:06d}", tokenizer_dir=tokenizer_dir)
+    final = write_hf_dir(model, model_config, root / f"step-{step:06d}", tokenizer_dir=tokenizer_dir, dtype=dtype)
     _prune(root, newest=final.name, keep_last=keep_last)
     log.info("exported step %d to %s", step, final)
     return final
 
 
 def write_hf_dir(
-    model: torch.nn.Module, model_config: ModelConfig, out: pathlib.Path, *, tokenizer_dir: str | os.PathLike | None = None
+    model: torch.nn.Module,
+    model_config: ModelConfig,
+    out: pathlib.Path,
+    *,
+    tokenizer_dir: str | os.PathLike | None = None,
+    dtype: str = "float32",
 ) -> pathlib.Path:
     """``model`` and the run's tokenizer to ``out`` (replaced if it exists), through a temporary
-    sibling renamed into place. ``tokenizer_dir``: the tokenizer directory the run used (``export_tokenizer``)."""
+    sibling renamed into place. ``tokenizer_dir``: the tokenizer directory the run used (``export_tokenizer``);
+    ``dtype``: the weights' (a bfloat16 run trains float32 master weights and exports them cast, so
+    ``from_pretrained(dtype="auto")`` loads bfloat16, as it would the model the run started from)."""
+    from rollbook.devices import cast_floating
+
     quiet_transformers()
     out = pathlib.Path(out)
     tmp = out.with_name(f".tmp-{out.name}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    model.save_pretrained(tmp)  # type: ignore[operator]  # a transformers PreTrainedModel, typed as its nn.Module base
+    state = cast_floating({k: v.detach().cpu() for k, v in model.state_dict().items()}, dtype)
+    model.save_pretrained(tmp, state_dict=state)  # type: ignore[operator]  # a transformers PreTrainedModel, typed as its nn.Module base
+    _record_dtype(tmp / "config.json", dtype)
     export_tokenizer(model_config, tmp, tokenizer_dir=tokenizer_dir)
     _fill_special_token_ids(tmp)
     for p in tmp.iterdir():
@@ -96,6 +110,17 @@ def write_hf_dir(
     os.replace(tmp, out)
     fsync_dir(out.parent)
     return out
+
+
+def _record_dtype(config_json: pathlib.Path, dtype: str) -> None:
+    """Say ``dtype`` in an export's config.json: ``save_pretrained`` records the live model's (the
+    float32 master weights), not that of the tensors it was handed."""
+    if not config_json.is_file():
+        return
+    data = json.loads(config_json.read_text())
+    if data.get("dtype", dtype) != dtype:
+        data["dtype"] = dtype
+        config_json.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
 def save_hf_configs(model: torch.nn.Module, directory: pathlib.Path) -> None:
@@ -190,7 +215,7 @@ def export_checkpoint(
         first = next((line.strip() for line in str(exc).splitlines()[1:] if line.strip()), str(exc))
         raise CommandError(f"{path}: the weights do not fit the model's architecture ({first[:200]})") from None
     out.parent.mkdir(parents=True, exist_ok=True)
-    return write_hf_dir(model, model_config, out, tokenizer_dir=tokenizer_dir)
+    return write_hf_dir(model, model_config, out, tokenizer_dir=tokenizer_dir, dtype=_run_dtype(path))
 
 
 def resolve_checkpoint(checkpoint: str | os.PathLike) -> pathlib.Path:
@@ -267,6 +292,17 @@ def _run_model_config(path: pathlib.Path) -> ModelConfig | None:
     except Exception:  # noqa: BLE001 - not a rollbook run config: fall back to the defaults
         log.warning("%s: no trainer model section; exporting with the task tokenizer", run_config)
         return None
+
+
+def _run_dtype(path: pathlib.Path) -> str:
+    """``trainer.dtype`` of the run's resolved config (``RUN_DIR/config.json``): what its own exports
+    hold; float32 without one."""
+    try:
+        data = json.loads((path.parent.parent / "config.json").read_text())
+        dtype = data.get("trainer", data).get("dtype", "float32")
+    except (OSError, ValueError, AttributeError):
+        return "float32"
+    return dtype if dtype in ("float32", "bfloat16") else "float32"
 
 
 def _run_tokenizer(path: pathlib.Path) -> str | None:

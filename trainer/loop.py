@@ -21,6 +21,7 @@ A kill -9 anywhere in between neither loses nor repeats a batch (see ``trainer.c
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import math
@@ -34,6 +35,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
+from rollbook import devices
 from rollbook.config import TrainerConfig
 from rollbook.trainer import losses
 from rollbook.trainer.checkpoint import TrainerState, load_checkpoint, save_checkpoint
@@ -88,6 +90,13 @@ class _Rows:
             offsets=offsets,
         )
 
+    def to(self, device: torch.device) -> "_Rows":
+        """The per-token tensors on ``device`` (where the model's log-probs are); the rest as is."""
+        if self.behavior.device == device:
+            return self
+        move = {f: getattr(self, f).to(device) for f in ("behavior", "versions", "advantages", "temperatures", "seq_of_token")}
+        return dataclasses.replace(self, **move)
+
     def token_slice(self, seqs: Sequence[int] | np.ndarray) -> torch.Tensor:
         """Token indices [T] of the given sequences, in order."""
         return torch.cat([torch.arange(self.offsets[s], self.offsets[s + 1]) for s in seqs])
@@ -119,13 +128,17 @@ class Trainer:
             full_scorer(teacher)  # type: ignore[arg-type]  # not None: refused above
         self.config = config
         self.client = client
-        self.model = model
+        # the device and dtype are checked here too (a test, a library user): one line, before any work
+        self.device = devices.resolve_device(config.device)
+        devices.resolve_dtype(config.dtype, self.device)
+        self.model = devices.place_trained(model, self.device)  # float32 master weights; forwards under autocast
         self.teacher = teacher
         # the KL reference (None while loss.kl_coef is 0) is built here, before start() restores a
         # checkpoint into the model: reference = "initial" copies the starting student
         self.reference: torch.nn.Module | None = None
         if config.loss.kl_coef > 0:
-            self.reference = build_reference(config, model) if reference is None else reference.eval().requires_grad_(False)
+            reference = build_reference(config, model) if reference is None else reference.eval().requires_grad_(False)
+            self.reference = devices.place(reference, self.device, config.dtype)
         self.publishers = list(publishers)
         self.run_dir = pathlib.Path(config.run_dir)
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
@@ -196,7 +209,13 @@ class Trainer:
             self._unacked = []
         if export_due(cfg, self.state.step):
             export_model(
-                self.run_dir, self.state.step, self.model, cfg.model, keep_last=cfg.export_keep_last, tokenizer_dir=cfg.tokenizer
+                self.run_dir,
+                self.state.step,
+                self.model,
+                cfg.model,
+                keep_last=cfg.export_keep_last,
+                tokenizer_dir=cfg.tokenizer,
+                dtype=cfg.dtype,
             )
         published = time.perf_counter()
         self._publish()
@@ -234,7 +253,12 @@ class Trainer:
 
         The one update path of every trainer: ``DistributedTrainer`` overrides only the four cross-rank
         hooks (``_local_rows``, ``_sum_over_ranks``, ``_reduce_gradients``, ``_gather_stats``), which
-        are identities here; a term added to the loss goes into ``_loss`` and reaches both."""
+        are identities here; a term added to the loss goes into ``_loss`` and reaches both. Its forward
+        passes run on ``trainer.device`` under autocast to ``trainer.dtype`` (rollbook/devices.py)."""
+        with devices.autocast(self.device, self.config.dtype):
+            return self._update(rows.to(self.device))
+
+    def _update(self, rows: _Rows) -> dict:
         cfg = self.config
         lr = self._apply_lr()
         local = self._local_rows(rows)  # this rank's share (None: no group for it this step)
@@ -451,7 +475,8 @@ class Trainer:
         return out
 
     def _publish(self) -> None:
-        state = {k: v.detach() for k, v in self.model.state_dict().items()}
+        # in the run's dtype: a bfloat16 run publishes bfloat16 weights (half the bytes), which the engines hold
+        state = devices.cast_floating({k: v.detach() for k, v in self.model.state_dict().items()}, self.config.dtype)
         for publish in self.publishers:
             publish(self.state.version, state)
         # every version announces the staleness contract, so separately started workers gate by it
@@ -486,7 +511,7 @@ def state_checksum(state: dict) -> str:
     h = hashlib.blake2b(digest_size=16)
     for name in sorted(state):
         h.update(name.encode())
-        h.update(state[name].detach().contiguous().cpu().numpy().tobytes())
+        h.update(state[name].detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())  # any dtype: its bytes
     return h.hexdigest()
 
 
@@ -525,8 +550,8 @@ def _micro_share(seqs: int, tokens: int, totals: tuple[int, int], per_sequence: 
 def _teacher_gap_by_domain(rows: _Rows, teacher: torch.Tensor, student: torch.Tensor) -> list[dict[str, float]]:
     """``teacher_gap/DOMAIN``, the mean of log pi_T - log pi_student over the domain's tokens, one
     ``reduce_stats`` part per domain (weighted by ``num_tokens/DOMAIN``)."""
-    gap = (teacher - student).numpy()
-    seq = rows.seq_of_token.numpy()
+    gap = (teacher - student).float().cpu().numpy()
+    seq = rows.seq_of_token.cpu().numpy()
     out = []
     for domain in sorted(set(rows.domains)):
         seqs = [i for i, d in enumerate(rows.domains) if d == domain]

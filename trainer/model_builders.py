@@ -74,7 +74,7 @@ def build_models(config: RunConfig) -> tuple[PreTrainedModel, TeacherScorer | No
             lr=ws.teacher_lr or ws.lr,
             seed=ws.seed + 1,
         )
-        extra.append(LocalTeacher(teacher, config.trainer.teacher_temperature))
+        extra.append(LocalTeacher(_placed(teacher, config.trainer), config.trainer.teacher_temperature))
     return student, build_teachers(config.trainer, extra)
 
 
@@ -89,7 +89,9 @@ def specialist_teachers(config, build):
         raise ValueError("warm_start.specialist_teachers needs trainer.teacher_routing = 'domain'")
     temperature = config.trainer.teacher_temperature
     routes = {
-        t.domain: LocalTeacher(load_model(t.path, what="teacher"), temperature) for t in config.trainer.teachers if t.domain
+        t.domain: LocalTeacher(_placed(load_model(t.path, what="teacher"), config.trainer), temperature)
+        for t in config.trainer.teachers
+        if t.domain
     }
     for name, domain in build_domains(config.rollout).items():
         if name in routes:
@@ -117,7 +119,7 @@ def specialist_teachers(config, build):
             flush=True,
         )
         log.info("teacher %s: held-out accuracy %.3f greedy, %.3f sampled (%d problems)", name, greedy, sampled, len(heldout))
-        routes[name] = LocalTeacher(teacher, temperature)
+        routes[name] = LocalTeacher(_placed(teacher, config.trainer), temperature)
     return DomainRouter(routes)
 
 
@@ -129,7 +131,8 @@ def build_teachers(config: TrainerConfig, extra: Sequence[TeacherScorer] = ()) -
     if config.loss.distill_coef == 0:
         return None
     scorers: list[tuple[TeacherScorer, TeacherConfig | None]] = [
-        (LocalTeacher(load_model(t.path, what="teacher"), config.teacher_temperature), t) for t in config.teachers
+        (LocalTeacher(_placed(load_model(t.path, what="teacher"), config), config.teacher_temperature), t)
+        for t in config.teachers
     ]
     scorers += [(s, None) for s in extra]
     if not scorers:
@@ -163,3 +166,10 @@ def build_reference(config: TrainerConfig, student: torch.nn.Module) -> torch.nn
                 f"student {model_vocab_size(student)}: the KL penalty compares log-probs of the same token ids"
             )
     return reference.eval().requires_grad_(False)
+
+
+def _placed(model: PreTrainedModel, config: TrainerConfig) -> PreTrainedModel:
+    """A teacher on the trainer's device, held in its dtype (it only runs forward)."""
+    from rollbook.devices import place
+
+    return place(model, config.device, config.dtype)  # type: ignore[return-value]  # .to() returns the model itself

@@ -169,6 +169,7 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     from rollbook.logs import setup_logging
 
     config = load_config(TrainerConfig, args.config, overrides)
+    _check_device(config.device, config.dtype)
     if config.trainer_key is None:
         config.trainer_key = env.role_key("trainer")
     setup_logging(args.log_level)
@@ -187,6 +188,7 @@ def _rollout(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.config is None and not overrides:
         raise ConfigError("rollbook rollout needs a worker config: --config configs/worker.toml (or --weights shm:NAME ...)")
     config = load_config(WorkerConfig, args.config, overrides)
+    _check_device(config.rollout.device, config.rollout.dtype)
     setup_logging(args.log_level)
     from rollbook.rollout.main import run_worker
 
@@ -208,11 +210,20 @@ def _proxy(args: argparse.Namespace, overrides: list[str]) -> int:
     from rollbook.logs import setup_logging
 
     config = load_config(ProxyConfig, args.config, overrides)
+    if config.engine == "native":  # vLLM places its model itself
+        _check_device(config.device, config.dtype)
     setup_logging(args.log_level)
     from rollbook.rollout.proxy.server import serve as serve_proxy
 
     serve_proxy(config, stop_event())
     return 0
+
+
+def _check_device(device: str, dtype: str) -> None:
+    """A device that is not there, or a dtype it cannot compute in: one line, exit 2, before anything starts."""
+    from rollbook.devices import check
+
+    check(device, dtype)
 
 
 def _config_model(command: str):

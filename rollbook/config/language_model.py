@@ -4,7 +4,27 @@ same student with ``rollbook.language_models.build_student``."""
 
 from __future__ import annotations
 
+from typing import Any, Literal
+
 from pydantic import BaseModel, ConfigDict, Field
+
+DEVICE_PATTERN = r"^(auto|cpu|cuda(:[0-9]+)?|npu(:[0-9]+)?)$"
+"""What a ``device`` field takes: ``auto`` (CUDA when torch sees it, then an Ascend NPU when torch_npu is
+installed and sees one, else the CPU), ``cpu``, ``cuda``, ``cuda:N``, ``npu``, ``npu:N``. That the device
+exists is checked where a model is placed (``rollbook.devices.resolve_device``): one line, exit 2."""
+
+Dtype = Literal["float32", "bfloat16"]
+"""What a ``dtype`` field takes: the compute precision of a model's forward passes."""
+
+
+def device_field(what: str) -> Any:
+    """The ``device`` field of a config section whose models run on it (``what`` says which)."""
+    return Field("auto", pattern=DEVICE_PATTERN, description=f"Device of {what}: auto, cpu, cuda, cuda:N, npu, npu:N.")
+
+
+def dtype_field(what: str, detail: str) -> Any:
+    """The ``dtype`` field of a config section (``what``: its models; ``detail``: how it applies there)."""
+    return Field("float32", description=f"Precision of {what}: float32 or bfloat16. {detail}")
 
 
 class ModelConfig(BaseModel):

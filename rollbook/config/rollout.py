@@ -10,7 +10,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from rollbook.config.language_model import ModelConfig
+from rollbook.config.language_model import Dtype, ModelConfig, device_field, dtype_field
 
 # ---- your own data ---------------------------------------------------------------------------------
 
@@ -162,6 +162,11 @@ class RolloutConfig(BaseModel):
     )
     seed: int = Field(0, description="Task sampling seed.")
     worker_id: str = Field("worker-0", description="Recorded on every trajectory.")
+    device: str = device_field("the rollout engine (a rollout worker's, the colocated one, the held-out evaluators)")
+    dtype: Dtype = dtype_field(
+        "the rollout engine",
+        "The engine's copy of the student is held in it; the log-probs it records are float32 from its logits.",
+    )
     dataset: DatasetConfig | None = Field(
         None,
         description="Your own data: train on these dataset rows instead of the "
@@ -291,6 +296,8 @@ class ProxyConfig(BaseModel):
     )
     weights_poll_s: float = Field(0.5, gt=0, description="How often the weight channel is asked for a newer version.")
     seed: int = Field(0, description="Sampling seed of the engine.")
+    device: str = device_field("the served model")
+    dtype: Dtype = dtype_field("the served model", "The model is held in it; recorded log-probs are float32 from its logits.")
     max_batch_size: int = Field(64, ge=1, description="Engine batch size.")
     max_context_tokens: int = Field(
         512, ge=2, description="Prompt plus max_tokens may not exceed this (400 context_length_exceeded)."

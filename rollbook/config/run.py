@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from rollbook.config.language_model import DEVICE_PATTERN, Dtype
 from rollbook.config.rollout import RolloutConfig
 from rollbook.config.store import StoreConfig
 from rollbook.config.trainer import TrainerConfig
@@ -303,6 +304,19 @@ class RunConfig(BaseModel):
     eval_every: int = Field(
         5, ge=1, description="Evaluate held-out reward every N steps (and before the first and after the last)."
     )
+    device: str = Field(
+        "auto",
+        pattern=DEVICE_PATTERN,
+        description="Device of every model the run holds (trainer.device and rollout.device follow it): auto "
+        "(CUDA, then an Ascend NPU, then the CPU), cpu, cuda, cuda:N, npu, npu:N. Set trainer.device and "
+        "rollout.device apart instead to put them on different devices.",
+    )
+    dtype: Dtype = Field(
+        "float32",
+        description="Precision of every model the run holds (trainer.dtype and rollout.dtype follow it): "
+        "float32 or bfloat16 (the trained student keeps float32 master weights and optimizer state; exports "
+        "and published weights are bfloat16).",
+    )
     warm_start: WarmStartConfig = Field(default_factory=WarmStartConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
@@ -345,6 +359,11 @@ class RunConfig(BaseModel):
         self.max_staleness = eta if eta is not None else default_eta
         self.trainer.run_dir, self.trainer.num_steps = self.run_dir, self.num_steps
         self.trainer.max_staleness = self.rollout.max_staleness = self.max_staleness
+        for name in ("device", "dtype"):  # set at the top, both sides follow; else each side keeps its own
+            if name in self.model_fields_set:
+                value = _one_value(name, self, ("trainer", self.trainer, name), ("rollout", self.rollout, name))
+                for model in (self, self.trainer, self.rollout):
+                    setattr(model, name, value)
         if self.trainer.num_ranks > 1 and self.placement != "ray":
             raise ValueError(
                 f"trainer.num_ranks = {self.trainer.num_ranks} needs placement 'ray' (colocated and separated "

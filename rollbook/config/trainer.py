@@ -8,7 +8,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from rollbook.config.language_model import ModelConfig
+from rollbook.config.language_model import Dtype, ModelConfig, device_field, dtype_field
 
 
 class LossConfig(BaseModel):
@@ -194,6 +194,26 @@ class TrainerConfig(BaseModel):
         "auto",
         description="torch.distributed backend of the ranks "
         "(auto: gloo, as the trainer keeps its model on the CPU; nccl only for a model on CUDA).",
+    )
+    device: str = device_field("the trainer's models (student, teachers, KL reference)")
+    dtype: Dtype = dtype_field(
+        "the trainer's forward passes",
+        "bfloat16: the student's master weights, gradients and AdamW state stay float32 and its forward "
+        "runs under autocast; teachers and the KL reference are held in bfloat16; log-probs and losses are "
+        "computed in float32 from the logits. Hugging Face exports and published weights are in this dtype.",
+    )
+    data_parallel: Literal["replicate", "shard"] = Field(
+        "replicate",
+        description="With num_ranks > 1: 'replicate' keeps the whole model and optimizer on every rank; 'shard' "
+        "splits parameters, gradients and optimizer state over the ranks (FSDP2 fully_shard), for a model that "
+        "does not fit one device.",
+    )
+    logprob_chunk_tokens: int = Field(
+        1024,
+        ge=1,
+        description="Output positions whose logits are held at once when log-probs (and the full-vocabulary "
+        "distillation term) are computed: peak memory grows with this times the vocabulary, not with a "
+        "micro-batch's output tokens.",
     )
     dist_timeout_s: float = Field(
         120.0,

@@ -6,22 +6,20 @@ from __future__ import annotations
 import logging
 
 from rollbook.config import RunConfig
-from rollbook.run.driving import drive_run, install_weights
+from rollbook.run.driving import drive_run, engine_copy, install_weights
 from rollbook.trainer.drive import Placement
 
 log = logging.getLogger("rollbook.run")
 
 
 def run_colocated(config: RunConfig, client) -> dict:
-    import copy
-
     from rollbook.rollout.engine import NativeEngine
     from rollbook.rollout.worker import RolloutWorker
     from rollbook.trainer.loop import Trainer
     from rollbook.trainer.model_builders import build_models
 
     student, teacher = build_models(config)
-    engine = NativeEngine(copy.deepcopy(student), version=0, seed=config.rollout.seed)
+    engine = NativeEngine(engine_copy(student, config.rollout), version=0, seed=config.rollout.seed)
     worker = RolloutWorker(engine, config.rollout, model_id=config.trainer.model_id)
     trainer = Trainer(
         config.trainer, client, model=student, teacher=teacher, publishers=[lambda v, sd: install_weights(engine, v, sd)]

@@ -40,6 +40,16 @@ class MetricsLog:
             self.tracker.close()
 
 
+def engine_copy(student, rollout):
+    """An inference copy of the trained ``student`` for an engine in this process, on ``rollout.device``
+    in ``rollout.dtype`` (the student itself stays where the trainer keeps it, float32)."""
+    import copy
+
+    from rollbook.devices import place
+
+    return place(copy.deepcopy(student), rollout.device, rollout.dtype)
+
+
 def install_weights(engine, version: int, state_dict) -> None:
     """A weight publisher for an engine in this process: take ``version`` when it is newer."""
     if version > engine.version:

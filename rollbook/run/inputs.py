@@ -8,7 +8,8 @@ import pathlib
 
 def check_inputs(config) -> int:
     """The local files a ``RunConfig`` names, checked before the store process starts (so a typo is one
-    line and no ledger is created): the experiment trackers turned on (installed?), the student, teacher and reference model directories, the dataset
+    line and no ledger is created): the experiment trackers turned on (installed?), the devices and
+    dtypes (there? able?), the student, teacher and reference model directories, the dataset
     files (every row too, under ``on_bad_row = "fail"``) and the tokenizer directory (loaded: it is small). Returns the vocabulary size to register
     (``rollout/worker.py`` ``registered_vocab_size``; a tiny model of unset size trained on a dataset
     takes its tokenizer's, which is then written into ``trainer.model.vocab_size`` so that the student
@@ -19,6 +20,11 @@ def check_inputs(config) -> int:
     from rollbook.tracking import check_tracker
 
     check_tracker(config.tracker)  # a tracker turned on but not installed: one line now, not an ImportError mid-run
+    if config.placement != "ray":  # under ray the models run on the actors' nodes, which check there
+        from rollbook import devices
+
+        devices.check(config.trainer.device, config.trainer.dtype)
+        devices.check(config.rollout.device, config.rollout.dtype)
     trainer, rollout = config.trainer, config.rollout
     if trainer.model.path:
         check_model_dir(trainer.model.path, "model.path")

@@ -26,7 +26,6 @@ slower than the trainer: without this pacing the batches would be a few rows eac
 
 from __future__ import annotations
 
-import copy
 import os
 import pathlib
 import subprocess
@@ -38,7 +37,7 @@ from rollbook import environment as rollbook_env
 from rollbook.config import OnlineConfig, RunConfig
 from rollbook.errors import CommandError
 from rollbook.lifetime import child_env
-from rollbook.run.driving import drive_run, install_weights
+from rollbook.run.driving import drive_run, engine_copy, install_weights
 from rollbook.trainer.drive import Placement
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -150,6 +149,7 @@ class ProxyProcess:
 
 def run_online(config: RunConfig, client, address: str, keys: dict) -> dict:
     from rollbook.config import ProxyConfig, write_resolved
+    from rollbook.devices import cast_floating
     from rollbook.rollout.engine import NativeEngine
     from rollbook.trainer.loop import Trainer
     from rollbook.trainer.model_builders import build_models
@@ -170,8 +170,8 @@ def run_online(config: RunConfig, client, address: str, keys: dict) -> dict:
 
     student, teacher = build_models(config)
     channel = f"rollbook-{uuid.uuid4().hex[:12]}"
-    publisher = SharedMemoryPublisher(channel, student.state_dict(), checksum=True)
-    evaluator = NativeEngine(copy.deepcopy(student), version=0, seed=config.rollout.seed)
+    publisher = SharedMemoryPublisher(channel, cast_floating(student.state_dict(), config.trainer.dtype), checksum=True)
+    evaluator = NativeEngine(engine_copy(student, config.rollout), version=0, seed=config.rollout.seed)
     judge = AgentEvaluation(evaluator, heldout, online, top_p=config.rollout.top_p)
     trainer = Trainer(
         config.trainer,
@@ -188,6 +188,8 @@ def run_online(config: RunConfig, client, address: str, keys: dict) -> dict:
         model=config.trainer.model,
         weights=f"shm:{channel}",
         seed=config.rollout.seed,
+        device=config.rollout.device,
+        dtype=config.rollout.dtype,
         max_tokens_limit=max(16, online.max_tokens),
         worker_id="proxy",
         max_concurrent=max(4, online.concurrency * online.group_size),

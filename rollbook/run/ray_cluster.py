@@ -158,7 +158,11 @@ class _Judge(Placement):
         from rollbook.trainer.model_builders import build_models
 
         student, _ = build_models(config)
-        self.engine = NativeEngine(student, version=0, seed=config.rollout.seed)
+        from rollbook.devices import place
+
+        self.engine = NativeEngine(
+            place(student, config.rollout.device, config.rollout.dtype), version=0, seed=config.rollout.seed
+        )
         self.worker = RolloutWorker(self.engine, config.rollout, model_id=config.trainer.model_id)
 
     def install(self, version: int, state_dict) -> None:

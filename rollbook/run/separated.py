@@ -4,7 +4,6 @@ beside it, weights over shared memory, bounded staleness (asynchronous RL: eta i
 
 from __future__ import annotations
 
-import copy
 import os
 import pathlib
 import subprocess
@@ -14,12 +13,13 @@ import uuid
 from rollbook import environment as rollbook_env
 from rollbook.config import RunConfig
 from rollbook.lifetime import child_env
-from rollbook.run.driving import drive_run, install_weights
+from rollbook.run.driving import drive_run, engine_copy, install_weights
 from rollbook.trainer.drive import Placement
 
 
 def run_separated(config: RunConfig, client, address: str, keys: dict) -> dict:
     from rollbook.config import WorkerConfig
+    from rollbook.devices import cast_floating
     from rollbook.rollout.engine import NativeEngine
     from rollbook.rollout.main import write_worker_config
     from rollbook.rollout.worker import RolloutWorker
@@ -30,8 +30,8 @@ def run_separated(config: RunConfig, client, address: str, keys: dict) -> dict:
     run_dir = pathlib.Path(config.run_dir)
     student, teacher = build_models(config)
     channel = f"rollbook-{uuid.uuid4().hex[:12]}"
-    publisher = SharedMemoryPublisher(channel, student.state_dict(), checksum=True)
-    evaluator = NativeEngine(copy.deepcopy(student), version=0, seed=config.rollout.seed)
+    publisher = SharedMemoryPublisher(channel, cast_floating(student.state_dict(), config.trainer.dtype), checksum=True)
+    evaluator = NativeEngine(engine_copy(student, config.rollout), version=0, seed=config.rollout.seed)
     judge = RolloutWorker(evaluator, config.rollout, model_id=config.trainer.model_id)
     trainer = Trainer(
         config.trainer,

@@ -21,10 +21,11 @@ def build_engine(config: ProxyConfig) -> GenerationEngine:
 
             raise ConfigError("engine = 'vllm' needs model.path (a local model directory)")
         return VllmEngine(config.model.path, version=config.version)
+    from rollbook.devices import place
     from rollbook.language_models import build_student
     from rollbook.rollout.engine import NativeEngine
 
-    model = build_student(config.model)
+    model = place(build_student(config.model), config.device, config.dtype)
     if config.checkpoint:
         model.load_state_dict(read_state_dict(config.checkpoint), strict=True)
     # with a weight channel the built weights are never served: version -1 until the first one arrives

@@ -5,14 +5,15 @@ temperature, drawn with one fixed seed at every evaluation, so a policy that doe
 exactly the same) by more than CHECK_MARGIN between the evaluation before the first step and the one
 after the last. A loss that stops learning (a flipped sign, a zero learning rate) fails it.
 
-Why sampled, not greedy (docs/RESULTS.md, "Why step 0 moved between machines"): greedy accuracy of
+Why sampled, not greedy (docs/RESULTS.md, "Why step 0 depends on the CPU kernels"): greedy accuracy of
 the warm-started student sits on a steep part of the string-reversal curve, where float rounding
 and the seed move it by luck; the sampled reward moves smoothly with the weights.
 
 One seed each, chosen with its margin from ``python bench/learning.py --cases check-colocated
 check-separated check-online check-ray --seeds 0 1 2`` (bench/README.md has the figures); the
 claims over several seeds, PPO's and MOPD's, are bench/learning.py's ``ppo`` and ``mopd`` cases.
-The online check is in test_online_run.py and the ray one in test_ray_placement.py.
+The online check is in test_online_run.py and the ray one in test_ray_placement.py. The bfloat16
+check runs the quick start's workload (configs/quickstart.toml) with `--dtype bfloat16` and loads its export.
 """
 
 from __future__ import annotations
@@ -31,3 +32,17 @@ def test_colocated_ppo_raises_the_sampled_heldout_reward(tmp_path):
 
 def test_separated_ppo_raises_the_sampled_heldout_reward(tmp_path):
     check_heldout_rises("check-separated", tmp_path / "run")
+
+
+def test_the_quick_start_in_bfloat16_learns_and_exports_bfloat16(tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from bench.learning import CHECK_BF16_STEPS
+
+    run_dir = tmp_path / "run"
+    check_heldout_rises("check-bf16", run_dir)
+    export = run_dir / "hf" / f"step-{CHECK_BF16_STEPS:06d}"
+    model = AutoModelForCausalLM.from_pretrained(export, dtype="auto", local_files_only=True)
+    assert model.dtype == torch.bfloat16
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
