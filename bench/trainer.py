@@ -2,14 +2,22 @@
 
     python bench/trainer.py --json          # one JSON line; under a minute on 2 idle CPU cores
 
-Both steps run on the same model, the same packed micro-batches (same block-diagonal mask and
-position ids) and the same AdamW optimizer, alternating in one run:
+    python bench/trainer.py --json --device cuda --dtype bfloat16 --model qwen2-0.5b \
+        --num-sequences 64 --max-tokens 16384 --prompt-len 64 --output-len 448   # scripts/gpu_check.sh
 
-- ``step``: per micro-batch ``packed_logprobs`` (forward with grad), ``decoupled_ppo_loss`` +
-  ``mopd_loss`` through ``combined_loss``, backward; then one AdamW step. The proximal and teacher
-  log-probs are inputs, computed before the step.
-- ``bare``: per micro-batch the model's logits, ``cross_entropy`` on the output tokens, backward;
-  then the same AdamW step.
+Both steps run on the same model, the same packed micro-batches (same document-masked attention
+and position ids), the same device, dtype and AdamW optimizer, alternating in one run:
+
+- ``step``: per micro-batch ``packed_logprobs`` (forward with grad, the LM head a chunk of positions
+  at a time under activation checkpointing), ``decoupled_ppo_loss`` + ``mopd_loss`` through
+  ``combined_loss``, backward; then one AdamW step. The proximal and teacher log-probs are inputs,
+  computed before the step.
+- ``bare``: per micro-batch the decoder's hidden states, the LM head on every output position at
+  once, ``cross_entropy`` on the output tokens, backward; then the same AdamW step.
+
+``--dtype bfloat16`` runs both under autocast with float32 master weights (rollbook/devices.py), as
+the trainer does; the teachers are held in bfloat16. ``--model qwen2-0.5b`` builds a Qwen2 model of
+the 0.5B shape (24 layers, hidden 896, 151,936-token vocabulary) from a config in code.
 
 ``step_over_bare`` is the overhead of the RL machinery (target <= 1.15). The two forward-only passes
 a step needs are reported apart: ``proximal_recompute_s`` (the trainer's own no-grad forward, which
@@ -19,8 +27,7 @@ after one warm-up of each, measurements interleaved so that load from other proc
 alike; ``step_over_bare_cpu`` is the same ratio in process CPU time, steadier on a shared machine.
 The default (8192 tokens in 8 micro-batches of 1024) runs in under a minute on 2 idle cores. On an
 oversubscribed machine two threads mostly wait for each other; ``--num-threads 1`` is then the
-steadier measurement. Attention uses a dense block-diagonal mask, so
-its cost grows with ``--max-tokens`` squared, not with the sequence lengths.
+steadier measurement. On CUDA each timing is taken after ``torch.cuda.synchronize``.
 A benchmark, not a test: it asserts nothing about time.
 """
 
@@ -44,6 +51,15 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--vocab-size", type=int, default=64, help="vocabulary of the tiny Llama")
     parser.add_argument("--repeats", type=int, default=3, help="timed repeats of each measurement (median)")
     parser.add_argument("--num-threads", type=int, default=2, help="torch CPU threads")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N (rollbook/devices.py)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the trainer's dtype")
+    parser.add_argument(
+        "--model",
+        default="tiny",
+        choices=["tiny", "qwen2-0.5b"],
+        help="tiny: the Llama of --hidden-size etc.; qwen2-0.5b: that shape",
+    )
+    parser.add_argument("--chunk-tokens", type=int, default=1024, help="trainer.logprob_chunk_tokens")
     args = parser.parse_args()
     if args.prompt_len < 1 or args.output_len < 1 or args.repeats < 1:
         parser.error("--prompt-len, --output-len and --repeats must be >= 1")
@@ -56,59 +72,75 @@ def main() -> None:
     args = parse_args()
     import torch
 
-    from rollbook.language_models import TinyModelSpec, build_tiny_model
+    from rollbook import devices
     from rollbook.trainer.packing import packed_logprobs
     from rollbook.trainer.teachers import DomainRouter, LocalTeacher
 
     torch.set_num_threads(args.num_threads)
-    spec = TinyModelSpec(
-        vocab_size=args.vocab_size,
-        hidden_size=args.hidden_size,
-        num_layers=args.num_layers,
-        intermediate_size=2 * args.hidden_size,
-        max_position_embeddings=args.prompt_len + args.output_len,
-    )
-    model = build_tiny_model(spec, seed=0)
+    device = devices.resolve_device(args.device)
+    devices.resolve_dtype(args.dtype, device)
+    vocab = build_model(args, 0).config.vocab_size if args.model != "tiny" else args.vocab_size
+    model = devices.place_trained(build_model(args, 0), device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
-    teachers = {name: LocalTeacher(build_tiny_model(spec, seed=seed)) for name, seed in (("a", 1), ("b", 2))}
+    teachers = {
+        name: LocalTeacher(devices.place(build_model(args, seed), device, args.dtype)) for name, seed in (("a", 1), ("b", 2))
+    }
     teacher = DomainRouter(teachers)
-    batches, domains = make_batches(args, torch)
+    batches, domains = make_batches(args, torch, vocab)
+    batches = [b.to(device) for b in batches]
+    autocast = lambda: devices.autocast(device, args.dtype)  # noqa: E731
 
     proximal = [None] * len(batches)
     teacher_logp = [None] * len(batches)
 
     def recompute_proximal() -> None:
-        with torch.no_grad():
-            proximal[:] = [packed_logprobs(model, b, b.temperature) for b in batches]
+        with torch.no_grad(), autocast():
+            proximal[:] = [packed_logprobs(model, b, b.temperature, chunk_tokens=args.chunk_tokens) for b in batches]
 
     def score_teachers() -> None:
-        teacher_logp[:] = [teacher.score(b, d) for b, d in zip(batches, domains)]
+        with autocast():
+            teacher_logp[:] = [teacher.score(b, d) for b, d in zip(batches, domains)]
+
+    def step() -> None:
+        with autocast():
+            rl_step(model, optimizer, batches, proximal, teacher_logp, args.chunk_tokens)
+
+    def bare() -> None:
+        with autocast():
+            bare_step(model, optimizer, batches)
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
 
     # in a real step's order: the step consumes the proximal and teacher log-probs just computed
-    runs = {
-        "proximal": recompute_proximal,
-        "teacher": score_teachers,
-        "step": lambda: rl_step(model, optimizer, batches, proximal, teacher_logp),
-        "bare": lambda: bare_step(model, optimizer, batches),
-    }
+    runs = {"proximal": recompute_proximal, "teacher": score_teachers, "step": step, "bare": bare}
     timings = {name: [] for name in runs}
     cpu_times = {name: [] for name in runs}
     for repeat in range(args.repeats + 1):  # repeat 0 is the warm-up
         for name, run in runs.items():
+            sync()
             start, start_cpu = time.perf_counter(), time.process_time()
             run()
+            sync()
             if repeat:
                 timings[name].append(time.perf_counter() - start)
                 cpu_times[name].append(time.process_time() - start_cpu)
     median = {name: statistics.median(t) for name, t in timings.items()}
     report = {
         "bench": "trainer",
+        "device": str(device),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "dtype": args.dtype,
+        "model": args.model,
+        "num_parameters": sum(p.numel() for p in model.parameters()),
         "tokens_per_step": sum(b.num_tokens for b in batches),
         "output_tokens_per_step": sum(b.num_output_tokens for b in batches),
         "num_micro_batches": len(batches),
-        "hidden_size": args.hidden_size,
-        "num_layers": args.num_layers,
-        "vocab_size": args.vocab_size,
+        "hidden_size": model.config.hidden_size,
+        "num_layers": model.config.num_hidden_layers,
+        "vocab_size": vocab,
+        "chunk_tokens": args.chunk_tokens,
         "num_threads": args.num_threads,
         "repeats": args.repeats,
         "step_s": round(median["step"], 3),
@@ -119,6 +151,8 @@ def main() -> None:
         "teacher_score_s": round(median["teacher"], 3),
         "step_tokens_per_s": round(sum(b.num_tokens for b in batches) / median["step"], 1),
     }
+    if device.type == "cuda":
+        report["peak_memory_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
     if args.json:
         print(json.dumps(report))
     else:
@@ -126,14 +160,47 @@ def main() -> None:
             print(f"{key:>24}: {value}")
 
 
-def make_batches(args: argparse.Namespace, torch):
+def build_model(args: argparse.Namespace, seed: int):
+    """The benchmark's model, float32 on the CPU: the tiny Llama of the size flags, or a Qwen2 of the
+    0.5B shape (built from a config, random weights; nothing is downloaded)."""
+    import torch
+
+    from rollbook.language_models import TinyModelSpec, build_tiny_model
+
+    if args.model == "tiny":
+        spec = TinyModelSpec(
+            vocab_size=args.vocab_size,
+            hidden_size=args.hidden_size,
+            num_layers=args.num_layers,
+            intermediate_size=2 * args.hidden_size,
+            max_position_embeddings=args.prompt_len + args.output_len,
+        )
+        return build_tiny_model(spec, seed=seed)
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        vocab_size=151_936,
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        max_position_embeddings=max(4096, args.prompt_len + args.output_len),
+        tie_word_embeddings=True,
+        attn_implementation="sdpa",
+    )
+    torch.manual_seed(seed)
+    return Qwen2ForCausalLM(config).float()
+
+
+def make_batches(args: argparse.Namespace, torch, vocab: int):
     """Random prompts and outputs with engine-like evidence (behavior log-probs near the model's)."""
     from rollbook.trainer.packing import pack_sequences
 
     gen = torch.Generator().manual_seed(0)
     n = args.num_sequences
-    prompts = torch.randint(0, args.vocab_size, (n, args.prompt_len), generator=gen).tolist()
-    outputs = torch.randint(0, args.vocab_size, (n, args.output_len), generator=gen).tolist()
+    prompts = torch.randint(0, vocab, (n, args.prompt_len), generator=gen).tolist()
+    outputs = torch.randint(0, vocab, (n, args.output_len), generator=gen).tolist()
     behavior = (-torch.rand(n, args.output_len, generator=gen) * 4 - 2).tolist()  # ~ log(1/64) +- 2
     advantages = torch.randn(n, generator=gen).tolist()
     batches = pack_sequences(
@@ -143,13 +210,13 @@ def make_batches(args: argparse.Namespace, torch):
     return batches, domains
 
 
-def rl_step(model, optimizer, batches, proximal, teacher_logp) -> None:
+def rl_step(model, optimizer, batches, proximal, teacher_logp, chunk_tokens: int) -> None:
     from rollbook.trainer.losses import combined_loss, decoupled_ppo_loss, mopd_loss
     from rollbook.trainer.packing import packed_logprobs
 
     total = sum(b.num_output_tokens for b in batches)
     for b, prox, teach in zip(batches, proximal, teacher_logp):
-        logp = packed_logprobs(model, b, b.temperature)
+        logp = packed_logprobs(model, b, b.temperature, chunk_tokens=chunk_tokens)
         common = (logp, prox, b.behavior_logprobs)
         rl = decoupled_ppo_loss(*common, b.advantages, b.loss_mask, eps_clip=0.2, behavior_weight_cap=5.0)
         distill = mopd_loss(*common, teach, b.loss_mask, adv_clip=5.0, behavior_weight_cap=5.0)
@@ -162,13 +229,12 @@ def rl_step(model, optimizer, batches, proximal, teacher_logp) -> None:
 def bare_step(model, optimizer, batches) -> None:
     import torch.nn.functional as F
 
-    from rollbook.trainer.packing import block_causal_mask
+    from rollbook.trainer.packing import packed_hidden
 
     total = sum(b.num_output_tokens for b in batches)
     for b in batches:
-        mask = block_causal_mask(b.cu_seqlens)
-        logits = model(input_ids=b.input_ids, attention_mask=mask, position_ids=b.position_ids, use_cache=False).logits
-        loss = F.cross_entropy(logits[0, b.output_index].float(), b.output_token_ids, reduction="sum") / total
+        logits = model.get_output_embeddings()(packed_hidden(model, b))
+        loss = F.cross_entropy(logits.float(), b.output_token_ids, reduction="sum") / total
         loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)

@@ -41,7 +41,7 @@ from rollbook.trainer import losses
 from rollbook.trainer.checkpoint import TrainerState, load_checkpoint, save_checkpoint
 from rollbook.trainer.export import export_due, export_model
 from rollbook.trainer.model_builders import build_reference
-from rollbook.trainer.packing import gather_tokens, pack_sequences, packed_log_softmax, packed_logprobs
+from rollbook.trainer.packing import pack_sequences, packed_logprobs, packed_logprobs_and_kl
 from rollbook.trainer.proximal import loglinear_alpha, loglinear_proximal_logprobs
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -325,21 +325,25 @@ class Trainer:
         """One packed micro-batch of a minibatch (``totals``: its sequences and tokens over every rank):
         the loss, scaled to the micro-batch's share, backward; returns the loss's statistics.
 
-        With ``loss.distill_estimator = "full"`` the teacher runs here, on the micro-batch (its whole
-        distributions are never held for the batch), and ``teacher[idx]`` receives its log-probs of the
+        With ``loss.distill_estimator = "full"`` the teacher runs here, on the micro-batch, and the
+        reverse KL to it comes per output position from ``packed_logprobs_and_kl`` (whole distributions
+        exist ``logprob_chunk_tokens`` rows at a time); ``teacher[idx]`` receives its log-probs of the
         sampled tokens, for the per-domain teacher gap."""
         loss_cfg = self.config.loss
+        chunk = self.config.logprob_chunk_tokens
         per_sequence, distill_per_sequence = _aggregations(loss_cfg)
-        student_full = None
+        distill_kl = None
         if teacher is not None and loss_cfg.distill_estimator == "full":
             from rollbook.trainer.teachers import full_scorer
 
-            student_full = packed_log_softmax(self.model, packed, rows.temperatures[idx])
-            logp = gather_tokens(student_full, packed)
-            teacher_logp = full_scorer(self.teacher).score_full(packed, [rows.domains[s] for s in seqs])  # type: ignore[arg-type]  # set when teacher is
-            teacher[idx] = gather_tokens(teacher_logp, packed).to(teacher)
+            distributions = full_scorer(self.teacher).score_full(packed, [rows.domains[s] for s in seqs])  # type: ignore[arg-type]  # set when teacher is
+            logp, distill_kl, teacher_tokens = packed_logprobs_and_kl(
+                self.model, packed, rows.temperatures[idx], distributions, chunk_tokens=chunk
+            )
+            teacher[idx] = teacher_tokens.to(teacher)
+            teacher_logp = teacher[idx]
         else:
-            logp = packed_logprobs(self.model, packed, rows.temperatures[idx])
+            logp = packed_logprobs(self.model, packed, rows.temperatures[idx], chunk_tokens=chunk)
             teacher_logp = teacher[idx] if teacher is not None else None
         share = _micro_share(len(seqs), len(idx), totals, per_sequence)
         loss, stats = self._loss(
@@ -352,7 +356,7 @@ class Trainer:
             weights[idx] if weights is not None and per_sequence else None,
             weights[idx] if weights is not None and distill_per_sequence else None,
             _micro_share(len(seqs), len(idx), totals, distill_per_sequence) / share,
-            student_full=student_full,
+            distill_kl=distill_kl,
         )
         (loss * share).backward()
         # the units the loss values average over, their weights in reduce_stats
@@ -373,23 +377,23 @@ class Trainer:
         distill_weights=None,
         distill_scale=1.0,
         *,
-        student_full=None,
+        distill_kl=None,
     ):
         """The micro-batch's loss; ``weights`` [T]: per-token weights (``loss.aggregation``), None the token
         mean; ``distill_weights`` the same for the MOPD term (``loss.distill_aggregation``), and
         ``distill_scale`` that term's micro-batch share over the whole loss's (1.0 when both aggregate alike).
-        ``student_full`` [T, V]: the student's whole distributions, for the full-vocabulary distillation
-        (``teacher_logp`` then [T, V] too)."""
+        ``distill_kl`` [T]: the reverse KL to the teacher at each position, for the full-vocabulary
+        distillation (``teacher_logp`` is then only reported)."""
         cfg = self.config.loss
         mask = torch.ones_like(logp, dtype=torch.bool)
-        out = self._policy_loss(logp, prox, behav, adv, teacher_logp, mask, weights, distill_weights, distill_scale, student_full)
+        out = self._policy_loss(logp, prox, behav, adv, teacher_logp, mask, weights, distill_weights, distill_scale, distill_kl)
         if reference_logp is None:
             return out
         kl = losses.kl_penalty(logp, reference_logp, mask, estimator=cfg.kl_estimator, token_weights=weights)
         return losses.add_kl_penalty(out, kl, kl_coef=cfg.kl_coef)
 
     def _policy_loss(
-        self, logp, prox, behav, adv, teacher_logp, mask, weights=None, distill_weights=None, distill_scale=1.0, student_full=None
+        self, logp, prox, behav, adv, teacher_logp, mask, weights=None, distill_weights=None, distill_scale=1.0, distill_kl=None
     ):
         cfg = self.config.loss
         rl = losses.decoupled_ppo_loss(
@@ -408,8 +412,8 @@ class Trainer:
         if teacher_logp is None:
             loss, stats = rl
             return loss * cfg.rl_coef, {**stats, "loss/total": float(loss.detach()) * cfg.rl_coef}
-        if student_full is not None:
-            distill = losses.full_kl_distill_loss(student_full, teacher_logp, mask, token_weights=distill_weights)
+        if distill_kl is not None:
+            distill = losses.kl_distill_loss(distill_kl, mask, token_weights=distill_weights)
         else:
             distill = losses.mopd_loss(
                 logp,
@@ -444,12 +448,14 @@ class Trainer:
         if self.config.loss.proximal == "loglinear":
             current = torch.empty_like(rows.behavior)
             for _, idx, packed in self._micro_batches(rows, all_seqs):
-                current[idx] = packed_logprobs(self.model, packed, rows.temperatures[idx])
+                current[idx] = packed_logprobs(
+                    self.model, packed, rows.temperatures[idx], chunk_tokens=self.config.logprob_chunk_tokens
+                )
             alpha = loglinear_alpha(rows.versions, self.state.version, self.state.version + 1)
             return loglinear_proximal_logprobs(rows.behavior, current, alpha)
         out = torch.empty_like(rows.behavior)
         for _, idx, packed in self._micro_batches(rows, all_seqs):
-            out[idx] = packed_logprobs(self.model, packed, rows.temperatures[idx])
+            out[idx] = packed_logprobs(self.model, packed, rows.temperatures[idx], chunk_tokens=self.config.logprob_chunk_tokens)
         return out
 
     @torch.no_grad()
@@ -471,7 +477,9 @@ class Trainer:
         assert self.reference is not None
         out = torch.empty_like(rows.behavior)
         for _, idx, packed in self._micro_batches(rows, list(range(len(rows.outputs)))):
-            out[idx] = packed_logprobs(self.reference, packed, rows.temperatures[idx])
+            out[idx] = packed_logprobs(
+                self.reference, packed, rows.temperatures[idx], chunk_tokens=self.config.logprob_chunk_tokens
+            )
         return out
 
     def _publish(self) -> None:

@@ -203,12 +203,32 @@ def full_kl_distill_loss(
     if loss_mask.shape != log_probs.shape[:1]:
         raise ValueError(f"loss_mask must be [T] = {tuple(log_probs.shape[:1])}, got {tuple(loss_mask.shape)}")
     mask = loss_mask.bool()
-    dtype = torch.promote_types(log_probs.dtype, torch.float32)
     rows = mask[:, None]  # padding rows are never read: zeroed before any arithmetic
-    logp = torch.where(rows, log_probs.to(dtype), 0.0)
-    # a teacher's -inf (a vocabulary entry it never emits) stays finite: the KL is then large, not inf
-    teacher = torch.where(rows, teacher_log_probs.detach().to(dtype), 0.0).clamp(min=-TEACHER_LOGP_FLOOR)
-    kl = torch.where(mask, (logp.exp() * (logp - teacher)).sum(-1), 0.0)
+    kl = reverse_kl(torch.where(rows, log_probs, 0.0), torch.where(rows, teacher_log_probs, 0.0))
+    return kl_distill_loss(kl, mask, token_weights=token_weights)
+
+
+def reverse_kl(log_probs: torch.Tensor, teacher_log_probs: torch.Tensor) -> torch.Tensor:
+    """``KL(pi || pi_T)`` per row, ``[T]`` float32, from ``[T, V]`` log-softmaxes: the student's
+    (carries the gradient) and the teacher's (detached; floored at ``-TEACHER_LOGP_FLOOR``, so an entry
+    it never emits makes the KL large, not inf). The trainer computes it a few rows at a time
+    (trainer/packing.py ``packed_logprobs_and_kl``) and hands the rows to ``kl_distill_loss``."""
+    dtype = torch.promote_types(log_probs.dtype, torch.float32)
+    logp = log_probs.to(dtype)
+    teacher = teacher_log_probs.detach().to(dtype).clamp(min=-TEACHER_LOGP_FLOOR)
+    return (logp.exp() * (logp - teacher)).sum(-1)
+
+
+def kl_distill_loss(kl: torch.Tensor, loss_mask: torch.Tensor, *, token_weights: torch.Tensor | None = None) -> LossOutput:
+    """``full_kl_distill_loss`` from the per-position KL (``reverse_kl``, ``[T]``, with grad): its
+    token mean (or ``token_weights``' weighting) over ``loss_mask``, and the same ``mopd/*`` stats."""
+    if kl.ndim != 1 or loss_mask.shape != kl.shape:
+        raise ValueError(
+            f"need a per-position KL [T] and a loss_mask of the same shape, got {tuple(kl.shape)} and {tuple(loss_mask.shape)}"
+        )
+    mask = loss_mask.bool()
+    dtype = torch.promote_types(kl.dtype, torch.float32)
+    kl = torch.where(mask, kl.to(dtype), 0.0)
     loss = _token_mean(kl, mask, mask, _weights(token_weights, mask))
     return loss, {
         "mopd/loss": loss.detach(),

@@ -5,9 +5,11 @@
         logp = packed_logprobs(model, packed, packed.temperature)   # [T_out], with grad
 
 Each micro-batch is ONE row ``[1, T]``: its sequences (prompt tokens, then output tokens) laid end
-to end, ``position_ids`` restarting at 0 for each, and a block-diagonal causal attention mask so no
-token sees another sequence. Everything the losses need is per OUTPUT token, flat ``[T_out]``, in
-the order of ``output_token_ids``: the packed form of the store's per-token columns.
+to end, ``position_ids`` restarting at 0 for each. No token sees another sequence, and no mask is
+built: during the packed forward the model's attention is ``PACKED_ATTENTION``, registered with
+transformers, which runs causal scaled-dot-product attention on each sequence (those of one length
+together, as one batch). Everything the losses need is per OUTPUT token, flat ``[T_out]``, in the
+order of ``output_token_ids``: the packed form of the store's per-token columns.
 
 Temperature convention
 ----------------------
@@ -28,23 +30,28 @@ renormalized distribution, which puts more mass on each kept token than the full
 ratio (the sampler only ever draws kept tokens), but train with ``top_p = 1`` and ``top_k`` off when
 the ratio should be exactly 1 for fresh tokens.
 
-Memory: the mask is a dense ``[1, 1, T, T]`` float tensor (``4 * T**2`` bytes in fp32: 64 MiB at
-T = 4096); bound ``T`` with ``max_tokens``.
+Memory: attention scores exist per sequence (``sum L_i**2``, inside SDPA), never ``T**2``. The
+logits exist ``chunk_tokens`` output positions at a time (``chunk_tokens * V`` floats, not ``T_out *
+V``: 16k tokens of a 152k vocabulary would be 10 GB in float32): the decoder runs once, then the LM
+head per chunk under activation checkpointing, so autograd keeps each chunk's hidden rows and the
+backward recomputes its logits (the LM head's forward runs twice per chunk when training).
+``bench/packed_memory.py`` measures the peak against a dense mask with whole-batch logits.
 
 Tests: ``python -m pytest tests/unit/trainer/test_packing.py -q``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
-
-MASK_ATTENTION = ("eager", "sdpa")
-"""transformers attention implementations that take a custom 4D additive mask as-is."""
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 
 @dataclass
@@ -146,55 +153,245 @@ def pack_sequences(
     return [_pack_group(g, prompts, outputs, behavior_logprobs, versions, advantages, temperatures) for g in groups]
 
 
-def packed_logprobs(model: torch.nn.Module, packed: PackedMicroBatch, temperature: float | torch.Tensor = 1.0) -> torch.Tensor:
-    """``log_softmax(logits / temperature)`` of each output token, ``[T_out]`` float32, with grad.
+DEFAULT_CHUNK_TOKENS = 1024  # TrainerConfig.logprob_chunk_tokens's default
 
-    One forward pass over the packed row with a block-diagonal causal mask (see the module
-    docstring for the temperature convention). The result is on the model's device.
+
+class Distributions(Protocol):
+    """A teacher's whole next-token distributions over a micro-batch's output positions, computed on
+    demand, a few rows at a time (teachers.py ``score_full``)."""
+
+    def rows(self, index: torch.Tensor) -> torch.Tensor:
+        """Log-probs ``[len(index), V]`` float32, no grad, at these output positions (``[T_out]`` order)."""
+        ...
+
+
+def packed_logprobs(
+    model: torch.nn.Module,
+    packed: PackedMicroBatch,
+    temperature: float | torch.Tensor = 1.0,
+    *,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+) -> torch.Tensor:
+    """``log_softmax(logits / temperature)`` of each output token, ``[T_out]`` float32, with grad
+    when grad is enabled; on the model's device.
+
+    One forward pass over the packed row (document-masked attention, the module docstring), then
+    the LM head ``chunk_tokens`` output positions at a time (see "Memory").
 
     Args:
-        model: a ``transformers`` causal LM whose attention implementation is eager or sdpa.
+        model: a ``transformers`` causal LM whose logits are its output embedding of its decoder's
+            last hidden state (Llama, Qwen2, Mistral, ... ; ``final_logit_softcapping`` applied).
         packed: the micro-batch.
         temperature: a float, or ``[T_out]`` per token (``packed.temperature``); >= 0, 0 counts as 1.
+        chunk_tokens: output positions whose logits are held at once.
     """
-    return gather_tokens(packed_log_softmax(model, packed, temperature), packed)
+    return _chunked(model, packed, temperature, None, chunk_tokens)[0]
 
 
-def packed_log_softmax(model: torch.nn.Module, packed: PackedMicroBatch, temperature: float | torch.Tensor = 1.0) -> torch.Tensor:
-    """The whole distribution at each output position: ``[T_out, V]`` float32 log-probs, with grad
-    (``packed_logprobs`` is its entry at each sampled token). The full-vocabulary distillation
-    (``losses.full_kl_distill_loss``) reads it; it holds ``T_out * V`` floats."""
-    impl = getattr(model.config, "_attn_implementation", None)
-    if impl not in MASK_ATTENTION:
-        raise ValueError(
-            f"packed_logprobs needs an attention implementation that takes a 4D mask {MASK_ATTENTION}, "
-            f"got {impl!r}; load the model with attn_implementation='sdpa'"
-        )
+def packed_logprobs_and_kl(
+    model: torch.nn.Module,
+    packed: PackedMicroBatch,
+    temperature: float | torch.Tensor,
+    teacher: Distributions,
+    *,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For the full-vocabulary distillation: ``(log-probs, reverse KL, teacher log-probs)``, each
+    ``[T_out]`` float32. The first two carry grad: the student's log-prob of each sampled token and
+    ``KL(pi_student || pi_teacher)`` over the whole vocabulary at each output position
+    (``losses.reverse_kl``); the third is the teacher's log-prob of the sampled token. Student and
+    teacher distributions exist ``chunk_tokens`` rows at a time, never for the whole micro-batch."""
+    logp, kl, teacher_logp = _chunked(model, packed, temperature, teacher, chunk_tokens)
+    assert kl is not None and teacher_logp is not None
+    return logp, kl, teacher_logp
+
+
+def packed_hidden(model: torch.nn.Module, packed: PackedMicroBatch) -> torch.Tensor:
+    """The decoder's last hidden state at each position whose logits predict an output token,
+    ``[T_out, H]``, with grad when grad is enabled. One forward of ``model`` itself (so hooks a
+    wrapper such as FSDP puts on it run) with document-masked attention; the LM head runs on no
+    position (``logits_to_keep`` an empty index) where the model takes ``logits_to_keep``."""
     device = next(model.parameters()).device
     packed = packed.to(device)
-    mask = block_causal_mask(packed.cu_seqlens, dtype=model.get_input_embeddings().weight.dtype)  # type: ignore[operator]  # transformers types the method as a Tensor
-    logits = _output_logits(model, packed, mask).float()  # [T_out, V]
-    temp = torch.as_tensor(temperature, dtype=torch.float32, device=device)
+    captured: list[torch.Tensor] = []
+
+    def keep(_module, _inputs, output) -> None:
+        captured.append(output[0] if isinstance(output, tuple) else output.last_hidden_state)
+
+    handle = model.get_decoder().register_forward_hook(keep)  # type: ignore[operator]  # a transformers PreTrainedModel
+    kwargs: dict = {}
+    if "logits_to_keep" in inspect.signature(model.forward).parameters:
+        kwargs["logits_to_keep"] = packed.output_index[:0]
+    try:
+        with _packed_attention_on(model):
+            model(
+                input_ids=packed.input_ids,
+                position_ids=packed.position_ids,
+                use_cache=False,
+                rollbook_segments=_Segments.of(packed.cu_seqlens),
+                **kwargs,
+            )
+    finally:
+        handle.remove()
+    if len(captured) != 1:
+        raise RuntimeError(f"{type(model).__name__}: its decoder ran {len(captured)} times in one forward; expected once")
+    return captured[0][0, packed.output_index]
+
+
+def head_log_softmax(model: torch.nn.Module, hidden: torch.Tensor, temperature: float | torch.Tensor = 1.0) -> torch.Tensor:
+    """``log_softmax(logits / temperature)``, ``[N, V]`` float32, of ``hidden`` ``[N, H]`` (rows of
+    ``packed_hidden``) through ``model``'s LM head; the logits may be bfloat16 (autocast), the
+    softmax is float32."""
+    logits = model.get_output_embeddings()(hidden).float()  # type: ignore[operator]  # a transformers PreTrainedModel
+    softcap = getattr(model.config, "final_logit_softcapping", None)
+    if softcap:
+        logits = torch.tanh(logits / softcap) * softcap
+    return (logits / _temperatures(temperature, logits)).log_softmax(dim=-1)
+
+
+# --- document-masked attention --------------------------------------------------------------------
+
+PACKED_ATTENTION = "rollbook_packed"
+"""The attention implementation a packed forward runs under (``_packed_attention_on``): registered
+with transformers' ``AttentionInterface`` and, as a mask function that builds no mask, its
+``AttentionMaskInterface``."""
+
+
+@dataclass
+class _Segments:
+    """Where the sequences of a packed row are, grouped by length: each group attends as one batch
+    ``[n, heads, L, dim]`` of causal SDPA calls (a lone sequence is a slice of the row, no copy)."""
+
+    groups: list[slice | torch.Tensor]  # a slice of the row, or [n, L] token positions
+    order: torch.Tensor | None  # [T]: where each row position lands in the groups' concatenation; None: in order
+
+    @classmethod
+    def of(cls, cu_seqlens: torch.Tensor) -> _Segments:
+        bounds = cu_seqlens.tolist()
+        by_length: dict[int, list[int]] = {}
+        for start, end in zip(bounds[:-1], bounds[1:]):
+            by_length.setdefault(end - start, []).append(start)
+        groups: list[slice | torch.Tensor] = []
+        device = cu_seqlens.device
+        for length, starts in by_length.items():
+            if len(starts) == 1:
+                groups.append(slice(starts[0], starts[0] + length))
+            else:
+                groups.append(torch.tensor(starts, device=device)[:, None] + torch.arange(length, device=device))
+        if len(groups) == 1 and isinstance(groups[0], slice):
+            return cls(groups, None)
+        flat = torch.cat(
+            [torch.arange(g.start, g.stop, device=device) if isinstance(g, slice) else g.reshape(-1) for g in groups]
+        )
+        order = torch.empty_like(flat)
+        order[flat] = torch.arange(flat.numel(), device=device)
+        return cls(groups, order)
+
+
+def _packed_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
+    """Causal attention within each sequence of a packed row: ``query`` ``[1, heads, T, dim]``,
+    ``key``/``value`` ``[1, kv_heads, T, dim]``; returns ``([1, T, heads, dim], None)`` as
+    transformers' attention functions do. Scores exist per sequence (``sum L_i**2``), never ``T**2``."""
+    segments = kwargs.get("rollbook_segments")
+    if segments is None:
+        raise RuntimeError("packed attention runs only inside trainer/packing.py's forward (no segments given)")
+    q, k, v = query[0], key[0], value[0]
+    if k.shape[0] != q.shape[0]:  # grouped-query attention: each key/value head serves consecutive query heads
+        k = k.repeat_interleave(q.shape[0] // k.shape[0], dim=0)
+        v = v.repeat_interleave(q.shape[0] // v.shape[0], dim=0)
+    pieces = []
+    for group in segments.groups:
+        if isinstance(group, slice):
+            qs, ks, vs = (t[None, :, group] for t in (q, k, v))  # [1, H, L, D]
+        else:
+            qs, ks, vs = (t[:, group].transpose(0, 1) for t in (q, k, v))  # [n, H, L, D]
+        out = F.scaled_dot_product_attention(qs, ks, vs, dropout_p=dropout, is_causal=True, scale=scaling)
+        pieces.append(out.transpose(1, 2).reshape(-1, q.shape[0], q.shape[2]))  # [n * L, H, D]
+    out = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+    if segments.order is not None:
+        out = out[segments.order]
+    return out[None], None
+
+
+def _no_mask(*args, **kwargs) -> None:
+    """The packed forward's mask function: the segments say everything, no mask is built."""
+    return None
+
+
+def _register_packed_attention() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(PACKED_ATTENTION, _packed_attention)
+    AttentionMaskInterface.register(PACKED_ATTENTION, _no_mask)
+
+
+@contextlib.contextmanager
+def _packed_attention_on(model: torch.nn.Module):
+    """Run ``model`` with the packed attention for the duration (its config says which attention its
+    layers call, so the rollout engine's copy, exports and other forwards are untouched)."""
+    config: Any = model.config  # a transformers PreTrainedModel's PretrainedConfig
+    before = config._attn_implementation
+    if before not in ("eager", "sdpa", PACKED_ATTENTION):
+        raise ValueError(
+            f"packed training runs attention itself (causal SDPA per sequence) in place of {before!r}; load the "
+            "model with attn_implementation='sdpa' or 'eager'"
+        )
+    config._attn_implementation = PACKED_ATTENTION
+    try:
+        yield
+    finally:
+        config._attn_implementation = before
+
+
+def _temperatures(temperature: float | torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """The divisor of ``like``'s rows (``[N, V]``): per row ``[N, 1]``, or a scalar; 0 counts as 1."""
+    temp = torch.as_tensor(temperature, dtype=torch.float32, device=like.device)
     if bool((temp < 0).any()):
         raise ValueError("temperature must be >= 0 (0 = greedy, scored at temperature 1)")
     temp = torch.where(temp > 0, temp, 1.0)
-    return (logits / (temp[:, None] if temp.ndim else temp)).log_softmax(dim=-1)
+    return temp[:, None] if temp.ndim else temp
 
 
-def gather_tokens(log_probs: torch.Tensor, packed: PackedMicroBatch) -> torch.Tensor:
-    """``[T_out, V]`` -> ``[T_out]``: each position's entry at its sampled output token."""
-    return log_probs.gather(-1, packed.output_token_ids.to(log_probs.device)[:, None])[:, 0]
+def _chunked(model, packed: PackedMicroBatch, temperature, teacher: Distributions | None, chunk_tokens: int):
+    """``packed_logprobs`` and ``packed_logprobs_and_kl``: hidden states once, then the head per chunk
+    under activation checkpointing when grad is on (autograd keeps each chunk's hidden rows, and the
+    backward recomputes its logits), so at most ``chunk_tokens * V`` logits exist at a time."""
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+    hidden = packed_hidden(model, packed)
+    device = hidden.device
+    tokens = packed.output_token_ids.to(device)
+    n = tokens.numel()
+    temp = torch.as_tensor(temperature, dtype=torch.float32, device=device)
+    temp = temp.expand(n) if temp.ndim == 0 else temp
+    positions = torch.arange(n, device=device)
+    outs: list[tuple[torch.Tensor, ...]] = []
+    for start in range(0, n, chunk_tokens):
+        part = slice(start, start + chunk_tokens)
+        args = (model, hidden[part], temp[part], tokens[part], positions[part], teacher)
+        if torch.is_grad_enabled() and hidden.requires_grad and n > chunk_tokens:
+            outs.append(checkpoint(_chunk_terms, *args, use_reentrant=False, preserve_rng_state=False))
+        else:
+            outs.append(_chunk_terms(*args))
+    if not outs:
+        empty = hidden.new_zeros(0, dtype=torch.float32)
+        return empty, (empty if teacher is not None else None), (empty if teacher is not None else None)
+    logp = torch.cat([o[0] for o in outs])
+    if teacher is None:
+        return logp, None, None
+    return logp, torch.cat([o[1] for o in outs]), torch.cat([o[2] for o in outs])
 
 
-def block_causal_mask(cu_seqlens: torch.Tensor, *, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Additive mask ``[1, 1, T, T]``: 0 where query i may attend key j (same sequence, j <= i),
-    ``finfo(dtype).min`` elsewhere (finite, so even a fully masked row could not turn into nan)."""
-    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
-    seq = torch.repeat_interleave(torch.arange(lengths.numel(), device=cu_seqlens.device), lengths)
-    pos = torch.arange(seq.numel(), device=cu_seqlens.device)
-    allowed = (seq[:, None] == seq[None, :]) & (pos[None, :] <= pos[:, None])
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=cu_seqlens.device)
-    return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[None, None]
+def _chunk_terms(model, hidden, temp, tokens, positions, teacher):
+    from rollbook.trainer.losses import reverse_kl
+
+    log_probs = head_log_softmax(model, hidden, temp)  # [C, V]
+    logp = log_probs.gather(-1, tokens[:, None])[:, 0]
+    if teacher is None:
+        return (logp,)
+    teacher_rows = teacher.rows(positions)
+    return logp, reverse_kl(log_probs, teacher_rows), teacher_rows.gather(-1, tokens[:, None])[:, 0]
 
 
 # --- private helpers ---------------------------------------------------------------------------
@@ -208,22 +405,6 @@ def _tensor_fields(packed: PackedMicroBatch) -> dict[str, torch.Tensor]:
 
 def _cumsum0(lengths: torch.Tensor) -> torch.Tensor:
     return torch.cat([lengths.new_zeros(1), lengths.cumsum(0)]).to(torch.int32)
-
-
-def _output_logits(model: torch.nn.Module, packed: PackedMicroBatch, mask: torch.Tensor) -> torch.Tensor:
-    """Logits ``[T_out, V]`` at ``output_index``; the LM head only runs there when the model can."""
-    kwargs = {}
-    keep_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
-    if keep_logits:  # transformers >= 4.50; a 1-D tensor keeps those positions
-        kwargs["logits_to_keep"] = packed.output_index
-    out = model(
-        input_ids=packed.input_ids,
-        attention_mask=mask,
-        position_ids=packed.position_ids,
-        use_cache=False,
-        **kwargs,
-    )
-    return out.logits[0] if keep_logits else out.logits[0, packed.output_index]
 
 
 def _first_fit_decreasing(lengths: list[int], max_tokens: int | None) -> list[list[int]]:
@@ -300,3 +481,6 @@ def _check_inputs(prompts, outputs, behavior_logprobs, versions, advantages, tem
                 raise ValueError(
                     f"{name}[{i}] has {len(per_token[i])} values for {len(outputs[i])} output tokens; need one per output token"
                 )
+
+
+_register_packed_attention()

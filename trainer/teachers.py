@@ -15,10 +15,13 @@ tokenizer (the same token ids mean the same text). Routing follows docs/design.m
 
 Routers are scorers themselves, so they nest (a domain whose teacher is a mixture).
 
-``score_full`` returns the teacher's whole distribution at each output position, ``[T_out, V]``, for
-the full-vocabulary distillation (``loss.distill_estimator = "full"``, ``losses.full_kl_distill_loss``).
-``LocalTeacher`` and both routers have it; a scorer without it serves the sampled estimator only
-(``full_scorer`` says so with the scorer's name).
+``score_full`` gives the teacher's whole distribution at each output position for the
+full-vocabulary distillation (``loss.distill_estimator = "full"``, ``losses.reverse_kl``): a
+``packing.Distributions`` whose ``rows(index)`` are ``[len(index), V]`` log-probs, computed when
+asked, so the trainer holds ``chunk_tokens`` rows of them at a time, never ``[T_out, V]``
+(``LocalTeacher`` runs its decoder once per micro-batch and its LM head per chunk). ``LocalTeacher``
+and both routers have it; a scorer without it serves the sampled estimator only (``full_scorer``
+says so with the scorer's name).
 
 Tests: ``python -m pytest tests/unit/trainer/test_teachers.py -q``.
 """
@@ -31,7 +34,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from rollbook.trainer.losses import mix_teacher_logprobs
-from rollbook.trainer.packing import PackedMicroBatch, packed_log_softmax, packed_logprobs
+from rollbook.trainer.packing import Distributions, PackedMicroBatch, head_log_softmax, packed_hidden, packed_logprobs
 
 
 @runtime_checkable
@@ -49,9 +52,9 @@ class TeacherScorer(Protocol):
 class FullScorer(TeacherScorer, Protocol):
     """A teacher that also gives its whole distribution at each output position."""
 
-    def score_full(self, packed: PackedMicroBatch, domains: Sequence[str]) -> torch.Tensor:
-        """Teacher log-softmax at each output position of ``packed``, ``[T_out, V]`` float32, no
-        grad, on the device of ``packed``; ``domains`` as in ``score``."""
+    def score_full(self, packed: PackedMicroBatch, domains: Sequence[str]) -> Distributions:
+        """The teacher's log-softmax at the output positions of ``packed``, ``rows(index)`` ``[N, V]``
+        float32, no grad, on the device of ``index``; ``domains`` as in ``score``."""
         ...
 
 
@@ -83,11 +86,11 @@ class LocalTeacher:
             logp = packed_logprobs(self.model, packed, self.temperature)
         return logp.to(packed.output_token_ids.device)
 
-    def score_full(self, packed: PackedMicroBatch, domains: Sequence[str]) -> torch.Tensor:
+    def score_full(self, packed: PackedMicroBatch, domains: Sequence[str]) -> Distributions:
         _check_domains(packed, domains)
         with torch.no_grad():
-            logp = packed_log_softmax(self.model, packed, self.temperature)
-        return logp.to(packed.output_token_ids.device)
+            hidden = packed_hidden(self.model, packed)
+        return _HeadRows(self.model, hidden, self.temperature)
 
 
 class DomainRouter:
@@ -100,12 +103,32 @@ class DomainRouter:
         self.default = default
 
     def score(self, packed: PackedMicroBatch, domains: Sequence[str]) -> torch.Tensor:
-        return self._route(packed, domains, full=False)
+        device = packed.output_token_ids.device
+        routes = self._routes(packed, domains)
+        if not routes:  # no sequence
+            return torch.empty((0,), dtype=torch.float32, device=device)
+        out = torch.empty(packed.num_output_tokens, dtype=torch.float32, device=device)
+        for teacher, seqs in routes:
+            if len(seqs) == packed.num_sequences:  # one teacher for all: no re-packing
+                return teacher.score(packed, list(domains)).float().to(device)
+            out[_tokens_of(packed, seqs)] = teacher.score(packed.select(seqs), [domains[i] for i in seqs]).float().to(device)
+        return out
 
-    def score_full(self, packed: PackedMicroBatch, domains: Sequence[str]) -> torch.Tensor:
-        return self._route(packed, domains, full=True)
+    def score_full(self, packed: PackedMicroBatch, domains: Sequence[str]) -> Distributions:
+        routes = self._routes(packed, domains)
+        if len(routes) == 1:
+            return full_scorer(routes[0][0]).score_full(packed, list(domains))
+        parts: list[Distributions] = []
+        route_of = torch.zeros(packed.num_output_tokens, dtype=torch.long)
+        local = torch.zeros(packed.num_output_tokens, dtype=torch.long)
+        for r, (teacher, seqs) in enumerate(routes):
+            tokens = _tokens_of(packed, seqs).cpu()
+            parts.append(full_scorer(teacher).score_full(packed.select(seqs), [domains[i] for i in seqs]))
+            route_of[tokens], local[tokens] = r, torch.arange(len(tokens))
+        return _RoutedRows(parts, route_of, local)
 
-    def _route(self, packed: PackedMicroBatch, domains: Sequence[str], *, full: bool) -> torch.Tensor:
+    def _routes(self, packed: PackedMicroBatch, domains: Sequence[str]) -> list[tuple[TeacherScorer, list[int]]]:
+        """(teacher, its sequences in order) for each teacher that has any."""
         _check_domains(packed, domains)
         routes: dict[int, tuple[TeacherScorer, list[int]]] = {}  # keyed by id: scorers need not hash
         for i, domain in enumerate(domains):
@@ -116,24 +139,7 @@ class DomainRouter:
                     "add the domain or pass default="
                 )
             routes.setdefault(id(teacher), (teacher, []))[1].append(i)
-
-        def run(teacher: TeacherScorer, part: PackedMicroBatch, part_domains: list[str]) -> torch.Tensor:
-            return full_scorer(teacher).score_full(part, part_domains) if full else teacher.score(part, part_domains)
-
-        device = packed.output_token_ids.device
-        if not routes:  # no sequence
-            return torch.empty((0, 0) if full else (0,), dtype=torch.float32, device=device)
-        out: torch.Tensor | None = None
-        for teacher, seqs in routes.values():
-            if len(seqs) == packed.num_sequences:  # one teacher for all: no re-packing
-                return run(teacher, packed, list(domains)).float().to(device)
-            scores = run(teacher, packed.select(seqs), [domains[i] for i in seqs]).float()
-            if out is None:
-                out = scores.new_empty((packed.num_output_tokens, *scores.shape[1:]))
-            tokens = torch.isin(packed.seq_index, torch.tensor(seqs, device=packed.seq_index.device))
-            out[tokens.to(out.device)] = scores.to(out.device)
-        assert out is not None  # routes is not empty
-        return out.to(device)
+        return list(routes.values())
 
 
 class MixtureRouter:
@@ -152,11 +158,58 @@ class MixtureRouter:
         scores = torch.stack([t.score(packed, domains).float() for t in self.teachers])  # [K, T_out]
         return mix_teacher_logprobs(scores, self.weights)
 
-    def score_full(self, packed: PackedMicroBatch, domains: Sequence[str]) -> torch.Tensor:
+    def score_full(self, packed: PackedMicroBatch, domains: Sequence[str]) -> Distributions:
         """The mixture's whole distribution, ``log sum_j w_j pi_Tj(v)`` for every ``v``."""
         _check_domains(packed, domains)
-        scores = torch.stack([full_scorer(t).score_full(packed, domains).float() for t in self.teachers])  # [K, T_out, V]
-        return mix_teacher_logprobs(scores, self.weights)
+        return _MixedRows([full_scorer(t).score_full(packed, domains) for t in self.teachers], self.weights)
+
+
+class _HeadRows:
+    """``LocalTeacher.score_full``: its decoder's hidden states at the output positions, through its LM
+    head on the rows asked for."""
+
+    def __init__(self, model: torch.nn.Module, hidden: torch.Tensor, temperature: float) -> None:
+        self.model, self.hidden, self.temperature = model, hidden, temperature
+
+    def rows(self, index: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return head_log_softmax(self.model, self.hidden[index.to(self.hidden.device)], self.temperature).to(index.device)
+
+
+class _RoutedRows:
+    """``DomainRouter.score_full``: each row from the teacher of its sequence's domain."""
+
+    def __init__(self, parts: list[Distributions], route_of: torch.Tensor, local: torch.Tensor) -> None:
+        self.parts, self.route_of, self.local = parts, route_of, local  # per output token: its route, its row there
+
+    def rows(self, index: torch.Tensor) -> torch.Tensor:
+        at = index.cpu()
+        out: torch.Tensor | None = None
+        for r, part in enumerate(self.parts):
+            mine = self.route_of[at] == r
+            if bool(mine.any()):
+                values = part.rows(self.local[at[mine]].to(index.device)).float()
+                if out is None:
+                    out = values.new_empty((len(index), values.shape[-1]))
+                out[mine.to(out.device)] = values
+        assert out is not None, "rows of no route"
+        return out
+
+
+class _MixedRows:
+    """``MixtureRouter.score_full``: the weighted mixture of every teacher's rows."""
+
+    def __init__(self, parts: list[Distributions], weights: list[float]) -> None:
+        self.parts, self.weights = parts, weights
+
+    def rows(self, index: torch.Tensor) -> torch.Tensor:
+        return mix_teacher_logprobs(torch.stack([p.rows(index).float() for p in self.parts]), self.weights)
+
+
+def _tokens_of(packed: PackedMicroBatch, seqs: list[int]) -> torch.Tensor:
+    """Positions in ``[T_out]`` of the output tokens of sequences ``seqs`` (in order)."""
+    index = packed.seq_index
+    return torch.isin(index, torch.tensor(seqs, device=index.device)).nonzero()[:, 0]
 
 
 def _check_domains(packed: PackedMicroBatch, domains: Sequence[str]) -> None:

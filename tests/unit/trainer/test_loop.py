@@ -251,7 +251,7 @@ def test_the_full_vocabulary_distillation_steps_pull_the_student_onto_its_teache
     the teacher gap of the sampled tokens per domain; a teacher without whole distributions is refused."""
     from rollbook.trainer.loop import _Rows
     from rollbook.trainer.losses import full_kl_distill_loss
-    from rollbook.trainer.packing import pack_sequences, packed_log_softmax
+    from rollbook.trainer.packing import head_log_softmax, pack_sequences, packed_hidden
     from rollbook.trainer.teachers import LocalTeacher
 
     table = _mixed_lengths(seed=5, lengths=(2, 40, 20, 60))
@@ -272,12 +272,11 @@ def test_the_full_vocabulary_distillation_steps_pull_the_student_onto_its_teache
         torch.manual_seed(0)
         return Trainer(config, FakeStore(), model=build_tiny_model(TinyModelSpec(vocab_size=32)), teacher=teacher)
 
-    def kl(model) -> float:
+    def kl(model) -> float:  # the whole [T, V] at once: the reference the trainer's chunks add up to
         with torch.no_grad():
-            student = packed_log_softmax(model, packed, 1.0)
-            loss, _ = full_kl_distill_loss(
-                student, teacher.score_full(packed, ["d"] * 4), torch.ones(len(student), dtype=torch.bool)
-            )
+            student = head_log_softmax(model, packed_hidden(model, packed), 1.0)
+            whole = teacher.score_full(packed, ["d"] * 4).rows(torch.arange(len(student)))
+            loss, _ = full_kl_distill_loss(student, whole, torch.ones(len(student), dtype=torch.bool))
         return float(loss)
 
     trainer = make()
@@ -295,6 +294,7 @@ def test_the_full_vocabulary_distillation_steps_pull_the_student_onto_its_teache
         return torch.cat([p.grad.flatten() for p in t.model.parameters() if p.grad is not None])
 
     torch.testing.assert_close(first_grads(micro_batch_tokens=64), first_grads(), rtol=1e-4, atol=1e-7)
+    torch.testing.assert_close(first_grads(logprob_chunk_tokens=7), first_grads(), rtol=1e-4, atol=1e-7)
 
     class SampledOnly:
         def score(self, packed, domains):

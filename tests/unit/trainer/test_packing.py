@@ -1,4 +1,5 @@
-"""Unit tests of rollbook.trainer.packing: packed layout, micro-batching, packed log-probs.
+"""Unit tests of rollbook.trainer.packing: packed layout, micro-batching, packed log-probs (document
+masking without a [T, T] mask, log-probs a chunk of positions at a time).
 
 Run: python -m pytest tests/unit/trainer/test_packing.py -q
 """
@@ -9,7 +10,8 @@ import pytest
 import torch
 
 from rollbook.language_models import TinyModelSpec, build_tiny_model
-from rollbook.trainer.packing import block_causal_mask, pack_sequences, packed_logprobs
+from rollbook.trainer import packing
+from rollbook.trainer.packing import pack_sequences, packed_logprobs, packed_logprobs_and_kl
 
 VOCAB = 32
 PROMPTS = [[1, 5, 7], [1, 9], [1, 4, 4, 8, 3]]
@@ -84,11 +86,80 @@ def test_empty_prompt_is_a_value_error():
         pack_sequences([[]], [[1]])
 
 
-def test_block_causal_mask_allows_only_earlier_tokens_of_the_same_sequence():
-    mask = block_causal_mask(torch.tensor([0, 2, 3], dtype=torch.int32))
-    allowed = (mask[0, 0] == 0).int().tolist()
-    assert allowed == [[1, 0, 0], [1, 1, 0], [0, 0, 1]]
-    assert mask.min() == torch.finfo(torch.float32).min
+def test_attention_sees_each_sequence_alone_and_no_row_wide_mask(model, monkeypatch):
+    """Every SDPA call of a packed forward is causal over sequences of one length, without a mask:
+    scores exist per sequence (sum of L**2), never for the whole row (T**2)."""
+    prompts, outputs = [[1, 2], [3, 4], [5, 6, 7], [8]], [[9, 9], [10, 10], [11], [12, 12, 12]]  # lengths 4, 4, 4, 4
+    prompts.append([1, 2, 3, 4, 5])
+    outputs.append([6, 7, 8])  # and one of 8
+    calls = []
+    real = packing.F.scaled_dot_product_attention
+
+    def spy(q, k, v, *args, **kwargs):
+        calls.append((tuple(q.shape), kwargs.get("is_causal"), args[0] if args else kwargs.get("attn_mask")))
+        return real(q, k, v, *args, **kwargs)
+
+    monkeypatch.setattr(packing.F, "scaled_dot_product_attention", spy)
+    [packed] = pack_sequences(prompts, outputs)
+    with torch.no_grad():
+        got = packed_logprobs(model, packed)
+    heads, layers = model.config.num_attention_heads, model.config.num_hidden_layers
+    assert sorted(shape[:3] for shape, _, _ in calls) == sorted([(4, heads, 4), (1, heads, 8)] * layers)
+    assert all(causal is True and mask is None for _, causal, mask in calls)
+    want = torch.cat([unpacked_logprobs(model, prompts[i], outputs[i]) for i in packed.sequence_ids.tolist()])
+    torch.testing.assert_close(got, want.detach(), atol=1e-5, rtol=0)
+    assert model.config._attn_implementation == "sdpa"  # restored: the engine's forwards keep their attention
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 1000])
+def test_log_probs_in_chunks_equal_the_whole_and_so_do_their_gradients(model, chunk):
+    [packed] = pack_sequences(PROMPTS, OUTPUTS, temperatures=[0.7, 1.0, 1.3])
+
+    def run(chunk_tokens):
+        model.zero_grad()
+        logp = packed_logprobs(model, packed, packed.temperature, chunk_tokens=chunk_tokens)
+        (logp * torch.arange(1.0, 8.0)).sum().backward()
+        return logp.detach(), [p.grad.clone() for p in model.parameters()]
+
+    logp, grads = run(chunk)
+    whole, whole_grads = run(10_000)
+    model.zero_grad()
+    torch.testing.assert_close(logp, whole, atol=1e-6, rtol=0)
+    for g, w in zip(grads, whole_grads):
+        torch.testing.assert_close(g, w, atol=1e-6, rtol=1e-5)
+
+
+def test_the_reverse_kl_in_chunks_is_the_whole_distributions_kl(model):
+    from rollbook.trainer.losses import reverse_kl
+    from rollbook.trainer.teachers import LocalTeacher
+
+    teacher = LocalTeacher(build_tiny_model(TinyModelSpec(vocab_size=VOCAB), seed=4), temperature=0.5)
+    [packed] = pack_sequences(PROMPTS, OUTPUTS)
+    logp, kl, teacher_logp = packed_logprobs_and_kl(model, packed, 1.0, teacher.score_full(packed, ["d"] * 3), chunk_tokens=2)
+    student = packing.head_log_softmax(model, packing.packed_hidden(model, packed), 1.0)  # [T_out, V] at once
+    whole = teacher.score_full(packed, ["d"] * 3).rows(torch.arange(7))
+    torch.testing.assert_close(kl, reverse_kl(student, whole), atol=1e-6, rtol=0)
+    torch.testing.assert_close(logp, packed_logprobs(model, packed), atol=1e-6, rtol=0)
+    torch.testing.assert_close(teacher_logp, teacher.score(packed, ["d"] * 3), atol=1e-6, rtol=0)
+    assert kl.requires_grad and logp.requires_grad and not teacher_logp.requires_grad
+    kl.sum().backward()
+    assert model.get_input_embeddings().weight.grad.abs().sum() > 0
+    model.zero_grad()
+
+
+def test_bfloat16_packed_log_probs_are_float32_and_near_the_float32_ones(model):
+    from rollbook import devices
+
+    [packed] = pack_sequences(PROMPTS, OUTPUTS)
+    with torch.no_grad():
+        full = packed_logprobs(model, packed)
+        with devices.autocast(torch.device("cpu"), "bfloat16"):
+            mixed = packed_logprobs(model, packed)
+        bf16 = packed_logprobs(
+            devices.place(build_tiny_model(TinyModelSpec(vocab_size=VOCAB), seed=0), "cpu", "bfloat16"), packed
+        )
+    assert mixed.dtype == bf16.dtype == torch.float32
+    assert (mixed - full).abs().max() < 0.05 and (bf16 - full).abs().max() < 0.05
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
@@ -128,10 +199,10 @@ def test_select_repacks_a_subset_that_scores_like_the_whole(model):
     torch.testing.assert_close(part, whole[[6, 0, 1]], atol=1e-5, rtol=0)
 
 
-def test_packed_logprobs_reject_attention_without_4d_masks(model):
+def test_packed_logprobs_refuse_an_attention_they_would_replace_silently(model):
     model.config._attn_implementation = "flash_attention_2"
     try:
-        with pytest.raises(ValueError, match="attn_implementation='sdpa'"):
+        with pytest.raises(ValueError, match="in place of 'flash_attention_2'; load the model with attn_implementation='sdpa'"):
             packed_logprobs(model, pack_sequences(PROMPTS, OUTPUTS)[0])
     finally:
         model.config._attn_implementation = "sdpa"

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from rollbook.language_models import TinyModelSpec, build_tiny_model
-from rollbook.trainer.packing import PackedMicroBatch, gather_tokens, pack_sequences, packed_log_softmax, packed_logprobs
+from rollbook.trainer.packing import PackedMicroBatch, pack_sequences, packed_logprobs
 from rollbook.trainer.teachers import DomainRouter, FullScorer, LocalTeacher, MixtureRouter, TeacherScorer, full_scorer
 
 PROMPTS = [[1, 5], [1, 9, 4], [1], [1, 7]]
@@ -28,6 +28,26 @@ class ConstantTeacher:
     def score(self, packed: PackedMicroBatch, domains) -> torch.Tensor:
         self.calls.append(packed.sequence_ids.tolist())
         return torch.full((packed.num_output_tokens,), self.logprob)
+
+
+ALL = torch.arange(7)  # the 7 output positions of the packed fixture
+
+
+def unpacked_log_softmax(model, packed: PackedMicroBatch, temperature: float) -> torch.Tensor:
+    """``[T_out, V]``: each sequence run alone, its distributions at the positions predicting its outputs."""
+    rows = []
+    starts = packed.cu_seqlens.tolist()
+    for i, (start, end) in enumerate(zip(starts[:-1], starts[1:])):
+        ids = packed.input_ids[:, start:end]
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits[0].float() / temperature
+        n = int((packed.seq_index == i).sum())
+        rows.append(logits.log_softmax(-1)[ids.shape[1] - 1 - n : ids.shape[1] - 1])
+    return torch.cat(rows)
+
+
+def gather_tokens(log_probs: torch.Tensor, packed: PackedMicroBatch) -> torch.Tensor:
+    return log_probs.gather(-1, packed.output_token_ids[:, None])[:, 0]
 
 
 @pytest.fixture
@@ -105,14 +125,14 @@ def test_domain_routing_of_local_teachers_matches_each_teacher_on_the_whole_batc
 # --- whole distributions (loss.distill_estimator = "full") ------------------------------------------
 
 
-def test_local_teacher_full_distribution_is_packed_log_softmax_and_holds_its_sampled_scores(packed):
+def test_local_teacher_full_distribution_is_each_sequences_own_and_holds_its_sampled_scores(packed):
     model = build_tiny_model(TinyModelSpec(vocab_size=16), seed=1)
     teacher = LocalTeacher(model, temperature=2.0)
     assert isinstance(teacher, FullScorer)
-    got = teacher.score_full(packed, ["x"] * 4)
+    got = teacher.score_full(packed, ["x"] * 4).rows(ALL)
     assert not got.requires_grad and got.shape == (7, 16)
-    with torch.no_grad():
-        torch.testing.assert_close(got, packed_log_softmax(model, packed, 2.0), atol=0, rtol=0)
+    torch.testing.assert_close(got, unpacked_log_softmax(model, packed, 2.0), atol=1e-5, rtol=0)
+    torch.testing.assert_close(teacher.score_full(packed, ["x"] * 4).rows(torch.tensor([5, 1])), got[[5, 1]], atol=1e-6, rtol=0)
     torch.testing.assert_close(gather_tokens(got, packed), teacher.score(packed, ["x"] * 4), atol=0, rtol=0)
     torch.testing.assert_close(got.exp().sum(-1), torch.ones(7), atol=1e-5, rtol=0)
 
@@ -121,8 +141,9 @@ def test_domain_routing_of_whole_distributions_matches_each_teacher_on_the_whole
     a = LocalTeacher(build_tiny_model(TinyModelSpec(vocab_size=16), seed=1))
     b = LocalTeacher(build_tiny_model(TinyModelSpec(vocab_size=16), seed=2))
     router = DomainRouter({"a": a, "b": b})
-    got = router.score_full(packed, ["a", "b", "b", "a"])
-    from_a, from_b = a.score_full(packed, ["a"] * 4), b.score_full(packed, ["b"] * 4)
+    got = router.score_full(packed, ["a", "b", "b", "a"]).rows(ALL)
+    from_a, from_b = a.score_full(packed, ["a"] * 4).rows(ALL), b.score_full(packed, ["b"] * 4).rows(ALL)
+    torch.testing.assert_close(router.score_full(packed, ["a", "b", "b", "a"]).rows(torch.tensor([6, 2])), got[[6, 2]])
     is_b = torch.tensor([False, False, True, True, True, True, False])[:, None]
     torch.testing.assert_close(got, torch.where(is_b, from_b, from_a), atol=1e-5, rtol=0)
     torch.testing.assert_close(gather_tokens(got, packed), router.score(packed, ["a", "b", "b", "a"]), atol=1e-6, rtol=0)
@@ -132,8 +153,8 @@ def test_mixture_of_whole_distributions_is_the_weighted_mixture_at_every_token(p
     a = LocalTeacher(build_tiny_model(TinyModelSpec(vocab_size=16), seed=1))
     b = LocalTeacher(build_tiny_model(TinyModelSpec(vocab_size=16), seed=2))
     router = MixtureRouter([a, b], [1.0, 3.0])
-    got = router.score_full(packed, ["x"] * 4)
-    want = (0.25 * a.score_full(packed, ["x"] * 4).exp() + 0.75 * b.score_full(packed, ["x"] * 4).exp()).log()
+    got = router.score_full(packed, ["x"] * 4).rows(ALL)
+    want = (0.25 * a.score_full(packed, ["x"] * 4).rows(ALL).exp() + 0.75 * b.score_full(packed, ["x"] * 4).rows(ALL).exp()).log()
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
     torch.testing.assert_close(gather_tokens(got, packed), router.score(packed, ["x"] * 4), atol=1e-6, rtol=0)
 
