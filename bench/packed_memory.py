@@ -20,9 +20,10 @@ kernel's high-water mark, reset after the model and batch are built: ``/proc/sel
 minus the resident memory before it; the parent kills a child past ``--limit-gib`` resident and
 reports that size as not fitting (``null``), so the machine never swaps. CUDA: the peak of
 ``torch.cuda.max_memory_allocated`` over the step minus what was allocated before it. The smallest
-size also checks that both paths give the same log-probs (``max_abs_logp_diff``).
+size also checks that both paths give the same log-probs and the same gradients of the step's loss
+(``max_abs_logp_diff``, ``max_abs_grad_diff``; float32 on the CPU).
 
-A benchmark, not a test: it asserts nothing; tests/unit/trainer/test_packed_memory_bench.py runs it small.
+A benchmark, not a test: it asserts nothing; tests/integration/test_bench_packed_memory.py runs it small.
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ def main() -> None:
     smallest = min(args.tokens)
     import torch  # after the children: the parent stays small
 
-    diff = compare(args, smallest, torch)
+    diff, grad_diff = compare(args, smallest, torch)
     largest = rows[-1]
     report = {
         "bench": "packed_memory",
@@ -93,6 +94,7 @@ def main() -> None:
             for r in rows
         ],
         "max_abs_logp_diff": diff,
+        "max_abs_grad_diff": grad_diff,
         "largest_tokens": largest["tokens"],
         "largest_chunked_peak_mib": largest["chunked"].get("peak_mib"),
         "largest_dense_peak_mib": largest["dense"].get("peak_mib"),
@@ -180,13 +182,18 @@ def step_logprobs(path: str, model, packed, chunk_tokens: int, torch):
     return log_probs.gather(-1, packed.output_token_ids[:, None])[:, 0]
 
 
-def compare(args: argparse.Namespace, tokens: int, torch) -> float:
-    """Both paths' log-probs at ``tokens`` in this process (float32 on the CPU): their max difference."""
+def compare(args: argparse.Namespace, tokens: int, torch) -> tuple[float, float]:
+    """Both paths' log-probs and gradients of the step's loss at ``tokens``, in this process (float32
+    on the CPU): the max difference of each."""
     model, packed = build(args, tokens, torch)
-    with torch.no_grad():
-        dense = step_logprobs("dense", model, packed, args.chunk_tokens, torch)
-        chunked = step_logprobs("chunked", model, packed, args.chunk_tokens, torch)
-    return float((dense - chunked).abs().max())
+    logps, grads = [], []
+    for path in ("dense", "chunked"):
+        model.zero_grad(set_to_none=True)
+        logp = step_logprobs(path, model, packed, args.chunk_tokens, torch)
+        (-(packed.advantages * logp).mean()).backward()
+        logps.append(logp.detach())
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    return float((logps[0] - logps[1]).abs().max()), float((grads[0] - grads[1]).abs().max())
 
 
 def build(args: argparse.Namespace, tokens: int, torch):

@@ -291,10 +291,21 @@ class _Segments:
 def _packed_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
     """Causal attention within each sequence of a packed row: ``query`` ``[1, heads, T, dim]``,
     ``key``/``value`` ``[1, kv_heads, T, dim]``; returns ``([1, T, heads, dim], None)`` as
-    transformers' attention functions do. Scores exist per sequence (``sum L_i**2``), never ``T**2``."""
+    transformers' attention functions do. Scores exist per sequence (``sum L_i**2``), never ``T**2``.
+
+    A layer with a ``sliding_window`` (Mistral, Qwen2's sliding layers) sees the keys less than that
+    many positions back, as transformers' own mask has it: a band mask ``[L, L]`` for a group longer
+    than the window. Score modifiers this function does not apply are refused, not dropped."""
     segments = kwargs.get("rollbook_segments")
     if segments is None:
         raise RuntimeError("packed attention runs only inside trainer/packing.py's forward (no segments given)")
+    unsupported = [name for name in ("softcap", "s_aux", "position_bias") if kwargs.get(name) is not None]
+    if unsupported:
+        raise ValueError(
+            f"{type(module).__name__} modifies its attention scores ({', '.join(unsupported)}), which packed attention "
+            "does not apply; packed training supports attention that is plain causal SDPA (Llama, Qwen2, Mistral, ...)"
+        )
+    window = kwargs.get("sliding_window")
     q, k, v = query[0], key[0], value[0]
     if k.shape[0] != q.shape[0]:  # grouped-query attention: each key/value head serves consecutive query heads
         k = k.repeat_interleave(q.shape[0] // k.shape[0], dim=0)
@@ -305,7 +316,13 @@ def _packed_attention(module, query, key, value, attention_mask, dropout: float 
             qs, ks, vs = (t[None, :, group] for t in (q, k, v))  # [1, H, L, D]
         else:
             qs, ks, vs = (t[:, group].transpose(0, 1) for t in (q, k, v))  # [n, H, L, D]
-        out = F.scaled_dot_product_attention(qs, ks, vs, dropout_p=dropout, is_causal=True, scale=scaling)
+        length = qs.shape[2]
+        if window is not None and length > window:
+            pos = torch.arange(length, device=qs.device)
+            band = (pos[:, None] >= pos[None, :]) & (pos[:, None] - pos[None, :] < window)  # query i sees key j
+            out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=band, dropout_p=dropout, scale=scaling)
+        else:
+            out = F.scaled_dot_product_attention(qs, ks, vs, dropout_p=dropout, is_causal=True, scale=scaling)
         pieces.append(out.transpose(1, 2).reshape(-1, q.shape[0], q.shape[2]))  # [n * L, H, D]
     out = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
     if segments.order is not None:
@@ -337,11 +354,25 @@ def _packed_attention_on(model: torch.nn.Module):
             f"packed training runs attention itself (causal SDPA per sequence) in place of {before!r}; load the "
             "model with attn_implementation='sdpa' or 'eager'"
         )
+    if model.training and torch.is_grad_enabled() and _checkpoints_activations(model):
+        # its backward would recompute the layers after the attention went back to the original one
+        raise ValueError(
+            f"{type(model).__name__} has gradient checkpointing on, which packed training does not combine with "
+            "(the backward recomputes attention outside the packed forward); turn it off for training"
+        )
     config._attn_implementation = PACKED_ATTENTION
     try:
         yield
     finally:
         config._attn_implementation = before
+
+
+def _checkpoints_activations(model: torch.nn.Module) -> bool:
+    """Whether transformers' activation (gradient) checkpointing is on for ``model``."""
+    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):  # the newer name first: the older warns
+        if hasattr(type(model), name):
+            return bool(getattr(model, name))
+    return False
 
 
 def _temperatures(temperature: float | torch.Tensor, like: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,5 @@
 """bench/packed_memory.py runs end to end at a small size: both paths in their own processes, the
-same log-probs, a JSON line with every size's peak memory (the figures themselves are the
+same log-probs and gradients, a JSON line with every size's peak memory (the figures themselves are the
 benchmark's, docs/RESULTS.md)."""
 
 from __future__ import annotations
@@ -25,5 +25,5 @@ def test_packed_memory_bench_measures_both_paths_and_they_agree():
     assert report["bench"] == "packed_memory" and [s["tokens"] for s in report["sizes"]] == [256, 512]
     for size in report["sizes"]:
         assert size["chunked_peak_mib"] > 0 and size["dense_peak_mib"] > 0, size
-    assert report["max_abs_logp_diff"] < 1e-5
+    assert report["max_abs_logp_diff"] < 1e-5 and report["max_abs_grad_diff"] < 1e-5
     assert report["dense_over_chunked_at"] == 512

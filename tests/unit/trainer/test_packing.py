@@ -162,6 +162,75 @@ def test_bfloat16_packed_log_probs_are_float32_and_near_the_float32_ones(model):
     assert (mixed - full).abs().max() < 0.05 and (bf16 - full).abs().max() < 0.05
 
 
+def test_bfloat16_packed_log_probs_equal_each_sequence_run_alone_in_bfloat16():
+    """Within 2e-2 (about one bfloat16 rounding of a logit of magnitude 4; 0 measured on the CPU, where
+    each sequence meets the same kernel as when run alone)."""
+    from rollbook import devices
+
+    bf16 = devices.place(build_tiny_model(TinyModelSpec(vocab_size=VOCAB), seed=0), "cpu", "bfloat16")
+    [packed] = pack_sequences(PROMPTS, OUTPUTS)
+    with torch.no_grad():
+        got = packed_logprobs(bf16, packed)
+        want = torch.cat([unpacked_logprobs(bf16, p, o).float() for p, o in zip(PROMPTS, OUTPUTS)])
+    torch.testing.assert_close(got, want, atol=2e-2, rtol=0)
+
+
+def _qwen2(**sliding):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        tie_word_embeddings=False,
+        **sliding,
+    )
+    torch.manual_seed(0)
+    return Qwen2ForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize(
+    "sliding", [{}, {"use_sliding_window": True, "sliding_window": 3, "max_window_layers": 0}], ids=["full", "window3"]
+)
+def test_qwen2_packed_logprobs_equal_each_sequence_alone_sliding_window_layers_included(sliding):
+    """Qwen2's shape (biased q/k/v, grouped-query heads, an untied LM head) and its sliding-window
+    layers: a window of 3 is shorter than every sequence here, so it changes every log-prob after the
+    third token, in the packed forward as in each sequence's own."""
+    qwen = _qwen2(**sliding)
+    [packed] = pack_sequences(PROMPTS, OUTPUTS)
+    with torch.no_grad():
+        got = packed_logprobs(qwen, packed)
+        want = torch.cat([unpacked_logprobs(qwen, p, o) for p, o in zip(PROMPTS, OUTPUTS)])
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    if sliding:
+        with torch.no_grad():
+            plain = _qwen2()(input_ids=torch.tensor([PROMPTS[2] + OUTPUTS[2]])).logits
+        assert not torch.allclose(plain, qwen(input_ids=torch.tensor([PROMPTS[2] + OUTPUTS[2]])).logits.detach())
+
+
+def test_attention_score_modifiers_it_does_not_apply_are_refused():
+    segments = packing._Segments.of(torch.tensor([0, 2, 3], dtype=torch.int32))
+    q = torch.zeros(1, 2, 3, 4)
+    with pytest.raises(ValueError, match=r"modifies its attention scores \(softcap\)"):
+        packing._packed_attention(torch.nn.Identity(), q, q, q, None, rollbook_segments=segments, softcap=30.0)
+
+
+def test_gradient_checkpointing_is_refused_while_training_and_harmless_without_grad():
+    model = build_tiny_model(TinyModelSpec(vocab_size=VOCAB), seed=0)
+    # transformers 5.2x renamed gradient_checkpointing_enable (which now warns)
+    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    enable()
+    [packed] = pack_sequences(PROMPTS, OUTPUTS)
+    with pytest.raises(ValueError, match="gradient checkpointing on"):
+        packed_logprobs(model.train(), packed)
+    with torch.no_grad():  # nothing is recomputed: the proximal, teacher and reference passes still run
+        packed_logprobs(model, packed)
+    assert model.config._attn_implementation == "sdpa"
+
+
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_packed_logprobs_equal_unpacked_forwards_and_carry_grad(model, attn):
     model.config._attn_implementation = attn
