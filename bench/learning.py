@@ -25,6 +25,8 @@ Cases (each seed sets ``warm_start.seed``, ``trainer.model.seed`` and ``rollout.
   +0.113, +0.294);
 - ``ray``: ``--placement ray`` on a local Ray instance, two rollout actors and two trainer ranks,
   30 steps. Verdict: mean held-out and training gains above 0, no seed below -0.1;
+- ``shard``: the ``ray`` workload with the two trainer ranks sharding the model (FSDP2,
+  ``--trainer.data_parallel shard``); the same verdict as ``ray``;
 - ``check-colocated``, ``check-separated``, ``check-online``, ``check-ray``, ``check-bf16`` (the
   quick start in bfloat16, 50 steps): the workloads of the
   single-seed learning checks in the test suite (tests/integration/test_learning.py), run over
@@ -114,6 +116,12 @@ CASES: dict[str, Case] = {
     "ray": Case(
         "configs/smoke.toml",
         ("--num_steps", "30", "--eval_every", "30", *RAY_TWO_RANKS),
+        "heldout",
+        {"min_gain": -0.1, "mean_gain": 0.0, "mean_train_gain": 0.0},
+    ),
+    "shard": Case(
+        "configs/smoke.toml",
+        ("--num_steps", "30", "--eval_every", "30", *RAY_TWO_RANKS, "--trainer.data_parallel", "shard"),
         "heldout",
         {"min_gain": -0.1, "mean_gain": 0.0, "mean_train_gain": 0.0},
     ),

@@ -104,12 +104,17 @@ def place_trained(model: torch.nn.Module, device: str | torch.device) -> torch.n
 
 def autocast(device: torch.device, dtype: str) -> contextlib.AbstractContextManager:
     """The context of a trained model's forward passes: ``torch.autocast`` to ``dtype`` on the
-    device's type, or nothing at float32."""
+    device's type, or nothing at float32.
+
+    Its cast cache is off: one context spans a whole update, and a cached bfloat16 copy of a weight
+    would outlive an optimizer step (the next minibatch's forward on the old weights) and, under
+    FSDP2, a unit's re-gathered parameters (a no-grad pass's copy standing in for the next pass's,
+    which then has no gradient to the weights). Each forward casts the weights anew."""
     import torch
 
     if dtype == "float32":
         return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=getattr(torch, dtype))
+    return torch.autocast(device_type=device.type, dtype=getattr(torch, dtype), cache_enabled=False)
 
 
 def cast_floating(state: dict[str, torch.Tensor], dtype: str) -> dict[str, torch.Tensor]:

@@ -12,6 +12,10 @@ loses nothing, and a crash before the checkpoint lets the lease expire and its r
 
 The newest ``keep_last`` checkpoints are kept (``checkpoints/step-NNNNNN/``, ``LATEST`` names the
 newest; TrainerConfig.keep_last, default 2), so a checkpoint found bad can be rolled back by hand.
+
+Sharded data-parallel ranks (trainer/distributed.py) write and read this same format: rank 0 writes
+the whole state, gathered from the shards, and reads it back to scatter it, so a checkpoint moves
+between one rank, replicated ranks and sharded ranks as it is.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import pathlib
 import random
 import shutil
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -29,12 +34,21 @@ import torch
 from rollbook.fsync import fsync_dir
 from rollbook.trainer.export import save_hf_configs
 
+if TYPE_CHECKING:  # pragma: no cover
+    from rollbook.config import TrainerConfig
+
 
 @dataclass
 class TrainerState:
     step: int = 0  # the next step to run
     version: int = 0  # policy version of the current weights
     consumed_leases: list[str] = field(default_factory=list)  # leases trained since the previous checkpoint (re-acked on restart)
+
+
+def checkpoint_due(config: TrainerConfig, step: int) -> bool:
+    """Whether the step that brought the trainer to ``step`` steps done ends with a checkpoint
+    (``TrainerConfig.checkpoint_every``, and always the last of ``num_steps``)."""
+    return step % config.checkpoint_every == 0 or step == config.num_steps
 
 
 def save_checkpoint(
@@ -65,16 +79,31 @@ def save_checkpoint(
 
 def load_checkpoint(run_dir: pathlib.Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> TrainerState | None:
     """Restore the latest checkpoint into ``model``/``optimizer``; None when there is none."""
+    found = read_checkpoint(run_dir)
+    if found is None:
+        return None
+    blob, state = found
+    model.load_state_dict(blob["model"])
+    optimizer.load_state_dict(blob["optimizer"])
+    restore_rng(blob)
+    return state
+
+
+def read_checkpoint(run_dir: pathlib.Path) -> tuple[dict, TrainerState] | None:
+    """The latest checkpoint as written (``{"model", "optimizer", "rng"}``, the state dicts whole) and
+    its ``TrainerState``; None when there is none."""
     root = run_dir / "checkpoints"
     latest = root / "LATEST"
     if not latest.exists():
         return None
     path = root / latest.read_text().strip()
     blob = torch.load(path / "state.pt", weights_only=False)
-    model.load_state_dict(blob["model"])
-    optimizer.load_state_dict(blob["optimizer"])
+    return blob, TrainerState(**json.loads((path / "trainer.json").read_text()))
+
+
+def restore_rng(blob: dict) -> None:
+    """This process's RNG states (Python, NumPy, torch) as a checkpoint ``read_checkpoint`` returned holds them."""
     _set_rng_state(blob["rng"])
-    return TrainerState(**json.loads((path / "trainer.json").read_text()))
 
 
 def _rng_state() -> dict:

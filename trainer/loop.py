@@ -27,7 +27,7 @@ import logging
 import math
 import pathlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -38,7 +38,7 @@ import torch
 from rollbook import devices
 from rollbook.config import TrainerConfig
 from rollbook.trainer import losses
-from rollbook.trainer.checkpoint import TrainerState, load_checkpoint, save_checkpoint
+from rollbook.trainer.checkpoint import TrainerState, checkpoint_due, load_checkpoint, save_checkpoint
 from rollbook.trainer.export import export_due, export_model
 from rollbook.trainer.model_builders import build_reference
 from rollbook.trainer.packing import pack_sequences, packed_logprobs, packed_logprobs_and_kl
@@ -141,7 +141,8 @@ class Trainer:
             self.reference = devices.place(reference, self.device, config.dtype)
         self.publishers = list(publishers)
         self.run_dir = pathlib.Path(config.run_dir)
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+        self.model = self._prepare_model(self.model)  # after the reference copied it, before the optimizer holds its parameters
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
         self.state = TrainerState()
         self._unacked: list[str] = []  # leases trained since the last checkpoint
 
@@ -149,7 +150,7 @@ class Trainer:
 
     def start(self) -> TrainerState:
         """Resume from the latest checkpoint (re-ack its leases, republish its version) or publish v0."""
-        restored = load_checkpoint(self.run_dir, self.model, self.optimizer)
+        restored = self._load_checkpoint()
         if restored is None:
             torch.manual_seed(self.config.seed)
             self.state = TrainerState()
@@ -202,8 +203,10 @@ class Trainer:
         )
         self._unacked.append(batch.lease_id)
         self.state = TrainerState(step=self.state.step + 1, version=self.state.version + 1, consumed_leases=list(self._unacked))
-        if self.state.step % cfg.checkpoint_every == 0 or self.state.step == cfg.num_steps:
-            save_checkpoint(self.run_dir, self.model, self.optimizer, self.state, keep_last=cfg.keep_last)
+        checkpointing = checkpoint_due(cfg, self.state.step)
+        model, optimizer = self._full_state(optimizer=checkpointing)  # once, for the checkpoint, export and publish
+        if checkpointing:
+            save_checkpoint(self.run_dir, model, optimizer, self.state, keep_last=cfg.keep_last)
             for lease in self._unacked:  # only now are these batches safe: the weights holding them are on disk
                 self.client.ack_batch(lease, cfg.trainer_id)
             self._unacked = []
@@ -211,14 +214,14 @@ class Trainer:
             export_model(
                 self.run_dir,
                 self.state.step,
-                self.model,
+                model,
                 cfg.model,
                 keep_last=cfg.export_keep_last,
                 tokenizer_dir=cfg.tokenizer,
                 dtype=cfg.dtype,
             )
         published = time.perf_counter()
-        self._publish()
+        self._publish(model)
         # after ReportTrainStep, so in what step() returns (metrics.jsonl), not in train_steps.stats
         stats["perf/publish_s"] = time.perf_counter() - published
         stats["step"] = self.state.step - 1
@@ -251,10 +254,11 @@ class Trainer:
     def update(self, rows: _Rows) -> dict:
         """Proximal log-probs, then the minibatch updates; returns the step's statistics.
 
-        The one update path of every trainer: ``DistributedTrainer`` overrides only the four cross-rank
-        hooks (``_local_rows``, ``_sum_over_ranks``, ``_reduce_gradients``, ``_gather_stats``), which
-        are identities here; a term added to the loss goes into ``_loss`` and reaches both. Its forward
-        passes run on ``trainer.device`` under autocast to ``trainer.dtype`` (rollbook/devices.py)."""
+        The one update path of every trainer: ``DistributedTrainer`` overrides only the cross-rank
+        hooks (``_local_rows``, ``_sum_over_ranks``, ``_reduce_gradients``, ``_gather_stats``, and for
+        sharded ranks ``_paced`` and ``_clip_gradients``), which are identities here; a term added to
+        the loss goes into ``_loss`` and reaches both. Its forward passes run on ``trainer.device``
+        under autocast to ``trainer.dtype`` (rollbook/devices.py)."""
         with devices.autocast(self.device, self.config.dtype):
             return self._update(rows.to(self.device))
 
@@ -279,13 +283,13 @@ class Trainer:
             if totals[0] == 0:
                 continue  # the same on every rank
             self.optimizer.zero_grad(set_to_none=True)
-            if units[0]:
+            batches = self._micro_batches(local, minibatch) if local is not None and units[0] else iter(())
+            for seqs, idx, packed in self._paced(batches):
                 assert local is not None and proximal is not None
-                for seqs, idx, packed in self._micro_batches(local, minibatch):
-                    stats = self._micro_step(local, seqs, idx, packed, totals, proximal, teacher, reference, weights)
-                    parts.append({k: float(v) for k, v in stats.items()})
+                stats = self._micro_step(local, seqs, idx, packed, totals, proximal, teacher, reference, weights)
+                parts.append({k: float(v) for k, v in stats.items()})
             self._reduce_gradients()
-            grad_norms.append(float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)))
+            grad_norms.append(self._clip_gradients())
             self.optimizer.step()
         if local is not None and proximal is not None and len(local.behavior):
             parts.append(
@@ -320,6 +324,33 @@ class Trainer:
     def _gather_stats(self, parts: list[dict[str, float]]) -> list[dict[str, float]]:
         """Every rank's micro-batch statistics, for ``reduce_stats``."""
         return parts
+
+    def _paced(self, batches: Iterable) -> Iterator:
+        """The student's forward (and, with grad, backward) passes over ``batches``, its packed
+        micro-batches: as they are here. Sharded ranks run FSDP2's collectives inside every pass, so
+        there each rank runs as many passes as the busiest one (trainer/distributed.py)."""
+        return iter(batches)
+
+    def _clip_gradients(self) -> float:
+        """Clip the summed gradients to ``grad_clip``; returns their norm before the clip."""
+        return float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip))
+
+    # ---- where the whole state is: the model itself here (sharded ranks gather it, a collective) ----
+
+    def _prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The trained model as this trainer holds it: as placed here (sharded ranks wrap it in FSDP2)."""
+        if self.config.data_parallel == "shard":
+            log.warning("trainer.data_parallel = 'shard' with one rank: nothing to shard, the model is trained whole")
+        return model
+
+    def _load_checkpoint(self) -> TrainerState | None:
+        """Restore the latest checkpoint into the model and the optimizer (``load_checkpoint``)."""
+        return load_checkpoint(self.run_dir, self.model, self.optimizer)
+
+    def _full_state(self, *, optimizer: bool) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        """A model (and, with ``optimizer``, an optimizer) whose ``state_dict()`` is the whole state, for
+        the checkpoint, the export and the published version: the trainer's own here."""
+        return self.model, self.optimizer
 
     def _micro_step(self, rows: _Rows, seqs, idx, packed, totals, proximal, teacher, reference, weights) -> dict:
         """One packed micro-batch of a minibatch (``totals``: its sequences and tokens over every rank):
@@ -447,14 +478,14 @@ class Trainer:
             return rows.behavior.clone()
         if self.config.loss.proximal == "loglinear":
             current = torch.empty_like(rows.behavior)
-            for _, idx, packed in self._micro_batches(rows, all_seqs):
+            for _, idx, packed in self._paced(self._micro_batches(rows, all_seqs)):
                 current[idx] = packed_logprobs(
                     self.model, packed, rows.temperatures[idx], chunk_tokens=self.config.logprob_chunk_tokens
                 )
             alpha = loglinear_alpha(rows.versions, self.state.version, self.state.version + 1)
             return loglinear_proximal_logprobs(rows.behavior, current, alpha)
         out = torch.empty_like(rows.behavior)
-        for _, idx, packed in self._micro_batches(rows, all_seqs):
+        for _, idx, packed in self._paced(self._micro_batches(rows, all_seqs)):
             out[idx] = packed_logprobs(self.model, packed, rows.temperatures[idx], chunk_tokens=self.config.logprob_chunk_tokens)
         return out
 
@@ -482,9 +513,11 @@ class Trainer:
             )
         return out
 
-    def _publish(self) -> None:
+    def _publish(self, model: torch.nn.Module | None = None) -> None:
+        """Publish the current version; ``model``: ``_full_state``'s, when the step already has it."""
+        model = self._full_state(optimizer=False)[0] if model is None else model
         # in the run's dtype: a bfloat16 run publishes bfloat16 weights (half the bytes), which the engines hold
-        state = devices.cast_floating({k: v.detach() for k, v in self.model.state_dict().items()}, self.config.dtype)
+        state = devices.cast_floating({k: v.detach() for k, v in model.state_dict().items()}, self.config.dtype)
         for publish in self.publishers:
             publish(self.state.version, state)
         # every version announces the staleness contract, so separately started workers gate by it

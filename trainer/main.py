@@ -27,15 +27,16 @@ PROGRESS_EVERY_S = 10.0
 
 def train(config: TrainerConfig) -> list[dict]:
     """Train to ``num_steps``; with ``num_ranks > 1`` (or under torchrun) as rank 0 of a data-parallel
-    group whose other ranks this process starts. Under torchrun (the launcher started every rank)
-    each rank exits with status 0 once it is done (``_leave``) instead of returning."""
+    group whose other ranks this process starts, replicated or sharded (``data_parallel``; every rank
+    reads it from the same config). Under torchrun (the launcher started every rank) each rank exits
+    with status 0 once it is done (``_leave``) instead of returning."""
     import torch.distributed as dist
 
     size_for_tokenizer(config)  # before any rank builds its student: every rank sizes it alike
     if dist.is_torchelastic_launched():  # torchrun: env:// rendezvous, every rank runs this same command
         from rollbook.trainer.distributed import init_group
 
-        rank, _ = init_group(backend=config.dist_backend, timeout_s=config.dist_timeout_s)
+        rank, _ = init_group(backend=config.dist_backend, device=config.device, timeout_s=config.dist_timeout_s)
         try:
             if rank == 0:
                 train_rank(config)
@@ -192,7 +193,9 @@ def _spawned(config: TrainerConfig) -> list[dict]:
     for child in children:
         child.start()
     try:
-        init_group(0, config.num_ranks, init_method, backend=config.dist_backend, timeout_s=config.dist_timeout_s)
+        init_group(
+            0, config.num_ranks, init_method, backend=config.dist_backend, device=config.device, timeout_s=config.dist_timeout_s
+        )
         history = train_rank(config).history
         for child in children:
             child.join(timeout=60)
@@ -218,7 +221,9 @@ def _child(config: TrainerConfig, rank: int, init_method: str, level: int) -> No
     exit_with_parent(parent.pid if parent is not None else None)  # rank 0 killed (SIGKILL runs no `finally`)
 
     logging.basicConfig(level=level, format=f"%(asctime)s rank{rank} %(name)s %(levelname)s %(message)s")
-    init_group(rank, config.num_ranks, init_method, backend=config.dist_backend, timeout_s=config.dist_timeout_s)
+    init_group(
+        rank, config.num_ranks, init_method, backend=config.dist_backend, device=config.device, timeout_s=config.dist_timeout_s
+    )
     try:
         follow(config)
     finally:

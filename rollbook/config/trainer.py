@@ -192,8 +192,8 @@ class TrainerConfig(BaseModel):
     )
     dist_backend: Literal["auto", "gloo", "nccl"] = Field(
         "auto",
-        description="torch.distributed backend of the ranks "
-        "(auto: gloo, as the trainer keeps its model on the CPU; nccl only for a model on CUDA).",
+        description="torch.distributed backend of the ranks (auto: nccl when the trainer's device is CUDA, each "
+        "rank on its own GPU, LOCAL_RANK or its rank modulo the GPUs it sees; gloo otherwise).",
     )
     device: str = device_field("the trainer's models (student, teachers, KL reference)")
     dtype: Dtype = dtype_field(
@@ -204,9 +204,10 @@ class TrainerConfig(BaseModel):
     )
     data_parallel: Literal["replicate", "shard"] = Field(
         "replicate",
-        description="With num_ranks > 1: 'replicate' keeps the whole model and optimizer on every rank; 'shard' "
-        "splits parameters, gradients and optimizer state over the ranks (FSDP2 fully_shard), for a model that "
-        "does not fit one device.",
+        description="With num_ranks > 1 (or under torchrun): 'replicate' keeps the whole model and optimizer on "
+        "every rank; 'shard' splits parameters, gradients and optimizer state over the ranks (FSDP2 fully_shard, "
+        "per decoder layer), for a model that does not fit one device; the step, checkpoints and exports are "
+        "the same. One rank holds everything either way: there 'shard' has no effect (the log warns).",
     )
     logprob_chunk_tokens: int = Field(
         1024,

@@ -11,7 +11,8 @@ placements, as Ray actors on any nodes of a cluster.
   with ``ray.store_resources``, under a ``StoreActor`` on the node they name (``RayStore``), bound
   to ``ray.store_host``; its ledger is RUN_DIR/rollbook.duckdb on that node's disk;
 - the trainer: ``trainer.num_ranks`` actors (``TrainerRank``), one data-parallel group
-  (trainer/distributed.py, gloo); rank 0 pulls, reports, checkpoints, acks, publishes every version
+  (trainer/distributed.py; gloo, nccl on GPUs; the model replicated or sharded by
+  ``trainer.data_parallel``); rank 0 pulls, reports, checkpoints, acks, publishes every version
   (``ray.weight_channel``: Ray's object store, rollbook/weights/ray_objects.py, or the network
   channel's full copies and deltas, rollbook/weights/network.py) and evaluates held-out reward into
   RUN_DIR/metrics.jsonl;
@@ -88,7 +89,12 @@ class TrainerRank:
         kind, _, where = weights.partition(":")
         trainer_cfg = cfg.trainer.model_copy(update={"weight_server": where if self.rank == 0 and kind == "grpc" else None})
         init_group(
-            self.rank, self.world_size, init_method, backend=trainer_cfg.dist_backend, timeout_s=trainer_cfg.dist_timeout_s
+            self.rank,
+            self.world_size,
+            init_method,
+            backend=trainer_cfg.dist_backend,
+            device=trainer_cfg.device,
+            timeout_s=trainer_cfg.dist_timeout_s,
         )
         try:
             if self.rank != 0:

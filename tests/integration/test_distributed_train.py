@@ -1,6 +1,7 @@
-"""``rollbook train --num_ranks 2`` (and the same under torchrun) against a real store and a real rollout worker (weights over the
-network channel): two gloo ranks train on one lease per step, rank 0 alone reports, checkpoints,
-acks and publishes; the ledger shows one acked lease per step and no row trained twice."""
+"""``rollbook train --num_ranks 2`` (and the same under torchrun, and with the ranks sharded by FSDP2)
+against a real store and a real rollout worker (weights over the network channel): two gloo ranks
+train on one lease per step, rank 0 alone reports, checkpoints, acks and publishes; the ledger shows
+one acked lease per step and no row trained twice."""
 
 from __future__ import annotations
 
@@ -30,8 +31,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("launcher", ["num_ranks", "torchrun"])
-def test_two_rank_train_takes_one_lease_and_one_ack_per_step(tmp_path: pathlib.Path, launcher: str):
+@pytest.mark.parametrize(
+    ("launcher", "data_parallel"),
+    [("num_ranks", "replicate"), ("torchrun", "replicate"), ("num_ranks", "shard"), ("torchrun", "shard")],
+)
+def test_two_rank_train_takes_one_lease_and_one_ack_per_step(tmp_path: pathlib.Path, launcher: str, data_parallel: str):
     store = StoreProcess(tmp_path / "rollbook.duckdb", **KEYS)
     env = {**os.environ, "ROLLBOOK_TRAINER_KEY": KEYS["trainer_key"]}
     port = _free_port()
@@ -55,6 +59,8 @@ def test_two_rank_train_takes_one_lease_and_one_ack_per_step(tmp_path: pathlib.P
             "1",
             "--max_wait_s",
             "240",
+            "--data_parallel",
+            data_parallel,
             "--log-level",
             "INFO",
         ]
@@ -102,6 +108,7 @@ def test_two_rank_train_takes_one_lease_and_one_ack_per_step(tmp_path: pathlib.P
             worker.terminate()
             worker.communicate(timeout=120)
         assert trainer.returncode == 0, trainer_log[-3000:]
+        assert ("model sharded over 2 ranks" in trainer_log) == (data_parallel == "shard"), trainer_log[-3000:]
     finally:
         store.stop()
     con = duckdb.connect(str(tmp_path / "rollbook.duckdb"), read_only=True)

@@ -167,3 +167,16 @@ def test_a_bfloat16_state_passes_the_shared_memory_channel(tmp_path):
         )
     finally:
         publisher.close()
+
+
+def test_a_weight_changed_inside_one_autocast_context_is_seen_by_the_next_forward():
+    """One context spans a whole update (several minibatches): a cached bfloat16 copy would keep the
+    weights from before an optimizer step."""
+    layer = torch.nn.Linear(4, 4)
+    x = torch.randn(2, 4)
+    with devices.autocast(torch.device("cpu"), "bfloat16"):
+        before = layer(x)
+        with torch.no_grad():
+            layer.weight.add_(1.0)
+        after = layer(x)
+    assert not torch.equal(before, after)
