@@ -1,14 +1,57 @@
 """Generation engines: the ``GenerationEngine`` protocol and the native PyTorch engine.
 
-The native engine samples from any ``transformers`` causal LM on CPU or CUDA, batched, with a KV
-cache, and records for every output token the evidence the store needs: the token, its
-log-probability and the policy version that produced it.
+The native engine samples from any ``transformers`` causal LM on CPU or CUDA with continuous
+batching and a KV cache allocated once, and records for every output token the evidence the store
+needs: the token, its log-probability and the policy version that produced it.
 
-    engine = NativeEngine(model, version=0, seed=0)
+    engine = NativeEngine(model, version=0, seed=0, max_batch_size=64)
     [result] = engine.generate([GenerationRequest(prompt_token_ids=[1, 5, 7], max_new_tokens=16)])
+    future = engine.submit(request, on_token=lambda token, logprob, version: ...)   # streaming
     engine.update_weights(new_state_dict, version=1)   # safe from another thread, mid-generation
+    engine.release_memory()                            # frees the KV cache between rollout and training
+    engine.close()
 
-Benchmark against a loop without KV cache: ``python bench/generate.py --json``.
+Benchmark against Hugging Face ``generate``: ``python bench/generate.py --json``.
+
+How it runs
+-----------
+One scheduler thread owns the model. It starts when work arrives, exits when there is none (an
+engine nobody closes holds no thread while idle) and is stopped for good by ``close()``. Every
+caller's requests go into one queue; the scheduler keeps ONE running batch of at most
+``max_batch_size`` sequences (the slots) and, at each step boundary:
+
+1. installs the weight updates that are due (below);
+2. admits queued requests into free slots (at most ``MAX_PREFILL_TOKENS`` prompt tokens per step, at
+   least one request);
+3. runs ONE forward pass over one packed row: the admitted requests' prompts end to end (their
+   prefill), then the newest token of every other live sequence (its decode step);
+4. samples one token per sequence, with one host synchronization for the whole step, and records it;
+   a sequence that stops (a stop token, its ``stop`` callable, ``max_new_tokens``) leaves its slot
+   at once (the sequences above it move down, so the live slots stay consecutive), and its future
+   is resolved.
+
+The KV cache (rollout/kv_slab.py) is one slab per layer, keys and values
+``[max_batch_size, kv_heads, max_seq_len, head_dim]`` in the model's dtype and device, allocated on
+first use; the model's attention reads and writes it through an attention function registered with
+transformers. A request whose ``len(prompt_token_ids) + max_new_tokens`` exceeds ``max_seq_len`` is
+refused with a ``ValueError``. ``release_memory()`` frees the slab when nothing is in flight (it is
+allocated again on the next request).
+
+``generate`` submits all its requests at once and waits for them (results in request order);
+``submit`` returns a ``concurrent.futures.Future`` per request, and its ``on_token`` callback is
+called from the scheduler thread with each sampled token: it must be quick, since the whole batch
+waits for it (hand the token to a queue), and must not wait for the engine itself. A future cancelled before its request is admitted drops
+the request. A request's failure (its ``stop`` or ``on_token`` raised, a forward pass failed) fails
+its future; ``generate`` then raises it.
+
+Sampling streams
+----------------
+Each request has its own random stream (rollout/sampling.py): token ``i`` is the Gumbel-max draw
+from the distribution below with noise hashed from (the request's key, ``i``, the vocabulary index).
+So a request draws the same tokens whatever else shares the batch, and when it joins. With
+``generate(requests, seed=s)`` request ``i``'s key is derived from ``(s, i)`` (common random numbers:
+the same call on the same weights draws the same samples, and the engine's own stream is left
+untouched); without a seed each request draws its key from the engine's stream (seeded by ``seed``).
 
 What ``output_logprobs`` holds
 ------------------------------
@@ -25,39 +68,57 @@ forward pass over the whole sequence; the tests hold the engine to it.
 
 Versions, weight updates, pause and resume
 ------------------------------------------
-The engine decodes step by step; step ``k`` of a batch is the forward pass whose logits yield output
-token ``k`` (step 0 is the prefill). Weight updates take effect only between steps, so every token's
-recorded version is the version of the weights that computed its logits. ``update_weights`` (from
-any thread) stops admission of new ``generate`` calls, waits for the next step boundary of the
-in-flight batches (or applies at once when nothing is in flight), then admission resumes. In-flight
-sequences are neither dropped nor restarted: they continue under the new weights, so one sequence
-may carry several versions, non-decreasing, split exactly at the first token whose logits came from
-the new weights. ``schedule_weight_update(..., at_step=k)`` is the deterministic hook for tests.
+Output token ``i`` of a request comes from the forward pass of its step ``i`` (step 0 is its
+prefill). Weight updates take effect only between steps, so every token's recorded version is the
+version of the weights that computed its logits. ``update_weights`` (from any thread) stops
+admission of new requests, waits for the next step boundary (or applies at once when nothing is in
+flight), then admission resumes. In-flight sequences are neither dropped nor restarted: they
+continue under the new weights, so one sequence may carry several versions, non-decreasing, split
+exactly at the first token whose logits came from the new weights. ``pause()`` holds requests
+submitted after it (they wait, unadmitted) until ``resume()``; those submitted before it run to
+completion. ``schedule_weight_update(..., at_step=k)`` is the deterministic hook for tests: the
+update is installed just before the first step that computes some in-flight request's output token
+``k`` or later, so the tokens ``>= k`` of requests that run in step (those of one ``generate`` call
+that fits the slots) carry the new version; it is installed when the engine runs out of work if no
+request gets that far.
 
 By default the KV cache computed under the old weights is KEPT across an update. A token sampled
 after the update then has the log-probability of the NEW weights applied to its newest position,
 attending to keys/values of earlier positions that the OLD weights computed (and that later steps'
 new weights appended). This is exactly the distribution sampled from, so it is what is recorded; it
 is not the new policy's full-forward probability. ``refresh_cache_on_update=True`` instead
-recomputes the cache of all in-flight sequences under the new weights (one prefill), after which the
-recorded log-probabilities equal the new weights' full forward pass.
+recomputes the cache of all in-flight sequences under the new weights (one prefill of each whole
+sequence), after which the recorded log-probabilities equal the new weights' full forward pass.
 """
 
 from __future__ import annotations
 
-import inspect
+import random
 import threading
 import uuid
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, InvalidStateError
+from concurrent.futures import wait as wait_for_futures
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
+
+from rollbook.rollout.sampling import gumbel_noise, request_key, vocab_mix
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
+    from rollbook.rollout.kv_slab import KVSlab
+
 # A full state dict, or a callable run between decode steps that receives the model and either loads
 # the weights into it itself (returning None) or returns a state dict to load.
 Weights = Mapping[str, "torch.Tensor"] | Callable[["torch.nn.Module"], "Mapping[str, torch.Tensor] | None"]
+
+# on_token(token_id, logprob, version), called from the engine's scheduler thread as each token is sampled
+TokenCallback = Callable[[int, float, int], None]
+
+DEFAULT_MAX_SEQ_LEN = 4096  # max_seq_len when not given: the model's max_position_embeddings, at most this
+MAX_PREFILL_TOKENS = 8192  # prompt tokens admitted per step (a longer prompt is admitted alone)
 
 
 @dataclass(frozen=True)
@@ -191,18 +252,19 @@ def reference_logprobs(
 class _Update:
     weights: Weights
     version: int
-    at_step: int | None = None  # None: at the next step boundary of any batch
+    at_step: int | None = None  # None: at the next step boundary
     done: bool = False
     error: BaseException | None = None
 
 
 class NativeEngine:
-    """Batched sampling from a ``transformers`` causal LM with a KV cache; see the module docstring.
+    """Continuous-batching sampler over a ``transformers`` causal LM; see the module docstring.
 
-    Prompts of a batch are left-padded, with an attention mask and position ids that make padding
-    invisible. Finished sequences leave the batch (and its cache) at once. ``use_kv_cache=False``
-    recomputes the whole sequence at every step (the benchmark's naive baseline).
-    The engine owns ``model`` (it is put in eval mode).
+    ``max_batch_size`` sequences decode together (the KV cache's slots); ``max_seq_len`` bounds
+    prompt plus output tokens of one request (default: the model's ``max_position_embeddings``, at
+    most ``DEFAULT_MAX_SEQ_LEN``). Together they size the KV cache. ``pad_token_id`` is accepted for
+    older callers and unused: nothing is padded. The engine owns ``model`` (it is put in eval mode;
+    run nothing else on it while a generation is in flight).
     """
 
     def __init__(
@@ -212,37 +274,40 @@ class NativeEngine:
         version: int = 0,
         seed: int = 0,
         max_batch_size: int = 64,
+        max_seq_len: int | None = None,
         pad_token_id: int = 0,
-        use_kv_cache: bool = True,
         refresh_cache_on_update: bool = False,
     ) -> None:
-        import torch
-
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        config: Any = model.config
+        max_seq_len = max_seq_len or min(
+            getattr(config, "max_position_embeddings", None) or DEFAULT_MAX_SEQ_LEN, DEFAULT_MAX_SEQ_LEN
+        )
+        if max_seq_len < 2:
+            raise ValueError(f"max_seq_len must be >= 2 (one prompt token and one output token), got {max_seq_len}")
         self._model = model.eval()
         self._device = next(model.parameters()).device
         self._num_vocab = model.get_input_embeddings().num_embeddings  # type: ignore[operator]  # transformers types the method as a Tensor
-        self._generator = torch.Generator(device=self._device).manual_seed(seed)
+        self._rng = random.Random(seed)  # the engine's own stream: one sampling key per unseeded request
         self._max_batch_size = max_batch_size
-        self._pad_token_id = pad_token_id
-        self._use_kv_cache = use_kv_cache
+        self._max_seq_len = max_seq_len
         self._refresh_cache_on_update = refresh_cache_on_update
         self._version = version
-        # transformers renamed `past_key_values` to `cache` (5.x) and `num_logits_to_keep` to
-        # `logits_to_keep` (4.50); only the last position's logits are ever needed.
-        params = inspect.signature(model.forward).parameters
-        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
-        self._last_logits_kwarg = {name: 1 for name in ("logits_to_keep", "num_logits_to_keep") if name in params}
-        # Lock order: _cond, then _model_lock. _model_lock pairs each forward with the version of the
-        # weights it ran under; _cond guards admission and the update queues.
-        self._model_lock = threading.Lock()
+        # _cond guards everything below; the scheduler thread runs the model outside it
         self._cond = threading.Condition()
         self._paused = False
-        self._num_in_flight = 0
+        self._closed = False
         self._pending: list[_Update] = []
         self._scheduled: list[_Update] = []
         self._failure: BaseException | None = None  # the last update raised: weights unknown until one succeeds
+        self._held: list[_Sequence] = []  # submitted while not admitting (paused, or an update waits)
+        self._queue: deque[_Sequence] = deque()  # admitted, waiting for a slot
+        self._live: dict[int, _Sequence] = {}  # slot -> sequence; always slots 0..len-1 (_compact)
+        self._thread: threading.Thread | None = None
+        # only the scheduler thread touches these while something is in flight
+        self._slab: KVSlab | None = None
+        self._vocab_mix: torch.Tensor | None = None
 
     @property
     def version(self) -> int:
@@ -252,7 +317,7 @@ class NativeEngine:
     def admitting(self) -> bool:
         """False while paused or while a weight update waits for a step boundary."""
         with self._cond:
-            return not self._paused and not self._pending
+            return self._admitting()
 
     def pause(self) -> None:
         with self._cond:
@@ -261,53 +326,129 @@ class NativeEngine:
     def resume(self) -> None:
         with self._cond:
             self._paused = False
-            self._cond.notify_all()
+            self._admit_held()
 
     def update_weights(self, weights: Weights, version: int) -> None:
         """See ``GenerationEngine``. A state dict must match the model's keys and shapes exactly. A
-        callable that raises may have half-loaded the model: the error is raised here, and every decode
-        step or ``generate`` call raises too until a later update (e.g. a retry of the same version)
-        succeeds. The version stays the last one installed successfully."""
+        callable that raises may have half-loaded the model: the error is raised here, every request
+        in flight fails, and every new one is refused until a later update (e.g. a retry of the same
+        version) succeeds. The version stays the last one installed successfully."""
         with self._cond:
+            self._refuse_if_closed()
             update = self._enqueue(weights, version, at_step=None)
-            if self._num_in_flight == 0:
-                self._apply_due(step=None)
+            if self._thread is None:  # nothing in flight: now, in this thread
+                self._apply_due(reached=None)
+                self._admit_held()
+            self._cond.notify_all()
             self._cond.wait_for(lambda: update.done)
         if update.error is not None:
             raise RuntimeError(f"weight update to version {version} failed") from update.error
 
     def schedule_weight_update(self, weights: Weights, version: int, *, at_step: int) -> None:
-        """Test hook: install ``version`` just before decode step ``at_step`` (0 = prefill) of the next
-        batch that reaches it, so its output tokens ``>= at_step`` carry ``version``. Applied when the
-        ``generate`` call ends if no batch reaches that step. Returns immediately."""
+        """Test hook: install ``version`` just before the first step that computes some in-flight
+        request's output token ``at_step`` (0 = its prefill) or later; installed when the engine runs
+        out of work if no request gets that far. Returns immediately."""
         if at_step < 0:
             raise ValueError(f"at_step must be >= 0, got {at_step}")
         with self._cond:
+            self._refuse_if_closed()
             self._enqueue(weights, version, at_step=at_step)
 
+    def submit(
+        self, request: GenerationRequest, *, seed: int | None = None, on_token: TokenCallback | None = None
+    ) -> Future[GenerationResult]:
+        """Queue one request; its future resolves to its result. ``seed``: its sampling key is
+        derived from it (``submit(r, seed=s)`` draws what ``generate([r], seed=s)`` does), else from
+        the engine's stream. ``on_token(token_id, logprob, version)`` is called from the scheduler
+        thread as each token is sampled; keep it quick. Returns at once, paused or not."""
+        keys = None if seed is None else [request_key(seed, 0)]
+        return self._submit([request], keys, [on_token])[0]
+
     def generate(self, requests: list[GenerationRequest], *, seed: int | None = None) -> list[GenerationResult]:
-        import torch
+        """See ``GenerationEngine``: the requests are submitted together and decode in the running
+        batch beside every other caller's; results in request order. ``seed``: request ``i``'s
+        sampling key is derived from ``(seed, i)``. Raises the first failed request's error."""
+        keys = None if seed is None else [request_key(seed, i) for i in range(len(requests))]
+        futures = self._submit(requests, keys, [None] * len(requests))
+        wait_for_futures(futures)
+        return [f.result() for f in futures]
 
-        generator = self._generator if seed is None else torch.Generator(device=self._device).manual_seed(seed)
-        for request in requests:
-            if max(request.prompt_token_ids) >= self._num_vocab or min(request.prompt_token_ids) < 0:
-                raise ValueError(f"request {request.request_id}: a prompt token id is outside [0, {self._num_vocab})")
+    def release_memory(self) -> int:
+        """Free the KV cache (allocated again by the next request); returns the bytes freed. Only
+        while nothing is in flight: a ``RuntimeError`` otherwise. On CUDA the memory goes back to
+        torch's caching allocator, where the same process (a colocated trainer) reuses it."""
         with self._cond:
-            self._cond.wait_for(lambda: not self._paused and not self._pending)
-            self._raise_if_failed()
-            self._num_in_flight += 1
-        try:
-            results: list[GenerationResult] = []
-            for start in range(0, len(requests), self._max_batch_size):
-                results += self._generate_batch(requests[start : start + self._max_batch_size], generator)
-            return results
-        finally:
-            with self._cond:
-                self._num_in_flight -= 1
-                if self._num_in_flight == 0:  # nobody left to reach a step boundary
-                    self._apply_due(step=None, everything=True)
+            if self._live or self._queue:
+                raise RuntimeError(
+                    f"release_memory: {len(self._live) + len(self._queue)} requests are in flight; call it between generations"
+                )
+            freed = self._slab.nbytes if self._slab is not None else 0
+            self._slab = None
+        return freed
 
-    # -- private -------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Stop the scheduler thread at the next step boundary, fail what is still queued or in flight
+        with a ``RuntimeError`` and free the KV cache; later calls are refused. Idempotent."""
+        with self._cond:
+            self._closed = True
+            thread = self._thread
+            self._cond.notify_all()
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
+        with self._cond:
+            self._fail_all(RuntimeError("the engine was closed"))
+            self._slab = None
+
+    def __enter__(self) -> NativeEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- admission and updates (callers hold _cond) ---------------------------------------------------
+
+    def _admitting(self) -> bool:
+        return not self._paused and not self._pending
+
+    def _refuse_if_closed(self) -> None:
+        if self._closed:
+            raise RuntimeError("the engine is closed")
+
+    def _submit(
+        self, requests: list[GenerationRequest], keys: list[int] | None, callbacks: list[TokenCallback | None]
+    ) -> list[Future[GenerationResult]]:
+        for request in requests:
+            self._check(request)
+        with self._cond:
+            self._refuse_if_closed()
+            self._raise_if_failed()
+            sequences = [
+                _Sequence(r, self._rng.getrandbits(32) if keys is None else keys[i], callbacks[i]) for i, r in enumerate(requests)
+            ]
+            self._held += sequences
+            self._admit_held()
+        return [s.future for s in sequences]
+
+    def _check(self, request: GenerationRequest) -> None:
+        if max(request.prompt_token_ids) >= self._num_vocab or min(request.prompt_token_ids) < 0:
+            raise ValueError(f"request {request.request_id}: a prompt token id is outside [0, {self._num_vocab})")
+        length = len(request.prompt_token_ids) + request.max_new_tokens
+        if length > self._max_seq_len:
+            raise ValueError(
+                f"request {request.request_id}: {len(request.prompt_token_ids)} prompt tokens + max_new_tokens "
+                f"{request.max_new_tokens} = {length} exceeds the engine's max_seq_len {self._max_seq_len}; "
+                "shorten the request or build the engine with a larger max_seq_len"
+            )
+
+    def _admit_held(self) -> None:
+        """Move held requests to the queue when admitting, and make sure the scheduler runs."""
+        if self._admitting() and self._held:
+            self._queue.extend(self._held)
+            self._held = []
+        if self._queue and self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="rollbook-engine", daemon=True)
+            self._thread.start()
+        self._cond.notify_all()
 
     def _enqueue(self, weights: Weights, version: int, *, at_step: int | None) -> _Update:
         if not callable(weights):
@@ -319,10 +460,11 @@ class NativeEngine:
         (self._pending if at_step is None else self._scheduled).append(update)
         return update
 
-    def _apply_due(self, step: int | None, everything: bool = False) -> bool:
-        """Install queued updates due at this step boundary (caller holds ``_cond``); True if any."""
+    def _apply_due(self, reached: int | None, everything: bool = False) -> bool:
+        """Install the updates due at this step boundary, where ``reached`` is the highest output
+        index the coming step computes (None: no step follows); True if any."""
         due = list(self._pending)
-        due += [u for u in self._scheduled if everything or (step is not None and u.at_step <= step)]
+        due += [u for u in self._scheduled if everything or (reached is not None and u.at_step <= reached)]  # type: ignore[operator]  # scheduled ones have an at_step
         if not due:
             return False
         # versions only grow: a scheduled update older than one due now goes in first, in order
@@ -330,22 +472,31 @@ class NativeEngine:
         due += [u for u in self._scheduled if u not in due and u.version < newest]
         self._pending = []
         self._scheduled = [u for u in self._scheduled if u not in due]
-        with self._model_lock:
-            for update in sorted(due, key=lambda u: u.version):
-                try:
-                    self._load(update.weights)
-                    self._version, self._failure = update.version, None
-                except Exception as exc:  # handed to the updater, and blocks generation until fixed
-                    self._failure = update.error = exc
-                update.done = True
+        for update in sorted(due, key=lambda u: u.version):
+            try:
+                self._load(update.weights)
+                self._version, self._failure = update.version, None
+            except Exception as exc:  # handed to the updater, and fails generation until fixed
+                self._failure = update.error = exc
+            update.done = True
+        if self._failure is not None:
+            self._fail_all(self._failed_weights_error())
         self._cond.notify_all()
         return True
 
     def _raise_if_failed(self) -> None:
         if self._failure is not None:
-            raise RuntimeError(
-                "a weight update failed; the engine's weights are unknown until an update succeeds"
-            ) from self._failure
+            raise self._failed_weights_error()
+
+    def _failed_weights_error(self) -> RuntimeError:
+        error = RuntimeError("a weight update failed; the engine's weights are unknown until an update succeeds")
+        error.__cause__ = self._failure
+        return error
+
+    def _fail_all(self, error: BaseException) -> None:
+        for sequence in [*self._held, *self._queue, *self._live.values()]:
+            _settle(sequence.future, error=error)
+        self._held, self._queue, self._live = [], deque(), {}
 
     def _check_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
         expected = {name: tuple(t.shape) for name, t in self._model.state_dict().items()}
@@ -365,117 +516,221 @@ class NativeEngine:
             if state is not None:
                 self._model.load_state_dict(state, strict=True)
 
-    def _generate_batch(self, requests: list[GenerationRequest], generator: "torch.Generator") -> list[GenerationResult]:
+    # -- the scheduler thread -------------------------------------------------------------------------
+
+    def _run(self) -> None:
         import torch
 
-        batch = _DecodeState(requests, self._pad_token_id, self._device)
-        cache = None
-        step = 0
-        while batch.num_live:
-            with self._cond:
-                updated = self._apply_due(step)
-                self._raise_if_failed()
-            full_pass = cache is None or not self._use_kv_cache or (updated and self._refresh_cache_on_update)
-            with self._model_lock, torch.inference_mode():
-                version = self._version
-                logits, cache = self._forward(batch, None if full_pass else cache)
-            with torch.inference_mode():
-                logp = sampling_logprobs(logits, batch.temperature, batch.top_p, batch.top_k)
-                tokens = torch.where(
-                    batch.temperature > 0,
-                    torch.multinomial(logp.exp(), 1, generator=generator)[:, 0],
-                    logp.argmax(dim=-1),
-                )
-                token_logp = logp.gather(-1, tokens[:, None])[:, 0]
-            keep = batch.append(tokens, token_logp, version)
-            if cache is not None and not bool(keep.all()):
-                cache.batch_select_indices(keep.nonzero()[:, 0])
-            step += 1
-        return batch.results()
+        with torch.inference_mode():
+            while (step := self._next_step()) is not None:
+                self._run_step(step)
 
-    def _forward(self, batch: _DecodeState, cache: Any) -> tuple[torch.Tensor, Any]:
-        """Logits ``[live, V]`` for the next token; a full pass when ``cache`` is None."""
-        from transformers import DynamicCache
+    def _next_step(self) -> _Step | None:
+        """At a step boundary: install due updates, admit into free slots, and say what runs next
+        (None: nothing; the thread then ends)."""
+        with self._cond:
+            updated = self._apply_due(reached=None)
+            if self._closed:
+                self._fail_all(RuntimeError("the engine was closed"))
+            self._admit_held()
+            new = self._admit_queued()
+            reached = max([s.num_tokens for s in self._live.values()], default=None)
+            updated = self._apply_due(reached) or updated
+            if not self._live:  # nothing admitted, or an update failed and failed everything
+                self._thread = None
+                self._cond.notify_all()
+                return None
+            refresh = updated and self._refresh_cache_on_update
+            prefill = [s for s in self._live.values() if refresh or s in new]
+            decode = [s for s in self._live.values() if not (refresh or s in new)]
+            return _Step(prefill, sorted(decode, key=lambda s: s.slot), self._version)
 
-        positions = batch.attention_mask.cumsum(dim=-1) - 1
-        if cache is None:
-            ids, positions = batch.token_ids, positions.clamp(min=0)
-            cache = DynamicCache() if self._use_kv_cache else None
-        else:
-            ids, positions = batch.token_ids[:, -1:], positions[:, -1:]
-        kwargs = {self._cache_kwarg: cache, **self._last_logits_kwarg}
-        out = self._model(
-            input_ids=ids,
-            attention_mask=batch.attention_mask,
-            position_ids=positions,
-            use_cache=self._use_kv_cache,
-            **kwargs,
+    def _admit_queued(self) -> set[_Sequence]:
+        new: set[_Sequence] = set()
+        prompt_tokens = 0
+        while self._queue and len(self._live) < self._max_batch_size:
+            sequence = self._queue[0]
+            n = len(sequence.request.prompt_token_ids)
+            if new and prompt_tokens + n > MAX_PREFILL_TOKENS:
+                break
+            self._queue.popleft()
+            if not sequence.future.set_running_or_notify_cancel():  # cancelled while queued
+                continue
+            sequence.slot = len(self._live)
+            self._live[sequence.slot] = sequence
+            new.add(sequence)
+            prompt_tokens += n
+        return new
+
+    def _run_step(self, step: _Step) -> None:
+        rows = step.prefill + step.decode
+        try:
+            tokens, logprobs = self._forward_and_sample(step)
+        except Exception as exc:  # a failed forward fails the sequences it carried, not the engine
+            self._finish([(s, exc) for s in rows])
+            return
+        done: list[tuple[_Sequence, BaseException | None]] = []
+        for sequence, token, logprob in zip(rows, tokens, logprobs):
+            try:
+                if sequence.record(int(token), logprob, step.version):
+                    done.append((sequence, None))
+            except Exception as exc:  # its stop or on_token callable raised
+                done.append((sequence, exc))
+        self._finish(done)
+
+    def _forward_and_sample(self, step: _Step) -> tuple[list[float], list[float]]:
+        import torch
+
+        from rollbook.rollout.kv_slab import KVSlab, forward
+
+        if self._slab is None:
+            try:
+                self._slab = KVSlab.allocate(self._model, num_slots=self._max_batch_size, max_len=self._max_seq_len)
+            except RuntimeError as exc:  # out of memory, on any device
+                raise RuntimeError(
+                    f"the KV cache ({self._max_batch_size} slots x {self._max_seq_len} positions) does not fit on "
+                    f"{self._device}; build the engine with a smaller max_batch_size or max_seq_len"
+                ) from exc
+        logits = forward(
+            self._model,
+            self._slab,
+            prefill=[(s.slot, s.fed_token_ids) for s in step.prefill],
+            decode=[(s.slot, s.tokens[-1], s.num_fed) for s in step.decode],
         )
-        return out.logits[:, -1, :], cache  # the cache object is filled in place
+        rows = step.prefill + step.decode
+        chosen, logprob = self._sample(logits, rows)
+        host = torch.stack([chosen.double(), logprob.double()]).tolist()  # the step's one host synchronization
+        return host[0], host[1]
 
-
-class _DecodeState:
-    """The live rows of one left-padded batch and the evidence gathered so far."""
-
-    def __init__(self, requests: list[GenerationRequest], pad_token_id: int, device: torch.device) -> None:
+    def _sample(self, logits: torch.Tensor, rows: list[_Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tokens ``[N]`` and their recorded log-probabilities ``[N]`` (see the module docstring)."""
         import torch
 
-        self._requests = requests
-        width = max(len(r.prompt_token_ids) for r in requests)
-        self.token_ids = torch.full((len(requests), width), pad_token_id, dtype=torch.long, device=device)
-        self.attention_mask = torch.zeros((len(requests), width), dtype=torch.long, device=device)
-        for row, request in enumerate(requests):
-            n = len(request.prompt_token_ids)
-            self.token_ids[row, width - n :] = torch.tensor(list(request.prompt_token_ids), device=device)
-            self.attention_mask[row, width - n :] = 1
-        self.temperature = torch.tensor([r.temperature for r in requests], dtype=torch.float32, device=device)
-        self.top_p = torch.tensor([r.top_p for r in requests], dtype=torch.float32, device=device)
-        self.top_k = torch.tensor([r.top_k for r in requests], dtype=torch.long, device=device)
-        self._rows = list(range(len(requests)))  # live row -> request index
-        self._tokens: list[list[int]] = [[] for _ in requests]
-        self._logprobs: list[list[float]] = [[] for _ in requests]
-        self._versions: list[list[int]] = [[] for _ in requests]
-        self._finish: list[str] = ["length"] * len(requests)
+        from rollbook.rollout.kv_slab import to_device
+
+        requests = [s.request for s in rows]
+        device = logits.device
+        temperatures = [r.temperature for r in requests]
+        temperature = to_device(temperatures, device, torch.float32)
+        if any(r.top_p < 1 or r.top_k > 0 for r in requests):
+            top_p = to_device([r.top_p for r in requests], device, torch.float32)
+            top_k = to_device([r.top_k for r in requests], device)
+            logp = sampling_logprobs(logits, temperature, top_p, top_k)
+        elif all(t in (0.0, 1.0) for t in temperatures):  # the same values as sampling_logprobs, fewer passes
+            logp = logits.float().log_softmax(dim=-1)
+        else:
+            logp = (logits.float() / torch.where(temperature > 0, temperature, 1.0)[:, None]).log_softmax(dim=-1)
+        sampled = [t > 0 for t in temperatures]
+        if any(sampled):
+            if self._vocab_mix is None or self._vocab_mix.numel() != logp.shape[-1]:
+                self._vocab_mix = vocab_mix(logp.shape[-1], device)
+            keys, index = to_device([s.key for s in rows] + [s.num_tokens for s in rows], device).view(2, -1)
+            chosen = (logp + gumbel_noise(keys, index, self._vocab_mix)).argmax(dim=-1)
+            if not all(sampled):
+                chosen = torch.where(temperature > 0, chosen, logp.argmax(dim=-1))
+        else:
+            chosen = logp.argmax(dim=-1)
+        return chosen, logp.gather(-1, chosen[:, None])[:, 0]
+
+    def _finish(self, done: list[tuple[_Sequence, BaseException | None]]) -> None:
+        """Free the slots of finished sequences, then resolve their futures (after any update that
+        the end of the work installs, so a caller sees the engine as it left it)."""
+        with self._cond:
+            for sequence, _ in done:
+                self._live.pop(sequence.slot, None)
+            self._compact()
+            if not self._live and not self._queue:  # out of work: what no request reached goes in now
+                self._apply_due(reached=None, everything=True)
+        for sequence, error in done:
+            _settle(sequence.future, error=error, result=sequence.result() if error is None else None)
+
+    def _compact(self) -> None:
+        """Move the live sequences above the freed slots down into them (their cached prefix with
+        them), so the live slots stay 0..n-1 and decoding reads the slab as one view, never a gather."""
+        n = len(self._live)
+        holes = [slot for slot in range(n) if slot not in self._live]
+        movers = sorted(slot for slot in self._live if slot >= n)
+        for hole, slot in zip(holes, movers, strict=True):
+            sequence = self._live.pop(slot)
+            if self._slab is not None:
+                self._slab.move(slot, hole, sequence.num_fed)
+            sequence.slot = hole
+            self._live[hole] = sequence
+
+
+@dataclass(eq=False)
+class _Sequence:
+    """One request in the engine: its sampling key, slot and the evidence gathered so far."""
+
+    request: GenerationRequest
+    key: int  # 32-bit sampling key (rollout/sampling.py)
+    on_token: TokenCallback | None
+    future: Future[GenerationResult] = field(default_factory=Future)
+    slot: int = -1
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    finish_reason: Literal["stop", "length"] = "length"
+
+    def __post_init__(self) -> None:
+        self._stop_ids = frozenset(self.request.stop_token_ids)
 
     @property
-    def num_live(self) -> int:
-        return len(self._rows)
+    def num_tokens(self) -> int:
+        """Output tokens sampled so far: the output index of the next one."""
+        return len(self.tokens)
 
-    def append(self, tokens: torch.Tensor, logprobs: torch.Tensor, version: int) -> torch.Tensor:
-        """Record one sampled token per live row; drop finished rows. Returns the keep mask ``[live]``."""
-        import torch
+    @property
+    def num_fed(self) -> int:
+        """Tokens whose keys and values are in the cache during decoding (all but the newest)."""
+        return len(self.request.prompt_token_ids) + len(self.tokens) - 1
 
-        keep = []
-        for row, token, logprob in zip(self._rows, tokens.tolist(), logprobs.tolist()):
-            request = self._requests[row]
-            self._tokens[row].append(token)
-            self._logprobs[row].append(logprob)
-            self._versions[row].append(version)
-            stopped = token in request.stop_token_ids or (request.stop is not None and bool(request.stop(self._tokens[row])))
-            if stopped:
-                self._finish[row] = "stop"
-            keep.append(not stopped and len(self._tokens[row]) < request.max_new_tokens)
-        keep_mask = torch.tensor(keep, device=tokens.device)
-        ones = torch.ones_like(self.attention_mask[:, :1])
-        self.token_ids = torch.cat([self.token_ids, tokens[:, None]], dim=-1)[keep_mask]
-        self.attention_mask = torch.cat([self.attention_mask, ones], dim=-1)[keep_mask]
-        self.temperature, self.top_p = self.temperature[keep_mask], self.top_p[keep_mask]
-        self.top_k = self.top_k[keep_mask]
-        self._rows = [row for row, k in zip(self._rows, keep) if k]
-        return keep_mask
+    @property
+    def fed_token_ids(self) -> list[int]:
+        """What a prefill feeds: the prompt and every output token so far."""
+        return list(self.request.prompt_token_ids) + self.tokens
 
-    def results(self) -> list[GenerationResult]:
-        return [
-            GenerationResult(
-                request_id=r.request_id,
-                prompt_token_ids=list(r.prompt_token_ids),
-                output_token_ids=self._tokens[i],
-                output_logprobs=self._logprobs[i],
-                output_versions=self._versions[i],
-                finish_reason=self._finish[i],  # type: ignore[arg-type]
-                temperature=r.temperature,
-                top_p=r.top_p,
-                top_k=r.top_k,
-            )
-            for i, r in enumerate(self._requests)
-        ]
+    def record(self, token: int, logprob: float, version: int) -> bool:
+        """Append one sampled token; True when the sequence is finished."""
+        self.tokens.append(token)
+        self.logprobs.append(logprob)
+        self.versions.append(version)
+        if self.on_token is not None:
+            self.on_token(token, logprob, version)
+        request = self.request
+        if token in self._stop_ids or (request.stop is not None and bool(request.stop(self.tokens))):
+            self.finish_reason = "stop"
+            return True
+        return len(self.tokens) >= request.max_new_tokens
+
+    def result(self) -> GenerationResult:
+        r = self.request
+        return GenerationResult(
+            request_id=r.request_id,
+            prompt_token_ids=list(r.prompt_token_ids),
+            output_token_ids=self.tokens,
+            output_logprobs=self.logprobs,
+            output_versions=self.versions,
+            finish_reason=self.finish_reason,
+            temperature=r.temperature,
+            top_p=r.top_p,
+            top_k=r.top_k,
+        )
+
+
+@dataclass
+class _Step:
+    prefill: list[_Sequence]  # newly admitted (or, after a refreshing update, every live sequence)
+    decode: list[_Sequence]  # one token each, by slot
+    version: int  # of the weights this step runs under
+
+
+def _settle(future: Future, *, error: BaseException | None = None, result: Any = None) -> None:
+    """Resolve ``future`` unless it was cancelled (possible while its request was still queued)."""
+    try:
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+    except InvalidStateError:
+        pass

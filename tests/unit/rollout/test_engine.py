@@ -1,5 +1,6 @@
-"""The native generation engine (rollbook.rollout.engine): exact per-token log-probs, padding,
-stop/length handling, and version pinning across weight updates."""
+"""The native generation engine (rollbook.rollout.engine): exact per-token log-probs, continuous
+batching (a request that joins mid-decode draws what it draws alone), stop/length handling, version
+pinning across weight updates, streaming, the KV cache's memory and the engine's lifetime."""
 
 from __future__ import annotations
 
@@ -97,6 +98,20 @@ def test_sampling_distribution_by_hand():
     assert _hand_logprobs(probs, temperature=0.0, top_k=2) == pytest.approx([0.625, 0.375, 0, 0], abs=1e-6)
 
 
+def test_gumbel_max_with_hashed_noise_draws_from_the_distribution():
+    from rollbook.rollout.sampling import gumbel_noise, vocab_mix
+
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    n = 20_000
+    keys, index = torch.arange(n), torch.full((n,), 7)
+    drawn = (probs.log()[None, :] + gumbel_noise(keys, index, vocab_mix(4, torch.device("cpu")))).argmax(dim=-1)
+    freq = torch.bincount(drawn, minlength=4).float() / n
+    # binomial standard deviation at n = 20k is at most 0.0036; 5 sigma
+    torch.testing.assert_close(freq, probs, rtol=0, atol=0.018)
+    again = (probs.log()[None, :] + gumbel_noise(keys, index + 1, vocab_mix(4, torch.device("cpu")))).argmax(dim=-1)
+    assert 0.3 < (again == drawn).float().mean() < 0.45  # the next index is a fresh draw: sum p^2 = 0.365
+
+
 # -- sampler / trainer agreement -------------------------------------------------------------------
 
 
@@ -123,7 +138,7 @@ def test_top_k_logprobs_match_a_full_forward_pass():
         _assert_agree(result.output_logprobs, _reference(model, result, 0.7, 0.9, 5))
 
 
-def test_padding_does_not_change_results():
+def test_requests_run_together_or_alone_give_the_same_results():
     model = _model()
     engine = NativeEngine(model)
     batched = engine.generate(_requests(temperature=0.0))
@@ -146,21 +161,12 @@ def test_mixed_sampling_params_in_one_batch_each_use_their_own():
         _assert_agree(result.output_logprobs, _reference(model, result, t, tp, k))
 
 
-def test_kv_cache_and_no_cache_engines_sample_the_same_tokens():
-    model = _model()
-    cached = NativeEngine(model, seed=3).generate(_requests(max_new_tokens=12))
-    uncached = NativeEngine(model, seed=3, use_kv_cache=False).generate(_requests(max_new_tokens=12))
-    for c, u in zip(cached, uncached, strict=True):
-        assert c.output_token_ids == u.output_token_ids
-        _assert_agree(c.output_logprobs, u.output_logprobs)
-
-
 def test_decode_steps_feed_one_token_per_sequence():
     model = _model()
     widths = []
     model.register_forward_pre_hook(lambda _, args, kwargs: widths.append(kwargs["input_ids"].shape), with_kwargs=True)
     NativeEngine(model).generate(_requests(max_new_tokens=5))
-    assert widths == [(4, 7)] + [(4, 1)] * 4
+    assert widths == [(1, 16)] + [(1, 4)] * 4  # the prompts packed in one row (3 + 7 + 1 + 5), then one token each
 
 
 # -- stop tokens and lengths -----------------------------------------------------------------------
@@ -384,3 +390,202 @@ def test_a_seeded_call_draws_the_same_samples_and_leaves_the_engine_stream_alone
     # the engine's own stream is where it would be without the seeded calls
     plain = NativeEngine(model, version=0, seed=7)
     assert [r.output_token_ids for r in seeded.generate(_requests())] == [r.output_token_ids for r in plain.generate(_requests())]
+
+
+# -- continuous batching ---------------------------------------------------------------------------
+
+JOINERS = [[1, 9, 4, 30], [1, 12], [1, 2, 3, 4, 5, 6, 7, 8, 9], [1, 33, 20]]  # different lengths
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [dict(temperature=1.0), dict(temperature=0.0), dict(temperature=0.8, top_p=0.9, top_k=6)],
+    ids=["temperature-1", "greedy", "top-p-top-k"],
+)
+def test_a_request_that_joins_mid_decode_gets_what_it_gets_alone(sampling):
+    model = _model()
+    engine = NativeEngine(model, seed=5)
+    joiners = [GenerationRequest(prompt_token_ids=p, max_new_tokens=9, **sampling) for p in JOINERS]
+    alone = [engine.submit(r, seed=100 + i).result() for i, r in enumerate(joiners)]
+
+    # two requests decode; at their 4th token the engine waits in on_token until the joiners are queued
+    widths: list[tuple[int, ...]] = []
+    model.register_forward_pre_hook(lambda _, args, kwargs: widths.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True)
+    reached, queued, seen = threading.Event(), threading.Event(), []
+
+    def hold_at_fourth(token, logprob, version):
+        seen.append(token)
+        if len(seen) == 4:
+            reached.set()
+            assert queued.wait(timeout=30)
+
+    running = [GenerationRequest(prompt_token_ids=p, max_new_tokens=16, temperature=1.0) for p in PROMPTS[:2]]
+    engine.pause()  # both held, then admitted together
+    background = [engine.submit(running[0], on_token=hold_at_fourth), engine.submit(running[1])]
+    engine.resume()
+    assert reached.wait(timeout=30)
+    joined = [engine.submit(r, seed=100 + i) for i, r in enumerate(joiners)]
+    queued.set()
+    assert all(len(f.result(timeout=60).output_token_ids) == 16 for f in background)
+    assert widths[:4] == [(1, 10), (1, 2), (1, 2), (1, 2)]  # the two prompts, then three decode steps
+    assert widths[4] == (1, sum(len(p) for p in JOINERS) + 2)  # the joiners' prompts and the two decoding tokens
+    for a, j in zip(alone, (f.result(timeout=60) for f in joined), strict=True):
+        assert j.output_token_ids == a.output_token_ids
+        torch.testing.assert_close(j.output_logprobs, a.output_logprobs, rtol=0, atol=1e-5)
+        t, tp, k = j.temperature, j.top_p, j.top_k
+        _assert_agree(j.output_logprobs, _reference(model, j, t, tp, k))
+
+
+def test_sampled_tokens_depend_on_the_seed_and_output_index_not_on_the_batch():
+    model = _model()
+    request = GenerationRequest(prompt_token_ids=[1, 5, 9], max_new_tokens=12)
+    engine = NativeEngine(model)
+    alone = engine.generate([request], seed=3)[0]
+    crowded = engine.generate([request] + _requests(max_new_tokens=12), seed=3)[0]  # request 0 of a bigger call
+    assert crowded.output_token_ids == alone.output_token_ids
+    others = {tuple(engine.generate([request], seed=s)[0].output_token_ids) for s in range(4, 9)}
+    assert len(others) > 1
+
+
+def test_more_requests_than_slots_wait_for_a_free_slot_and_match_a_roomy_engine():
+    model = _model()
+    requests = [GenerationRequest(prompt_token_ids=p, max_new_tokens=n) for p, n in zip(PROMPTS * 2, [2, 9, 4, 7, 3, 8, 5, 6])]
+    roomy = NativeEngine(model).generate(requests, seed=11)
+    tight = NativeEngine(model, max_batch_size=3).generate(requests, seed=11)
+    for r, t in zip(roomy, tight, strict=True):
+        assert t.output_token_ids == r.output_token_ids
+        torch.testing.assert_close(t.output_logprobs, r.output_logprobs, rtol=0, atol=1e-5)
+
+
+def test_on_token_streams_each_token_with_its_logprob_and_version():
+    engine = NativeEngine(_model(), version=3)
+    streamed: list[tuple[int, float, int]] = []
+    result = engine.submit(_requests(max_new_tokens=6)[1], on_token=lambda *token: streamed.append(token)).result(timeout=30)
+    assert streamed == list(zip(result.output_token_ids, result.output_logprobs, result.output_versions))
+    assert [v for _, _, v in streamed] == [3] * 6
+
+
+def test_a_request_cancelled_while_queued_never_runs():
+    model = _model()
+    engine, forwards = NativeEngine(model), []
+    model.register_forward_pre_hook(lambda *_: forwards.append(1))
+    engine.pause()
+    future = engine.submit(_requests()[0])
+    assert future.cancel()
+    engine.resume()
+    assert len(engine.generate(_requests(max_new_tokens=2)[1:2])[0].output_token_ids) == 2
+    assert len(forwards) == 2  # the other request's prefill and one decode step, nothing for the cancelled one
+
+
+def test_a_callback_that_raises_fails_its_own_request_only():
+    engine = NativeEngine(_model())
+
+    def broken(*token):
+        raise KeyError("consumer gone")
+
+    failing = engine.submit(_requests()[0], on_token=broken)
+    fine = engine.submit(_requests()[1])
+    with pytest.raises(KeyError, match="consumer gone"):
+        failing.result(timeout=30)
+    assert len(fine.result(timeout=30).output_token_ids) == 10
+
+
+def test_sliding_window_layers_match_a_full_forward_pass():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        use_sliding_window=True,
+        sliding_window=4,  # shorter than every sequence here: layer 1 sees only the last 4 positions
+        max_window_layers=1,
+    )
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config).float()
+    results = NativeEngine(model, seed=4).generate(_requests(max_new_tokens=8, temperature=0.8))
+    for result in results:
+        _assert_agree(result.output_logprobs, _reference(model, result, 0.8))
+
+
+def test_attention_score_modifiers_are_refused():
+    from rollbook.rollout.kv_slab import _slab_attention
+
+    module = torch.nn.Module()
+    module.layer_idx = 0
+    q = torch.zeros(1, 2, 1, 4)
+    with pytest.raises(ValueError, match="softcap"):
+        _slab_attention(module, q, q, q, None, rollbook_kv=object(), softcap=30.0)
+
+
+# -- stops, limits, memory and lifetime ------------------------------------------------------------
+
+
+def test_any_of_several_stop_ids_ends_the_output():
+    model = _model()
+    free = NativeEngine(model).generate(_requests(temperature=0.0, max_new_tokens=10))
+    stops = [free[0].output_token_ids[2], free[3].output_token_ids[5]]
+    stopped = NativeEngine(model).generate(_requests(temperature=0.0, max_new_tokens=10, stop_token_ids=stops))
+    assert any(s.finish_reason == "stop" for s in stopped)
+    for f, s in zip(free, stopped, strict=True):
+        ends = [i + 1 for i, token in enumerate(f.output_token_ids) if token in stops]
+        end = ends[0] if ends else len(f.output_token_ids)
+        assert (s.output_token_ids, s.finish_reason) == (f.output_token_ids[:end], "stop" if ends else "length")
+
+
+def test_a_request_longer_than_max_seq_len_is_refused_with_the_numbers():
+    engine = NativeEngine(_model(), max_seq_len=16)
+    with pytest.raises(ValueError, match=r"7 prompt tokens \+ max_new_tokens 10 = 17 exceeds the engine's max_seq_len 16"):
+        engine.generate([GenerationRequest(prompt_token_ids=PROMPTS[1], max_new_tokens=10)])
+    assert len(engine.generate([GenerationRequest(prompt_token_ids=PROMPTS[1], max_new_tokens=9)])[0].output_token_ids) == 9
+
+
+def test_release_memory_frees_the_kv_cache_and_the_next_request_allocates_it_again():
+    model = _model()  # 2 layers, 2 key/value heads of 16 dimensions, 512 positions, float32
+    engine = NativeEngine(model, max_batch_size=4)
+    assert engine.release_memory() == 0  # nothing allocated yet
+    first = engine.generate(_requests(temperature=0.0))
+    assert engine.release_memory() == 2 * 2 * (4 * 2 * 512 * 16) * 4  # layers x (keys, values) x slab x bytes
+    assert engine.release_memory() == 0
+    again = engine.generate(_requests(temperature=0.0))
+    assert [r.output_token_ids for r in again] == [r.output_token_ids for r in first]
+
+
+def test_release_memory_is_refused_while_a_request_is_in_flight():
+    model = _model()
+    engine, gate = NativeEngine(model), _StepGate(model, at=1)
+    future = engine.submit(_requests(max_new_tokens=4)[0])
+    assert gate.reached.wait(timeout=30)
+    with pytest.raises(RuntimeError, match="1 requests are in flight"):
+        engine.release_memory()
+    gate.release.set()
+    future.result(timeout=30)
+    assert engine.release_memory() > 0
+
+
+def test_close_fails_what_is_in_flight_and_refuses_new_work():
+    model = _model()
+    engine, gate = NativeEngine(model), _StepGate(model, at=1)
+    future = engine.submit(_requests(max_new_tokens=4)[0])
+    assert gate.reached.wait(timeout=30)
+    closer = threading.Thread(target=engine.close)
+    closer.start()
+    gate.release.set()
+    closer.join(timeout=30)
+    assert not closer.is_alive()
+    with pytest.raises(RuntimeError, match="closed"):
+        future.result(timeout=30)
+    with pytest.raises(RuntimeError, match="closed"):
+        engine.generate(_requests(max_new_tokens=2))
+    with pytest.raises(RuntimeError, match="closed"):
+        engine.update_weights(_model(1).state_dict(), version=1)
+    engine.close()  # idempotent
+
+
+def test_an_idle_engine_holds_no_thread():
+    engine = NativeEngine(_model())
+    engine.generate(_requests(max_new_tokens=2))
+    _wait_until(lambda: not any(t.name == "rollbook-engine" and t.is_alive() for t in threading.enumerate()))
