@@ -3,10 +3,12 @@
 
     python bench/placement.py --json --png docs/placement.png   # one JSON line; the markdown tables on stderr
     python bench/placement.py --steps 20 --placements colocated,ray --ray-workers 2 --ranks 2 --no-recovery
+    python bench/placement.py --placements colocated,colocated-offload --no-recovery --no-online   # offload's cost
 
 Every run gets a fresh run directory under ``--work-dir`` holding one warm-started student, made once
-by this script and copied in, so every placement starts from the same weights bit for bit. Per
-placement:
+by this script and copied in, so every placement starts from the same weights bit for bit. A
+placement named with ``-offload`` (``colocated-offload``) is that placement with
+``--trainer.offload_optimizer true``. Per placement:
 
 - ``trained_tok_s``: output tokens of acked leases over the span of the train steps (first
   ``started_at`` to last ``finished_at`` in the ledger). The asynchronous placements generate up to
@@ -19,11 +21,16 @@ placement:
   separated, or the ``TrainerRank`` actors; ``rollout``: the ``rollbook rollout`` process or the
   ``RolloutActor`` actors; ``ray``: Ray's own processes; ``driver``: the ``rollbook run`` process of
   the ray placement), the largest process, and the peak of the tree's summed PSS;
-- ``weight_sync_s_per_step``: the mean of the trainer's ``perf/publish_s`` (trainer/loop.py: every
-  publisher, the checksum and ``PublishVersion``): colocated, loading the weights into the engine
-  that samples; separated, the checksummed shared-memory write and the held-out engine's load; ray,
-  packing, hashing and diffing for the network channel and the held-out engine's load. What the
-  rollout side spends fetching and loading runs beside training and is not in it;
+- per step, the means over the ledger's ``train_steps.stats`` (trainer/loop.py): ``weight_sync_s_per_step``
+  (``perf/weight_sync_s``, the trainer's weight publishers: colocated, the copy into the engine that
+  samples, on the device; separated, the checksummed shared-memory write and the held-out engine's
+  load; ray, putting the version in Ray's object store, or packing and diffing it for the network
+  channel, and the held-out engine's load), ``offload_s_per_step`` and ``onload_s_per_step``
+  (``perf/offload_s``, ``perf/onload_s``: the AdamW state to host memory and back, with
+  ``trainer.offload_optimizer``; null without it) and ``kv_released_mib_per_step`` (the colocated
+  engine's KV cache freed for the training phase, with offload); and ``publish_s_per_step``, the mean
+  of ``perf/publish_s`` in metrics.jsonl (the publishers plus the checksum and ``PublishVersion``).
+  What the rollout side spends fetching and loading runs beside training and is not in them;
 - ``stale``, ``rejected``: rejections in the ledger; ``heldout_first`` / ``heldout_final``: greedy
   held-out reward before the first step and after the last;
 - ``--recovery`` (on with ``--json``): a second run of ``--kill-after`` + ``--steps-after-kill`` steps,
@@ -90,7 +97,24 @@ SELECT (SELECT count(*) - count(DISTINCT trajectory_id) FROM trajectories) AS st
 """
 
 
+OFFLOAD = "-offload"  # a placement name ending in it: that placement with trainer.offload_optimizer on
+
+# the per-step figures of train_steps.stats, averaged over the run's steps (NULL when no step has one)
+PER_STEP_SQL = """
+SELECT avg((stats->>'$."perf/weight_sync_s"')::DOUBLE), avg((stats->>'$."perf/offload_s"')::DOUBLE),
+       avg((stats->>'$."perf/onload_s"')::DOUBLE), avg((stats->>'$."rollout/kv_released_bytes"')::DOUBLE)
+FROM train_steps
+"""
+
+
+def base_placement(name: str) -> str:
+    """The ``--placement`` a bench placement name runs (``colocated-offload``: colocated)."""
+    return name.removesuffix(OFFLOAD)
+
+
 def run_command(placement: str, run_dir: pathlib.Path, args: argparse.Namespace, num_steps: int) -> list[str]:
+    offload = placement.endswith(OFFLOAD)
+    placement = base_placement(placement)
     cmd = [
         sys.executable,
         "-m",
@@ -108,6 +132,8 @@ def run_command(placement: str, run_dir: pathlib.Path, args: argparse.Namespace,
         str(num_steps),
         *common_overrides(args),
     ]
+    if offload:
+        cmd += ["--trainer.offload_optimizer", "true"]
     if placement != "colocated":
         cmd += ["--max_staleness", str(args.max_staleness)]
     if placement == "ray":
@@ -193,7 +219,7 @@ def measure(placement: str, work: pathlib.Path, student: pathlib.Path, args: arg
     log = work / f"{placement}.log"
     started = time.monotonic()
     proc = start(run_command(placement, run_dir, args, args.steps), log)
-    with TreeMemory(proc.pid, root_role="driver" if placement == "ray" else "trainer") as memory:
+    with TreeMemory(proc.pid, root_role="driver" if base_placement(placement) == "ray" else "trainer") as memory:
         finish(proc, log, placement, args.timeout)
     wall = time.monotonic() - started
     con = duckdb.connect(str(run_dir / "rollbook.duckdb"), read_only=True)
@@ -207,6 +233,7 @@ def measure(placement: str, work: pathlib.Path, student: pathlib.Path, args: arg
     ).fetchone()
     rejected = dict(con.execute("SELECT reason, count(*) FROM rejections GROUP BY reason").fetchall())
     workers = dict(con.execute("SELECT worker_id, count(*) FROM trajectories GROUP BY worker_id").fetchall())
+    weight_sync, offload, onload, kv_released = con.execute(PER_STEP_SQL).fetchone()
     con.close()
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     evals = [m for m in metrics if "eval/reward" in m]
@@ -219,7 +246,11 @@ def measure(placement: str, work: pathlib.Path, student: pathlib.Path, args: arg
         "trained_tok_s": round(tokens / span, 1) if span else None,
         "trained_tok_s_from_first_rollout": round(tokens / since_first, 1) if since_first else None,
         **memory.report(),
-        "weight_sync_s_per_step": round(sum(publish) / len(publish), 4) if publish else None,
+        "weight_sync_s_per_step": _round(weight_sync, 6),
+        "offload_s_per_step": _round(offload, 6),
+        "onload_s_per_step": _round(onload, 6),
+        "kv_released_mib_per_step": _round(kv_released, 2, 1 / 2**20),
+        "publish_s_per_step": round(sum(publish) / len(publish), 4) if publish else None,
         "stale": rejected.get("STALE", 0),
         "rejected": sum(rejected.values()),
         "rejected_by_reason": rejected,
@@ -250,7 +281,7 @@ def recover(placement: str, work: pathlib.Path, student: pathlib.Path, args: arg
             raise SystemExit(f"{placement} recovery: {args.kill_after} steps never checkpointed; log {log}")
         time.sleep(0.05)
     time.sleep(args.kill_delay)  # into the next step, so the kill usually finds a batch leased and not checkpointed
-    if placement == "ray":
+    if base_placement(placement) == "ray":
         victims = TreeMemory(first.pid, root_role="driver").pids("trainer")
         if not victims:
             kill_group(first)
@@ -309,7 +340,11 @@ COLUMNS = [  # (header, how to read it from a row)
     ("ray + driver", lambda r: _ray_and_driver(r)),
     ("largest", lambda r: r["largest_process_mib"]),
     ("PSS MiB total", lambda r: r["peak_pss_mib_total"]),
-    ("weight sync ms/step", lambda r: _round(r["weight_sync_s_per_step"], 1, 1000)),
+    ("weight sync ms/step", lambda r: _round(r["weight_sync_s_per_step"], 2, 1000)),
+    ("offload ms/step", lambda r: _round(r["offload_s_per_step"], 2, 1000)),
+    ("onload ms/step", lambda r: _round(r["onload_s_per_step"], 2, 1000)),
+    ("KV freed MiB/step", lambda r: r["kv_released_mib_per_step"]),
+    ("publish ms/step", lambda r: _round(r["publish_s_per_step"], 1, 1000)),
     ("stale", lambda r: r["stale"]),
     ("rejected", lambda r: r["rejected"]),
     ("held-out first", lambda r: _round(r["heldout_first"], 3)),

@@ -126,6 +126,15 @@ def cast_floating(state: dict[str, torch.Tensor], dtype: str) -> dict[str, torch
     return {k: v.to(target) if v.is_floating_point() and v.dtype != target else v for k, v in state.items()}
 
 
+def synchronize(device: torch.device) -> None:
+    """Wait until the work queued on ``device`` is done (so a time measured around it is the work's, and
+    host memory it copies into can be read); nothing to wait for on the CPU."""
+    import torch
+
+    if device.type != "cpu":
+        torch.accelerator.synchronize(device)
+
+
 def _indexed(device: torch.device, count: int, name: str) -> torch.device:
     if device.index is not None and device.index >= count:
         raise ConfigError(f"device {name!r}: this machine has {count} such device(s) (0 to {count - 1})")

@@ -101,6 +101,17 @@ def prepare_local_ray() -> None:
         os.environ.setdefault(name, value)
 
 
+# vLLM's engine core in this process (V1 otherwise runs it in a child process): VllmEngine installs
+# new weights by calling a function on the model (LLM.apply_model), which then needs no pickling
+VLLM_STARTUP = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+
+
+def prepare_vllm() -> None:
+    """vLLM's settings (``VLLM_STARTUP``) for an engine this process builds; a value the user set already wins."""
+    for name, value in VLLM_STARTUP.items():
+        os.environ.setdefault(name, value)
+
+
 def with_keys(base: dict[str, str], keys: dict[str, str | None]) -> dict[str, str]:
     """A child process's environment: ``base`` without any role key, plus the given ones (so a child
     gets exactly the roles it is handed)."""

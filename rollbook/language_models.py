@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -119,6 +120,32 @@ def student_vocab_size(m: ModelConfig) -> int:
     from rollbook.tasks import TOKENIZER
 
     return m.vocab_size or TOKENIZER.vocab_size
+
+
+def generation_eos_ids(m: ModelConfig | None) -> list[int]:
+    """The end-of-sequence ids the model's own generation config lists: ``eos_token_id`` of
+    ``path``'s generation_config.json (an int or a list: Qwen and Llama-3 instruct models list several),
+    or of its config.json when it has no generation_config.json (as transformers falls back). None for
+    the built-in tiny model, whose config names no eos (``build_tiny_model``), and for no model."""
+    if m is None or not m.path:
+        return []
+    root = pathlib.Path(m.path)
+    for name in ("generation_config.json", "config.json"):
+        if (root / name).is_file():
+            value = json.loads((root / name).read_text()).get("eos_token_id")
+            ids = value if isinstance(value, list) else [] if value is None else [value]
+            return [int(i) for i in ids]
+    return []
+
+
+def stop_token_ids(eos_token_id: int | None, model: ModelConfig | None = None, configured: Sequence[int] = ()) -> list[int]:
+    """Every token id that ends a completion of ``model``, each once, the tokenizer's ``eos_token_id``
+    first: that eos, the model's generation-config eos ids (``generation_eos_ids``), the ``configured``
+    ones (``rollout.stop_token_ids``). The one definition of the stop set: the rollout worker and its
+    evaluation take it through ``rollout/worker.py`` ``use_model_stops``, the online evaluation and the
+    proxy call it with their tokenizer's eos."""
+    ids = ([] if eos_token_id is None else [int(eos_token_id)]) + generation_eos_ids(model) + [int(i) for i in configured]
+    return list(dict.fromkeys(ids))
 
 
 def build_student(m: ModelConfig, *, seed: int | None = None) -> "PreTrainedModel":

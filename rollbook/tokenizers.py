@@ -13,7 +13,8 @@ is the toy tasks' tokenizer; its ``save_pretrained`` writes a real ``tokenizers`
 ``AutoTokenizer`` loads with the same ids. ``HFTokenizer`` wraps a Hugging Face tokenizer loaded from a
 local directory (``local_files_only=True``: nothing is ever downloaded).
 
-Stops: generation ends on a stop token (eos, plus configured ids) inside the engine; stop strings are
+Stops: generation ends on a stop token (the tokenizer's eos, plus the extra ids a rollout passes: the
+model's generation-config eos ids and configured ones) inside the engine; stop strings are
 checked by ``StopStrings`` on the decoded tail of the output after every token (the engine's
 ``GenerationRequest.stop``), and ``completion_text`` cuts the text before the first one.
 """
@@ -105,9 +106,10 @@ class StopStrings:
 
 
 class CharTokenizer:
-    """One token per character; ids 0, 1, 2 are ``<pad>``, ``<bos>``, ``<eos>``."""
+    """One token per character; ids 0, 1, 2 are ``<pad>``, ``<bos>``, ``<eos>``. Completions stop on
+    ``<eos>`` (plus ``extra_stop_token_ids``) and on ``stop_strings``."""
 
-    def __init__(self, chars: str, stop_strings: Sequence[str] = ()) -> None:
+    def __init__(self, chars: str, stop_strings: Sequence[str] = (), extra_stop_token_ids: Sequence[int] = ()) -> None:
         if len(set(chars)) != len(chars):
             raise ValueError("tokenizer characters must be distinct")
         self.chars = chars
@@ -115,6 +117,7 @@ class CharTokenizer:
         self._ids = {ch: i for i, ch in enumerate(self.tokens) if len(ch) == 1}
         self.pad_token_id, self.bos_token_id, self.eos_token_id = 0, 1, 2
         self._stop_strings = list(stop_strings)
+        self._stop_ids = list(dict.fromkeys([self.eos_token_id, *(int(i) for i in extra_stop_token_ids)]))
 
     @property
     def vocab_size(self) -> int:
@@ -122,7 +125,7 @@ class CharTokenizer:
 
     @property
     def stop_token_ids(self) -> list[int]:
-        return [self.eos_token_id]
+        return list(self._stop_ids)
 
     @property
     def stop_strings(self) -> list[str]:
@@ -160,7 +163,7 @@ class CharTokenizer:
         return self.encode(prompt, add_bos=True)
 
     def completion_text(self, ids: Sequence[int]) -> str:
-        return cut_at_stop_strings(self.decode(ids), self._stop_strings)
+        return cut_at_stop_strings(self.decode(_before_stop(ids, self._stop_ids)), self._stop_strings)
 
     def backend(self):
         """The same tokenizer as a ``tokenizers.Tokenizer`` (word level over the characters, each
@@ -262,12 +265,9 @@ class HFTokenizer:
         return list(self.hf.encode(prompt, add_special_tokens=True))
 
     def completion_text(self, ids: Sequence[int]) -> str:
-        ids = list(ids)
-        for stop in self._stop_ids:
-            if stop in ids:
-                ids = ids[: ids.index(stop)]
         return cut_at_stop_strings(
-            self.hf.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False), self._stop_strings
+            self.hf.decode(_before_stop(ids, self._stop_ids), skip_special_tokens=True, clean_up_tokenization_spaces=False),
+            self._stop_strings,
         )
 
     def save_pretrained(self, directory: str | pathlib.Path) -> None:
@@ -282,14 +282,24 @@ def load_tokenizer(
     extra_stop_token_ids: Sequence[int] = (),
 ) -> Tokenizer:
     """``None``: ``default`` (the toy tasks' ``rollbook.tasks.TOKENIZER``; passed in, since tasks.py
-    imports this module), with ``stop_strings`` if any; a directory: an ``HFTokenizer`` from it (a
-    missing directory is a ``FileNotFoundError`` naming it)."""
+    imports this module), with ``stop_strings`` and ``extra_stop_token_ids`` if any; a directory: an
+    ``HFTokenizer`` from it (a missing directory is a ``FileNotFoundError`` naming it). The extra ids
+    of a rollout are ``rollbook.language_models.stop_token_ids``'s (rollout/worker.py ``use_model_stops``)."""
     if path is None:
-        return default if not stop_strings else CharTokenizer(default.chars, stop_strings=stop_strings)
+        if not stop_strings and not set(extra_stop_token_ids) - {default.eos_token_id}:
+            return default
+        return CharTokenizer(default.chars, stop_strings=stop_strings, extra_stop_token_ids=extra_stop_token_ids)
     where = pathlib.Path(path)
     if not where.is_dir():
         raise FileNotFoundError(f"tokenizer directory {where} does not exist (tokenizers load from local files only)")
     return HFTokenizer(where, stop_strings=stop_strings, extra_stop_token_ids=extra_stop_token_ids)
+
+
+def _before_stop(ids: Sequence[int], stop_ids: Sequence[int]) -> list[int]:
+    """``ids`` up to (without) the first stop token."""
+    ids = list(ids)
+    first = min((ids.index(s) for s in stop_ids if s in ids), default=len(ids))
+    return ids[:first]
 
 
 def describe(tokenizer: Tokenizer) -> dict[str, Any]:

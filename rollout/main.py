@@ -3,7 +3,8 @@
     rollbook rollout --config runs/x/worker.json            # or TOML; dotted overrides work too
 
 It maps the trainer's weights from a weight channel (``shm:NAME`` on one host, ``grpc:HOST:PORT``
-across hosts), generates task groups with the native engine under the staleness gate (admission
+across hosts), generates task groups with the engine ``rollout.engine`` names (native, or vLLM on
+``model.path``: rollout/engines.py) under the staleness gate (admission
 capacity ``(eta + version + 1) * batch_size - (accepted + running)``), and hands every trajectory to
 the spooling ``Submitter``, so a store outage pauses nothing until the spool fills. New weights are
 installed between decode steps (in-flight sequences continue under them, their later tokens carrying
@@ -62,11 +63,8 @@ def run_worker(
     of the first weights once the engine holds them (a launcher's barrier: rollbook/run/ray_cluster.py)."""
     import torch
 
-    from rollbook.devices import place
-    from rollbook.language_models import build_student
-    from rollbook.rollout.engine import NativeEngine
-    from rollbook.rollout.worker import RolloutWorker, registered_vocab_size, use_model_tokenizer
-    from rollbook.weights.base import load_into
+    from rollbook.rollout.engines import build_engine, install_snapshot
+    from rollbook.rollout.worker import RolloutWorker, registered_vocab_size, use_model_stops, use_model_tokenizer
 
     torch.set_num_threads(1)
     stop = stop or _stop_on_signals()
@@ -74,12 +72,12 @@ def run_worker(
     snapshot = _first_snapshot(channel, config, stop)
     model_cfg = config.model
     use_model_tokenizer(config.rollout, model_cfg)
+    use_model_stops(config.rollout, model_cfg)
     if config.rollout.dataset is not None and model_cfg.path is None and model_cfg.vocab_size is None:
         # a tiny model for your own tokenizer: its vocabulary, not the toy tasks'
         model_cfg = model_cfg.model_copy(update={"vocab_size": registered_vocab_size(config.rollout, model_cfg)})
-    model = place(build_student(model_cfg), config.rollout.device, config.rollout.dtype)
-    load_into(model, snapshot)
-    engine = NativeEngine(model, version=snapshot.version, seed=config.rollout.seed)
+    engine = build_engine(model_cfg, config.rollout, version=-1)  # the built weights are never served
+    install_snapshot(engine, snapshot)
     worker = RolloutWorker(engine, config.rollout, model_id=config.model_id)
     if on_weights is not None:
         on_weights(engine.version)
@@ -91,10 +89,10 @@ def run_worker(
 
 def _loop(config: WorkerConfig, stop: threading.Event, channel, engine, worker) -> dict:
     from rollbook.client import StoreClient
+    from rollbook.rollout.engines import install_snapshot
     from rollbook.rollout.gate import StalenessGate
     from rollbook.rollout.spool import Spool
     from rollbook.rollout.submitter import Submitter
-    from rollbook.weights.base import load_into
 
     gate = StalenessGate(config.rollout.max_staleness, config.batch_size)
     group = config.rollout.group_size
@@ -115,7 +113,7 @@ def _loop(config: WorkerConfig, stop: threading.Event, channel, engine, worker) 
             latest = _fetch_or_none(channel)
             if latest is not None:
                 try:
-                    engine.update_weights(lambda m, s=latest: load_into(m, s), latest.version)  # type: ignore[misc]  # default binds this version
+                    install_snapshot(engine, latest)
                 except RuntimeError as exc:  # torn shared-memory copy: the next fetch brings a whole version
                     log.warning("weight update to version %d failed (%s); fetching again", latest.version, exc)
                     channel = _reopen(channel, config)

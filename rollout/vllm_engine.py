@@ -12,24 +12,53 @@ Evidence it records, as the native engine does:
   (``update_weights`` waits for in-flight ``generate`` calls, then loads), so every token of a
   result carries the version resident when the call was admitted.
 
-Not exercised on this project's CPU machines; the ``gpu``-marked test runs it where vllm exists.
+Weights: the model comes from a local Hugging Face directory (``model_path``, loaded by vLLM);
+``update_weights`` takes a state dict of Hugging Face names (what the trainer publishes, what a weight
+channel's snapshot holds) and hands it to the model's own ``load_weights`` through ``LLM.apply_model``
+(vLLM's engine core runs in this process: ``rollbook.environment.prepare_vllm``), or, on a vLLM without
+``apply_model``, through the V0 engine's driver worker. A callable (the native engine's other form) is
+refused: vLLM's modules do not take a ``load_state_dict`` of Hugging Face names.
+
+Stops: only the request's ``stop_token_ids`` (``rollbook.language_models.stop_token_ids``: the
+tokenizer's eos, the model's generation-config eos ids, configured ids); the ``stop`` predicate is
+ignored and the worker cuts stop strings from the text before scoring.
+
+Not exercised on this project's CPU machines; the ``gpu``-marked tests run it where vllm exists, and
+tests/unit/rollout/test_engines.py holds the adapter to a stand-in ``vllm`` module.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 import threading
+from collections.abc import Mapping
 from typing import Any
 
 from rollbook.rollout.engine import GenerationRequest, GenerationResult, Weights
 
+log = logging.getLogger("rollbook.rollout")
+
 
 class VllmEngine:
+    """``GenerationEngine`` over ``vllm.LLM(model_path, **llm_kwargs)`` (rollout/engines.py
+    ``build_engine`` passes dtype, seed, gpu_memory_utilization and skip_tokenizer_init)."""
+
     def __init__(self, model_path: str, *, version: int = 0, **llm_kwargs: Any):
+        from rollbook.environment import prepare_vllm
+
+        prepare_vllm()
         try:
             from vllm import LLM
         except ImportError as exc:  # pragma: no cover - depends on the machine
             raise ImportError("VllmEngine needs vllm: pip install 'rollbook[vllm]' on a CUDA machine") from exc
-        self._llm = LLM(model=model_path, **llm_kwargs)
+        try:  # the log-probs of the distribution sampled from (after temperature, top-k, top-p)
+            self._llm = LLM(model=model_path, **{"logprobs_mode": "processed_logprobs", **llm_kwargs})
+        except TypeError as exc:
+            if "logprobs_mode" not in str(exc) or "logprobs_mode" in llm_kwargs:
+                raise
+            log.warning("this vLLM has no logprobs_mode: it records raw log-probs (before temperature and top-k/top-p)")
+            self._llm = LLM(model=model_path, **llm_kwargs)
         self._version = version
         self._admit = threading.Condition()
         self._paused = False
@@ -64,6 +93,7 @@ class VllmEngine:
                     max_tokens=r.max_new_tokens,
                     stop_token_ids=list(r.stop_token_ids),
                     logprobs=0,
+                    detokenize=False,  # ids in, ids out: the worker decodes with its own tokenizer
                     seed=None if seed is None else seed + i,
                 )
                 for i, r in enumerate(requests)
@@ -86,11 +116,19 @@ class VllmEngine:
         try:
             with self._admit:
                 self._admit.wait_for(lambda: self._in_flight == 0)
-            model = self._llm.llm_engine.model_executor.driver_worker.model_runner.model
-            model.load_weights(weights.items())
+            load = functools.partial(_load_weights, dict(weights))
+            if hasattr(self._llm, "apply_model"):
+                self._llm.apply_model(load)
+            else:  # a vLLM from before apply_model (V0 engine)
+                load(self._llm.llm_engine.model_executor.driver_worker.model_runner.model)
             self._version = version
         finally:
             self.resume()
+
+
+def _load_weights(weights: Mapping[str, Any], model) -> None:
+    """In each vLLM worker: the model's own loader, which maps Hugging Face names onto vLLM's fused modules."""
+    model.load_weights(weights.items())
 
 
 def _result(request: GenerationRequest, completion, version: int) -> GenerationResult:

@@ -15,10 +15,14 @@ rollbook/config/rollout.py.
 
 Your own data (``dataset`` set): the tasks are the dataset's rows (``rollbook/datasets.py``), prompts
 are encoded with ``tokenizer`` (a local Hugging Face directory; chat rows through its chat template),
-completions stop on its eos and ``stop_strings``, and each domain's reward (``rewards``,
+completions stop on its eos, ``stop_token_ids`` and ``stop_strings``, and each domain's reward (``rewards``,
 ``rollbook/rewards.py``) scores them in a process pool, so generation of the next chunk of prompts
 (``chunk_prompts``) goes on while the previous one is scored. Without ``dataset`` the built-in toy
 domains run exactly as before, with the character tokenizer.
+
+Stops: every request, for rollouts and for evaluation, stops on the tokenizer's eos and on
+``stop_token_ids``, to which ``use_model_stops`` adds the model's own eos ids (its generation config's,
+``rollbook.language_models.stop_token_ids``); a completion is scored up to the first of them.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from dataclasses import dataclass, field
 from rollbook.config import ModelConfig, RolloutConfig
 from rollbook.datasets import BadRow, DatasetError, Row, RowSampler, load_dataset
 from rollbook.errors import ConfigError
-from rollbook.language_models import student_vocab_size
+from rollbook.language_models import stop_token_ids, student_vocab_size
 from rollbook.rewards import RewardPool, Scored
 from rollbook.rollout.engine import GenerationEngine, GenerationRequest
 from rollbook.tasks import TOKENIZER, RewardOutcome, RewardTally, Task, build_domains, make_tasks, score
@@ -48,11 +52,14 @@ _NEEDS = {"math": ("answer",), "exact": ("answer",), "code": ("tests",)}
 
 def tokenizer_for(config: RolloutConfig) -> Tokenizer:
     """The tokenizer a worker of this config encodes with: the toy character tokenizer unless a
-    dataset names a Hugging Face directory."""
+    dataset names a Hugging Face directory. Its ``stop_token_ids`` are its eos and
+    ``config.stop_token_ids`` (the model's own eos ids among them once ``use_model_stops`` ran)."""
     if config.dataset is None:
-        return TOKENIZER
+        return load_tokenizer(None, default=TOKENIZER, extra_stop_token_ids=config.stop_token_ids)
     try:
-        return load_tokenizer(config.tokenizer, default=TOKENIZER, stop_strings=config.stop_strings)
+        return load_tokenizer(
+            config.tokenizer, default=TOKENIZER, stop_strings=config.stop_strings, extra_stop_token_ids=config.stop_token_ids
+        )
     except (OSError, ValueError) as exc:  # a missing directory, files transformers cannot read, no eos
         raise ConfigError(f"rollout.tokenizer: {exc}") from None
 
@@ -90,7 +97,7 @@ class RolloutWorker:
         if config.dataset is not None:
             self._init_dataset(config, tokenizer)
             return
-        self.tokenizer: Tokenizer = TOKENIZER
+        self.tokenizer = tokenizer_for(config)  # the characters, stopping on eos and config.stop_token_ids
         self.domains = build_domains(config)
         self.train_tasks = [
             t
@@ -227,7 +234,7 @@ class RolloutWorker:
                         temperature=cfg.temperature,
                         top_p=cfg.top_p,
                         top_k=cfg.top_k,
-                        stop_token_ids=[TOKENIZER.eos_token_id],
+                        stop_token_ids=self.tokenizer.stop_token_ids,
                     )
                 )
                 owners.append((task, group_id))
@@ -235,7 +242,7 @@ class RolloutWorker:
         return [self._trajectory(task, group_id, result) for (task, group_id), result in zip(owners, results)]
 
     def _trajectory(self, task: Task, group_id: str, result) -> pb.Trajectory:
-        outcome = score(task, TOKENIZER.decode(result.output_token_ids), self.domains)
+        outcome = score(task, self.tokenizer.completion_text(result.output_token_ids), self.domains)
         return self._build(task.task_id, task.domain, group_id, result, outcome)
 
     def _build(self, task_id: str, domain: str, group_id: str, result, outcome: RewardOutcome) -> pb.Trajectory:
@@ -289,7 +296,7 @@ class RolloutWorker:
                 prompt_token_ids=TOKENIZER.encode(t.prompt, add_bos=True),
                 max_new_tokens=cfg.max_new_tokens,
                 temperature=0.0,
-                stop_token_ids=[TOKENIZER.eos_token_id],
+                stop_token_ids=self.tokenizer.stop_token_ids,
             )
             for t in tasks
         ]
@@ -303,7 +310,7 @@ class RolloutWorker:
                     temperature=cfg.temperature,
                     top_p=cfg.top_p,
                     top_k=cfg.top_k,
-                    stop_token_ids=[TOKENIZER.eos_token_id],
+                    stop_token_ids=self.tokenizer.stop_token_ids,
                 )
                 for t in sampled_tasks
             ]
@@ -319,7 +326,7 @@ class RolloutWorker:
         per_domain: dict[str, list[float]] = {}
         errors = 0
         for task, result in zip(tasks, results):
-            outcome = score(task, TOKENIZER.decode(result.output_token_ids), self.domains)
+            outcome = score(task, self.tokenizer.completion_text(result.output_token_ids), self.domains)
             if outcome.status == "ok":
                 per_domain.setdefault(task.domain, []).append(outcome.reward)
             else:  # a crashed verifier is not a wrong answer: counted apart, not averaged as 0
@@ -370,6 +377,14 @@ def use_model_tokenizer(rollout: RolloutConfig, model: ModelConfig) -> None:
     ``rollbook rollout``)."""
     if rollout.dataset is not None and rollout.tokenizer is None and model.path:
         rollout.tokenizer = model.path
+
+
+def use_model_stops(rollout: RolloutConfig, model: ModelConfig) -> None:
+    """Add the model's own eos ids (its generation config's: ``rollbook.language_models.stop_token_ids``)
+    to ``rollout.stop_token_ids``, so that the worker's requests, for rollouts and for evaluation, stop
+    on any of them as well as on the tokenizer's eos. Called where both configs meet (``rollbook run``,
+    ``rollbook rollout``); running it again changes nothing."""
+    rollout.stop_token_ids = stop_token_ids(None, model, rollout.stop_token_ids)
 
 
 def registered_vocab_size(rollout: RolloutConfig, model: ModelConfig) -> int:

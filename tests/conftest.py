@@ -33,7 +33,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 INTEGRATION = pathlib.Path(__file__).parent / "integration"
 # modules whose tests start a local Ray instance (ray.init, a ray.cluster_utils.Cluster or --placement ray);
 # a single such test elsewhere carries the mark itself: @pytest.mark.xdist_group(name="ray")
-RAY_MODULES = {"test_ray_placement.py", "test_ray_weights.py", "test_ray_infeasible.py"}
+RAY_MODULES = {"test_ray_placement.py", "test_ray_weights.py", "test_ray_infeasible.py", "test_ray_accelerators.py"}
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's worker sends the collected ids to the controller

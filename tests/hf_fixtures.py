@@ -103,3 +103,14 @@ def save_tiny_model_dir(directory: str | pathlib.Path, *, vocab_size: int = 400,
     model.generation_config.pad_token_id = tok.pad_token_id
     model.save_pretrained(str(directory))
     return directory
+
+
+def save_head64_model_dir(directory: str | pathlib.Path, *, vocab_size: int):
+    """A tiny Llama with attention heads of size 64 (which vLLM's attention kernels take), no tokenizer,
+    ``save_pretrained`` into ``directory``; returns the model."""
+    from rollbook.language_models import TinyModelSpec, build_tiny_model
+
+    spec = TinyModelSpec(vocab_size=vocab_size, hidden_size=128, num_heads=2, num_kv_heads=2, intermediate_size=256)
+    model = build_tiny_model(spec)
+    model.save_pretrained(str(directory))
+    return model

@@ -56,6 +56,10 @@ broadcasts it (model, optimizer, step, version) to the others, so no batch is lo
   sharded (each rank holds its own copy). With one rank (a group of one, or no group) there is
   nothing to shard: the model is trained whole, with a warning in the log.
 
+``trainer.offload_optimizer`` (trainer/offload.py) moves each replicated rank's AdamW state off its
+device between steps, as on one rank; sharded ranks keep their share where it is (the log says so):
+the checkpoint's gather of it is a collective on the device.
+
 Both are tested against one rank in tests/unit/trainer/test_distributed.py and test_sharded.py.
 """
 
@@ -74,7 +78,7 @@ import torch.distributed as dist
 
 from rollbook.config import TrainerConfig
 from rollbook.trainer.checkpoint import TrainerState, checkpoint_due, read_checkpoint, restore_rng
-from rollbook.trainer.loop import Publisher, Trainer, _Rows
+from rollbook.trainer.loop import ModelPublisher, Publisher, Trainer, _Rows
 from rollbook.trainer.packing import pack_sequences, packed_logprobs
 
 log = logging.getLogger("rollbook.trainer")
@@ -169,7 +173,7 @@ class DistributedTrainer(Trainer):
         *,
         model: torch.nn.Module,
         teacher=None,
-        publishers: Sequence[Publisher] = (),
+        publishers: Sequence[Publisher | ModelPublisher] = (),
     ):
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         # read by _prepare_model, within Trainer.__init__; one rank has nothing to shard (Trainer's says so)
@@ -186,6 +190,11 @@ class DistributedTrainer(Trainer):
             publishers=publishers,
         )
         self._table: pa.Table | None = None
+        if self.sharded and self.offload:  # its DTensor state is gathered on the device for checkpoints
+            log.warning(
+                "trainer.offload_optimizer has no effect on sharded ranks: each keeps its share of the AdamW state on its device"
+            )
+            self.offload = False
 
     def start(self) -> TrainerState:
         """Rank 0 resumes (re-acks, republishes) as ``Trainer.start``; then every rank takes rank 0's

@@ -15,8 +15,14 @@ One step (``Trainer.step``):
    lease, then ``AckBatch``, then a Hugging Face export when one is due (``trainer.export``), then
    version ``v + 1`` to every weight publisher and ``PublishVersion`` (the time this takes, publishers,
    checksum and RPC, is ``perf/publish_s`` in the returned statistics, not in ``train_steps``: the
-   step was reported before it).
+   step was reported before it; the publishers' part is ``perf/weight_sync_s`` in the NEXT step's
+   ``train_steps`` row, the handoff of the weights that step trains from).
 A kill -9 anywhere in between neither loses nor repeats a batch (see ``trainer.checkpoint``).
+
+With ``trainer.offload_optimizer`` the AdamW state leaves the device after the step's last optimizer
+update and comes back before the next step's first (trainer/offload.py; ``perf/offload_s`` and
+``perf/onload_s`` in ``train_steps``). A publisher in this process that reads the model itself
+(``ModelPublisher``: the colocated engine's, rollbook/run/driving.py ``EngineHandoff``) gets no state dict.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ import pathlib
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import numpy as np
 import pyarrow as pa
@@ -41,6 +47,7 @@ from rollbook.trainer import losses
 from rollbook.trainer.checkpoint import TrainerState, checkpoint_due, load_checkpoint, save_checkpoint
 from rollbook.trainer.export import export_due, export_model
 from rollbook.trainer.model_builders import build_reference
+from rollbook.trainer.offload import Offloaded, offload_optimizer, onload_optimizer
 from rollbook.trainer.packing import pack_sequences, packed_logprobs, packed_logprobs_and_kl
 from rollbook.trainer.proximal import loglinear_alpha, loglinear_proximal_logprobs
 
@@ -51,6 +58,16 @@ if TYPE_CHECKING:  # pragma: no cover
 log = logging.getLogger("rollbook.trainer")
 
 Publisher = Callable[[int, dict], None]  # (version, state_dict) -> None
+
+
+@runtime_checkable
+class ModelPublisher(Protocol):
+    """A weight publisher in the trainer's own process that reads the new version from the trained model
+    itself (rollbook/run/driving.py ``EngineHandoff``: copied into an engine's model on the device). The
+    trainer builds no state dict for it, so weights that stay on a GPU never pass through host memory.
+    ``model`` is the trainer's, whole (one rank, or replicated ranks); read it, never change it."""
+
+    def publish_model(self, version: int, model: torch.nn.Module) -> None: ...
 
 
 @dataclass
@@ -115,7 +132,7 @@ class Trainer:
         *,
         model: torch.nn.Module,
         teacher: TeacherScorer | None = None,
-        publishers: Sequence[Publisher] = (),
+        publishers: Sequence[Publisher | ModelPublisher] = (),
         reference: torch.nn.Module | None = None,
     ):
         if config.loss.distill_coef > 0 and teacher is None:
@@ -145,6 +162,9 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
         self.state = TrainerState()
         self._unacked: list[str] = []  # leases trained since the last checkpoint
+        self.offload = config.offload_optimizer  # DistributedTrainer turns it off for sharded state
+        self._offloaded: Offloaded | None = None  # the AdamW state while it is off the device
+        self._carried: dict[str, float] = {}  # measured between steps, reported with the next one
 
     # ---- lifecycle --------------------------------------------------------------------------------
 
@@ -153,6 +173,7 @@ class Trainer:
         restored = self._load_checkpoint()
         if restored is None:
             torch.manual_seed(self.config.seed)
+            np.random.seed(self.config.seed)  # the minibatch order; a checkpoint keeps numpy's state beside torch's
             self.state = TrainerState()
         else:
             self.state = restored
@@ -170,6 +191,11 @@ class Trainer:
         self.start()
         cfg = self.config
         return drive(self, num_steps=cfg.num_steps, max_wait_s=cfg.max_wait_s, poll_interval_s=cfg.poll_interval_s).history
+
+    def report_with_next_step(self, stats: dict[str, float]) -> None:
+        """Statistics measured between steps (a colocated engine's freed KV cache) for the next step's
+        ``train_steps`` row, where ``perf/weight_sync_s`` goes too."""
+        self._carried.update(stats)
 
     # ---- one step ---------------------------------------------------------------------------------
 
@@ -190,6 +216,8 @@ class Trainer:
         rows = _Rows.from_table(batch.table)
         stats = self.update(rows)
         stats.update(_batch_stats(batch, rows, self.state.version))
+        stats.update(self._carried)  # e.g. perf/weight_sync_s: the handoff of the weights this step trained from
+        self._carried = {}
         stats["time/step_s"] = time.time() - started
         stats["perf/tokens_per_s"] = len(rows.behavior) / max(stats["time/step_s"], 1e-9)
         self.client.report_train_step(
@@ -276,6 +304,7 @@ class Trainer:
         order = np.random.permutation(len(local.outputs) if local is not None else 0)
         parts: list[dict[str, float]] = []  # one per micro-batch, reduced by reduce_stats
         grad_norms: list[float] = []
+        moved: dict[str, float] = {}  # perf/onload_s, perf/offload_s with trainer.offload_optimizer
         for minibatch in np.array_split(order, cfg.num_minibatches):
             # what the losses average over: sequences and tokens, summed over the ranks
             units = (len(minibatch), len(local.token_slice(minibatch))) if local is not None and len(minibatch) else (0, 0)
@@ -290,7 +319,11 @@ class Trainer:
                 parts.append({k: float(v) for k, v in stats.items()})
             self._reduce_gradients()
             grad_norms.append(self._clip_gradients())
+            if self._offloaded is not None:  # the first update of the step: the AdamW state comes back first
+                moved["perf/onload_s"] = self._move_optimizer_state(onload=True)
             self.optimizer.step()
+        if self.offload and self._offloaded is None:  # not when it stayed off (a step without an update)
+            moved["perf/offload_s"] = self._move_optimizer_state(onload=False)
         if local is not None and proximal is not None and len(local.behavior):
             parts.append(
                 {
@@ -304,7 +337,21 @@ class Trainer:
         out["grad/norm"] = float(np.mean(grad_norms)) if grad_norms else 0.0  # identical on every rank
         out["optim/lr"] = lr
         out["dist/world_size"] = self.world_size
+        if self.offload:
+            out.update({"perf/onload_s": 0.0, "perf/offload_s": 0.0, **moved})  # 0.0: nothing was off the device
         return out
+
+    def _move_optimizer_state(self, *, onload: bool) -> float:
+        """Bring the AdamW state back to its device (``onload``) or move it to host memory
+        (trainer/offload.py); returns the seconds it took, the copies complete."""
+        started = time.perf_counter()
+        if onload:
+            assert self._offloaded is not None
+            onload_optimizer(self._offloaded)
+            self._offloaded = None
+        else:
+            self._offloaded = offload_optimizer(self.optimizer)
+        return time.perf_counter() - started
 
     # ---- the cross-rank hooks of update(): identities on one rank (DistributedTrainer: collectives) ----
 
@@ -514,20 +561,40 @@ class Trainer:
         return out
 
     def _publish(self, model: torch.nn.Module | None = None) -> None:
-        """Publish the current version; ``model``: ``_full_state``'s, when the step already has it."""
+        """Publish the current version; ``model``: ``_full_state``'s, when the step already has it.
+
+        The time the publishers take (the state dict they read built included) is ``perf/weight_sync_s``
+        of the next step's row. A ``ModelPublisher`` reads ``model`` itself; the state dict is built
+        only for the others, or for the checksum when there is no publisher at all: weights handed
+        over only in this process have no bytes in transit to identify, and the store records the
+        version with an empty checksum."""
         model = self._full_state(optimizer=False)[0] if model is None else model
-        # in the run's dtype: a bfloat16 run publishes bfloat16 weights (half the bytes), which the engines hold
-        state = devices.cast_floating({k: v.detach() for k, v in model.state_dict().items()}, self.config.dtype)
-        for publish in self.publishers:
-            publish(self.state.version, state)
+        version, state = self.state.version, None
+        started = time.perf_counter()
+        for publisher in self.publishers:
+            if isinstance(publisher, ModelPublisher):
+                publisher.publish_model(version, model)
+                continue
+            state = self._published_state(model) if state is None else state
+            publisher(version, state)
+        if self.publishers:
+            devices.synchronize(self.device)  # the copies done, so the time is theirs
+            self._carried["perf/weight_sync_s"] = time.perf_counter() - started
+        else:
+            state = self._published_state(model)
         # every version announces the staleness contract, so separately started workers gate by it
         self.client.publish_version(
             self.config.model_id,
-            self.state.version,
-            checksum=state_checksum(state),
+            version,
+            checksum="" if state is None else state_checksum(state),
             max_staleness=self.config.max_staleness,
             samples_per_version=self.config.num_samples,
         )
+
+    def _published_state(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """``model``'s state dict in the run's dtype: a bfloat16 run publishes bfloat16 weights (half the
+        bytes), which the engines hold."""
+        return devices.cast_floating({k: v.detach() for k, v in model.state_dict().items()}, self.config.dtype)
 
 
 def scheduled_lr(

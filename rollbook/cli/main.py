@@ -156,6 +156,8 @@ def _run(args: argparse.Namespace, overrides: list[str]) -> int:
     from rollbook.logs import setup_logging
 
     config = load_config(RunConfig, args.config, overrides)  # validated before torch is imported
+    if not (config.placement == "ray" and config.ray.address):  # on a cluster the actors' nodes check
+        _check_engine(config.rollout.engine, config.trainer.model.path, device=config.rollout.device)
     setup_logging(args.log_level)
     from rollbook.run.main import run
 
@@ -188,7 +190,9 @@ def _rollout(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.config is None and not overrides:
         raise ConfigError("rollbook rollout needs a worker config: --config configs/worker.toml (or --weights shm:NAME ...)")
     config = load_config(WorkerConfig, args.config, overrides)
-    _check_device(config.rollout.device, config.rollout.dtype)
+    _check_engine(config.rollout.engine, config.model.path, device=config.rollout.device)
+    if config.rollout.engine == "native":  # vLLM places its model itself
+        _check_device(config.rollout.device, config.rollout.dtype)
     setup_logging(args.log_level)
     from rollbook.rollout.main import run_worker
 
@@ -210,6 +214,7 @@ def _proxy(args: argparse.Namespace, overrides: list[str]) -> int:
     from rollbook.logs import setup_logging
 
     config = load_config(ProxyConfig, args.config, overrides)
+    _check_engine(config.engine, config.model.path, field="engine", device=config.device)
     if config.engine == "native":  # vLLM places its model itself
         _check_device(config.device, config.dtype)
     setup_logging(args.log_level)
@@ -224,6 +229,14 @@ def _check_device(device: str, dtype: str) -> None:
     from rollbook.devices import check
 
     check(device, dtype)
+
+
+def _check_engine(engine: str, model_path: str | None, *, field: str = "rollout.engine", device: str = "auto") -> None:
+    """An engine this machine cannot build (vllm not installed, or no model directory for it): one line,
+    exit 2, before anything starts; vllm itself is not imported."""
+    from rollbook.rollout.engines import check_engine
+
+    check_engine(engine, model_path, field=field, device=device)
 
 
 def _config_model(command: str):

@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, field_validator, model_validator
 
 from rollbook.config.language_model import Dtype, ModelConfig, device_field, dtype_field
 
@@ -162,7 +162,24 @@ class RolloutConfig(BaseModel):
     )
     seed: int = Field(0, description="Task sampling seed.")
     worker_id: str = Field("worker-0", description="Recorded on every trajectory.")
-    device: str = device_field("the rollout engine (a rollout worker's, the colocated one, the held-out evaluators)")
+    engine: Literal["native", "vllm"] = Field(
+        "native",
+        description="The engine that generates the rollouts (a rollout worker's, the colocated one): native "
+        "(PyTorch, CPU or CUDA, rollout/engine.py) or vllm (rollout/vllm_engine.py: a GPU, the optional vllm "
+        "package, and model.path, the directory vLLM loads; the trainer's weights replace its weights by "
+        "version). The held-out evaluators beside a separated or ray trainer stay native.",
+    )
+    vllm_gpu_memory_utilization: float = Field(
+        0.4,
+        gt=0,
+        le=1,
+        description="engine vllm: the share of its GPU's memory vLLM takes for the model and its KV cache "
+        "(vLLM's gpu_memory_utilization); leave the rest to a trainer on the same GPU (colocated, separated "
+        "on one GPU, ray.colocate).",
+    )
+    device: str = device_field(
+        "the rollout engine (a rollout worker's, the colocated one, the held-out evaluators; vLLM places itself on its GPU)"
+    )
     dtype: Dtype = dtype_field(
         "the rollout engine",
         "The engine's copy of the student is held in it; the log-probs it records are float32 from its logits.",
@@ -188,6 +205,12 @@ class RolloutConfig(BaseModel):
         default_factory=list,
         description="With a dataset: strings that end a completion "
         "(besides the tokenizer's eos); the text is cut before them for scoring.",
+    )
+    stop_token_ids: list[NonNegativeInt] = Field(
+        default_factory=list,
+        description="Token ids that end a completion besides the tokenizer's eos. `rollbook run` and "
+        "`rollbook rollout` add the model's own (the eos_token_id list of model.path's generation_config.json, "
+        "as Qwen and Llama-3 instruct models list several; rollbook.language_models.stop_token_ids).",
     )
     reward_workers: int = Field(
         2,

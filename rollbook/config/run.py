@@ -181,8 +181,9 @@ ONLINE_MAX_STALENESS = 4  # eta of the online mode: the agent is not gated, it p
 
 class RayConfig(BaseModel):
     """The ``ray`` placement of ``rollbook run`` (rollbook/run/ray_cluster.py): rollout workers and the
-    trainer's data-parallel ranks as Ray actors, the store as its server process beside the driver.
-    On one host it starts a local Ray instance; ``address`` joins a cluster
+    trainer's data-parallel ranks as Ray actors, gang-scheduled in one placement group (a bundle per
+    actor and per rank, or one per rollout/trainer pair with ``colocate``), the store as its server
+    process beside the driver. On one host it starts a local Ray instance; ``address`` joins a cluster
     started with ``ray start --head`` / ``ray start --address HEAD:6379``."""
 
     model_config = ConfigDict(extra="forbid")
@@ -214,8 +215,42 @@ class RayConfig(BaseModel):
     trainer_resources: dict[str, float] = Field(
         default_factory=dict, description="Custom Ray resources of every trainer rank (e.g. {gpu_node = 1}); empty = any node."
     )
-    trainer_gpus: float = Field(
-        0.0, ge=0, description="GPUs each trainer rank declares (placement only: the trainer keeps its model on the CPU today)."
+    accelerator: str = Field(
+        "GPU",
+        min_length=1,
+        description="The Ray resource that stands for one accelerator: 'GPU' (Ray's own; each actor then sees "
+        "only the GPUs it reserved, CUDA_VISIBLE_DEVICES), or a custom resource the nodes were started with "
+        "(`ray start --resources '{\"NPU\": 8}'` on Ascend machines).",
+    )
+    worker_gpus: float | None = Field(
+        None,
+        ge=0,
+        description="Accelerators each rollout actor reserves (fractions share one). None: 1 when it generates on "
+        "one (rollout.engine 'vllm'; rollout.device cuda or npu; auto on a cluster that has the accelerator), "
+        "0.5 with colocate, else 0.",
+    )
+    trainer_gpus: float | None = Field(
+        None,
+        ge=0,
+        description="Accelerators each trainer rank reserves. None: 1 when it trains on one (trainer.device cuda "
+        "or npu; auto on a cluster that has the accelerator), 0.5 with colocate, else 0.",
+    )
+    colocate: bool = Field(
+        False,
+        description="Rollout actor I and trainer rank I share one placement-group bundle (one accelerator: "
+        "worker_gpus and trainer_gpus 0.5 each unless set); needs num_workers = trainer.num_ranks. False: a "
+        "bundle of its own for every rollout actor and every trainer rank.",
+    )
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
+        "PACK",
+        description="How Ray spreads the placement group's bundles over the nodes (Ray's placement-group strategies).",
+    )
+    placement_timeout_s: float = Field(
+        300.0,
+        gt=0,
+        description="How long the run waits for Ray to reserve every bundle of its placement group at once "
+        "before it stops with an error naming what it asked for (the cluster busy with other work, or a "
+        "strategy no set of nodes satisfies).",
     )
     max_restarts: int = Field(
         3,
@@ -364,6 +399,16 @@ class RunConfig(BaseModel):
                 value = _one_value(name, self, ("trainer", self.trainer, name), ("rollout", self.rollout, name))
                 for model in (self, self.trainer, self.rollout):
                     setattr(model, name, value)
+        if self.placement == "ray" and self.ray.colocate and self.ray.num_workers != self.trainer.num_ranks:
+            raise ValueError(
+                f"ray.colocate pairs each rollout actor with a trainer rank: ray.num_workers ({self.ray.num_workers}) "
+                f"must equal trainer.num_ranks ({self.trainer.num_ranks})"
+            )
+        if self.online is not None and self.rollout.engine != "native":
+            raise ValueError(
+                f"rollout.engine = {self.rollout.engine!r} applies to the rollout worker; the online mode generates "
+                "in rollbook proxy on the native engine: remove rollout.engine"
+            )
         if self.trainer.num_ranks > 1 and self.placement != "ray":
             raise ValueError(
                 f"trainer.num_ranks = {self.trainer.num_ranks} needs placement 'ray' (colocated and separated "

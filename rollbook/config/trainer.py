@@ -182,7 +182,7 @@ class TrainerConfig(BaseModel):
     )
     export_final: bool = Field(True, description="Write a Hugging Face export after the last step (num_steps).")
     export_keep_last: int = Field(2, ge=1, description="Hugging Face exports kept in RUN_DIR/hf/ (the newest N).")
-    seed: int = Field(0, description="Trainer RNG seed.")
+    seed: int = Field(0, description="Trainer RNG seed (torch's, and numpy's: the order of each step's minibatches).")
     num_ranks: int = Field(
         1,
         ge=1,
@@ -215,6 +215,18 @@ class TrainerConfig(BaseModel):
         description="Output positions whose logits are held at once when log-probs (and the full-vocabulary "
         "distillation term) are computed: peak memory grows with this times the vocabulary, not with a "
         "micro-batch's output tokens.",
+    )
+    offload_optimizer: bool = Field(
+        False,
+        description="Keep the AdamW state (exp_avg, exp_avg_sq, step) off the trainer's device between steps: "
+        "copied into host memory (pinned on CUDA) after each step's last optimizer update and back before the "
+        "next step's first (trainer/offload.py), so what runs between steps has that device memory. In the "
+        "colocated placement it also has the rollout engine free its KV cache for the training phase: "
+        "rollout and training then take turns with the GPU's memory. Costs one copy of the state each way per "
+        "step, in train_steps as perf/offload_s and perf/onload_s (the engine's freed bytes as "
+        "rollout/kv_released_bytes); the values and so the run are unchanged. On the CPU it saves nothing (host "
+        "memory copied into host memory), hence off by default. Sharded ranks (data_parallel 'shard' with "
+        "several ranks) keep their share of the state where it is (the log says so).",
     )
     dist_timeout_s: float = Field(
         120.0,

@@ -1,7 +1,8 @@
 """How the placements of ``rollbook run`` drive their trainer: the metrics file (``MetricsLog``:
 RUN_DIR/metrics.jsonl and the experiment trackers), the drive loop with the run's settings
-(``drive_run``), installing a published version into an in-process engine, and how far a run
-directory's trainer got (``steps_done``)."""
+(``drive_run``), installing a published version into an in-process engine (``install_weights`` from
+a state dict, ``EngineHandoff`` from the trained model itself), and how far a run directory's trainer
+got (``steps_done``)."""
 
 from __future__ import annotations
 
@@ -54,6 +55,54 @@ def install_weights(engine, version: int, state_dict) -> None:
     """A weight publisher for an engine in this process: take ``version`` when it is newer."""
     if version > engine.version:
         engine.update_weights(state_dict, version)
+
+
+class EngineHandoff:
+    """The weight publisher of an engine that shares the trainer's process (trainer/loop.py
+    ``ModelPublisher``): a newer version is copied from the trained model into the engine's, tensor by
+    tensor where each lies (a GPU: on it), cast to the engine's dtype in the copy, between the engine's
+    decode steps (a callable ``Weights``, rollout/engine.py). No state dict of the trainer's model is
+    made and nothing passes through host memory unless the engine sits there; the engine holds
+    exactly what a state dict cast to its dtype would give it."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def publish_model(self, version: int, model) -> None:
+        if version <= self.engine.version:
+            return
+        from rollbook.rollout.engine import NativeEngine
+
+        if isinstance(self.engine, NativeEngine):
+            self.engine.update_weights(lambda target: copy_weights(model, target), version)
+        else:  # vLLM loads named tensors itself (its modules fuse some): a state dict, which it casts
+            self.engine.update_weights({k: v.detach() for k, v in model.state_dict().items()}, version)
+
+
+def copy_weights(source, target) -> None:
+    """Copy ``source``'s tensors into ``target``'s, in place: every parameter and persistent buffer of
+    ``target`` (its state-dict names; a tied tensor once) from ``source``'s tensor of that name, cast to
+    the target's dtype on the target's device. Raises ``ValueError`` when a name is missing or a shape
+    differs, before anything is copied."""
+    import torch
+
+    from rollbook.devices import synchronize
+
+    sources = dict(source.named_parameters(remove_duplicate=False))
+    sources.update(source.named_buffers(remove_duplicate=False))
+    targets = target.state_dict(keep_vars=True)  # the target's own tensors, no copies
+    missing = sorted(targets.keys() - sources.keys())
+    reshaped = sorted(n for n in targets.keys() & sources.keys() if targets[n].shape != sources[n].shape)
+    if missing or reshaped:
+        raise ValueError(f"the models do not match: {missing} missing from the source, {reshaped} of another shape")
+    copied: set[int] = set()
+    with torch.no_grad():
+        for name, tensor in targets.items():
+            if id(tensor) not in copied:  # tied weights appear under several names
+                copied.add(id(tensor))
+                tensor.copy_(sources[name])
+    for device in {t.device for t in targets.values()}:
+        synchronize(device)  # the engine's weights are whole when the update returns
 
 
 def drive_run(config, trainer, placement) -> dict:

@@ -107,9 +107,11 @@ def _start_store(config: RunConfig, run_dir: pathlib.Path, keys: dict, stack: co
 def _run_with_store(config: RunConfig, store, keys: dict) -> dict:
     """Register the model, run the placement against ``store``, print the summary's SQL answers."""
     from rollbook.client import StoreClient
+    from rollbook.rollout.worker import use_model_stops
 
     client = StoreClient.from_env(store.address, **keys)
     client.register_model(config.trainer.model_id, vocab_size=_vocab_size(config))
+    use_model_stops(config.rollout, config.trainer.model)  # the model's own eos ids end completions too
     if config.online is not None:  # learn from an agent through rollbook proxy (docs/online.md)
         from rollbook.run.online import run_online
 

@@ -34,7 +34,7 @@ import uuid
 from typing import TYPE_CHECKING, Literal
 
 from rollbook import environment as rollbook_env
-from rollbook.config import OnlineConfig, RunConfig
+from rollbook.config import ModelConfig, OnlineConfig, RunConfig
 from rollbook.errors import CommandError
 from rollbook.lifetime import child_env
 from rollbook.run.driving import drive_run, engine_copy, install_weights
@@ -60,13 +60,24 @@ def online_problems(config: RunConfig, split: Literal["train", "heldout"], num: 
 class AgentEvaluation:
     """The agent's game (examples/arithmetic_agent.py ``play``) played directly on ``engine``: the same
     rendering as the proxy (rollout/proxy/render.py), the same feedback and the same reward (the
-    answer, stripped, equals the sum)."""
+    answer, stripped, equals the sum). Its calls stop where the proxy's do: on the renderer's eos and
+    ``model``'s own eos ids (``rollbook.language_models.stop_token_ids``)."""
 
-    def __init__(self, engine: GenerationEngine, tasks: list[Task], online: OnlineConfig, *, top_p: float = 1.0):
+    def __init__(
+        self,
+        engine: GenerationEngine,
+        tasks: list[Task],
+        online: OnlineConfig,
+        *,
+        top_p: float = 1.0,
+        model: ModelConfig | None = None,
+    ):
+        from rollbook.language_models import stop_token_ids
         from rollbook.rollout.proxy.render import renderer
 
         self.engine, self.tasks, self.online, self.top_p = engine, tasks, online, top_p
         self.render = renderer()
+        self.stop_token_ids = stop_token_ids(self.render.eos_token_id, model)
 
     def _episodes(self, tasks: list[Task], temperature: float, seed: int | None) -> list[list[float]]:
         from rollbook.rollout.engine import GenerationRequest
@@ -80,14 +91,15 @@ class AgentEvaluation:
                     max_new_tokens=self.online.max_tokens,
                     temperature=temperature,
                     top_p=self.top_p if temperature > 0 else 1.0,
-                    stop_token_ids=[self.render.eos_token_id],
+                    stop_token_ids=self.stop_token_ids,
                 )
                 for h in history
             ]
             # one seed per turn, the same at every evaluation: two evaluations differ only by the weights
             results = self.engine.generate(requests, seed=None if seed is None else seed + turn)
             for task, h, r, result in zip(tasks, history, rewards, results):
-                answer = self.render.decode(result.output_token_ids)
+                ids = result.output_token_ids
+                answer = self.render.decode(ids[:-1] if ids and ids[-1] in self.stop_token_ids else ids)
                 right = answer.strip() == task.answer
                 r.append(1.0 if right else 0.0)
                 h += [("assistant", answer), ("user", ("right." if right else "wrong.") + task.prompt)]
@@ -172,7 +184,7 @@ def run_online(config: RunConfig, client, address: str, keys: dict) -> dict:
     channel = f"rollbook-{uuid.uuid4().hex[:12]}"
     publisher = SharedMemoryPublisher(channel, cast_floating(student.state_dict(), config.trainer.dtype), checksum=True)
     evaluator = NativeEngine(engine_copy(student, config.rollout), version=0, seed=config.rollout.seed)
-    judge = AgentEvaluation(evaluator, heldout, online, top_p=config.rollout.top_p)
+    judge = AgentEvaluation(evaluator, heldout, online, top_p=config.rollout.top_p, model=config.trainer.model)
     trainer = Trainer(
         config.trainer,
         client,

@@ -21,17 +21,22 @@ placements, as Ray actors on any nodes of a cluster.
   submitter) with its own worker_id, seed and spool directory RUN_DIR/spool-I; rank 0 waits for each to
   hold the first weights before its first pull, so every actor feeds the run from step 0.
 
-On several machines RUN_DIR must be one path they all share: rank 0 checkpoints there, the actors
-spool there, the store keeps the ledger there. Once Ray is up, before the store or any actor starts,
-``check_placement`` refuses in one line a placement the live nodes cannot hold (Ray would wait on it
-forever without a word).
+The rollout actors and trainer ranks are gang-scheduled in one placement group
+(rollbook/run/ray_placement.py): a bundle per actor and per rank, or, with ``ray.colocate``, one per
+rollout actor / trainer rank pair sharing an accelerator; each reserves ``ray.accelerator`` (GPUs) when
+its device is one. On several machines RUN_DIR must be one path they all share: rank 0 checkpoints
+there, the actors spool there, the store keeps the ledger there. Once Ray is up, before the store or
+any actor starts, ``check_placement`` refuses in one line a placement the live nodes cannot hold (Ray
+would wait on it forever without a word), and a placement group the cluster does not grant within
+``ray.placement_timeout_s`` stops the run with what it asked for.
 
 Failures: a rollout actor that dies is restarted by Ray (``ray.max_restarts``) with the same
 arguments, so it reopens the same spool and, first thing, resends what was spooled and not yet
 answered (the store's idempotency makes a resend a DUPLICATE, never a second row). A trainer rank that dies fails
 the step on every rank (the next collective errors); the driver starts the group again
 (``ray.trainer_restarts``) and rank 0 resumes from the last checkpoint: the unacked lease expires and
-its rows return, so no batch is lost or trained twice. Ray is imported only here, lazily.
+its rows return, so no batch is lost or trained twice. Ray is imported only here and in
+ray_placement.py, lazily.
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ from typing import Any
 
 from rollbook import environment as rollbook_env
 from rollbook.config import RunConfig
+from rollbook.run.ray_placement import Plan, actor_options, alive_nodes, check_placement, placement_plan, reserved
 from rollbook.trainer.drive import Placement
 
 log = logging.getLogger("rollbook.run")
@@ -72,6 +78,7 @@ class TrainerRank:
         return {
             "ip": ray.util.get_node_ip_address(),
             "node_id": ray.get_runtime_context().get_node_id(),
+            "placement_group_id": ray.get_runtime_context().get_placement_group_id(),
             "rendezvous_port": _free_port(),
             "pid": os.getpid(),
         }
@@ -221,7 +228,8 @@ class RolloutActor:
 
         import ray
 
-        return {"node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
+        context = ray.get_runtime_context()
+        return {"node_id": context.get_node_id(), "placement_group_id": context.get_placement_group_id(), "pid": os.getpid()}
 
     def wait_for_weights(self, timeout_s: float) -> bool:
         """True once the loop holds its first weights (at once for a restarted actor that has them);
@@ -336,7 +344,7 @@ def ray_session(config: RunConfig):
     except ImportError:
         raise CommandError("placement 'ray' needs the ray package: pip install -c constraints.txt -e '.[bench]'") from None
     if ray.is_initialized():
-        check_placement(config, _alive_nodes(), where="the Ray cluster")
+        check_placement(config, alive_nodes(), where="the Ray cluster")
         yield
         return
     rc = config.ray
@@ -373,80 +381,28 @@ def ray_session(config: RunConfig):
             ray.shutdown()
     try:
         check_placement(
-            config, _alive_nodes(), where=f"the Ray cluster at {rc.address}" if rc.address else "the local Ray instance"
+            config, alive_nodes(), where=f"the Ray cluster at {rc.address}" if rc.address else "the local Ray instance"
         )
         yield
     finally:
         ray.shutdown()
 
 
-def _alive_nodes() -> list[dict]:
-    """Each live node of the joined cluster: ``{"name": its address, "resources": {name: amount}}``."""
-    import ray
-
-    return [
-        {"name": n.get("NodeManagerAddress", n.get("NodeID", "?")), "resources": dict(n.get("Resources", {}))}
-        for n in ray.nodes()
-        if n.get("Alive")
-    ]
-
-
-def placement_demands(config: RunConfig) -> list[tuple[str, dict[str, float]]]:
-    """(which actor, the Ray resources it declares) for every actor the run places: the store's (with
-    ``ray.store_resources``), each rollout actor's, each trainer rank's (the weight board declares none)."""
-    rc = config.ray
-    out: list[tuple[str, dict[str, float]]] = []
-    if rc.store_resources and config.online is None:
-        out.append(("the store", {"CPU": rc.store_cpus, **rc.store_resources}))
-    for i in range(rc.num_workers):
-        pinned = rc.worker_resources[i % len(rc.worker_resources)] if rc.worker_resources else {}
-        out.append((f"rollout actor {i}", {"CPU": rc.worker_cpus, **pinned}))
-    for rank in range(config.trainer.num_ranks):
-        gpus = {"GPU": rc.trainer_gpus} if rc.trainer_gpus else {}
-        out.append((f"trainer rank {rank}", {"CPU": rc.trainer_cpus, **gpus, **rc.trainer_resources}))
-    return out
-
-
-def check_placement(config: RunConfig, nodes: list[dict], *, where: str = "the Ray cluster") -> None:
-    """Refuse, in one line (``ConfigError``), a placement the cluster's live nodes cannot hold, which Ray
-    would otherwise wait on forever without a word: an actor that no single node has room for (a custom
-    resource no node has, more CPUs than any node), or more of a resource than all the nodes hold
-    together (two trainer ranks pinned to ``{trainer_node = 1}`` on a cluster with one such node).
-    ``nodes``: ``{"name", "resources"}`` per live node (``_alive_nodes``). The check is against the
-    nodes up at the start: an autoscaling cluster needs its nodes started first. A placement that fits
-    but finds the cluster busy with other work still waits for it."""
-    from rollbook.errors import ConfigError
-
-    demands = placement_demands(config)
-    have = " ".join(f"{n['name']} {_resources_text(n['resources'])}" for n in nodes) or "no live node"
-    for actor, asked in demands:
-        if not any(all(n["resources"].get(k, 0.0) >= v for k, v in asked.items()) for n in nodes):
-            raise ConfigError(
-                f"ray placement: {actor} asks for {_resources_text(asked)}: no node of {where} has it (nodes: {have})"
-            )
-    for key in sorted({k for _, asked in demands for k in asked}):
-        total = sum(asked.get(key, 0.0) for _, asked in demands)
-        held = sum(n["resources"].get(key, 0.0) for n in nodes)
-        if total > held + 1e-9:
-            groups: dict[tuple[str, str], int] = {}
-            for actor, asked in demands:
-                if asked.get(key):
-                    kind = actor.rsplit(" ", 1)[0] if actor[-1].isdigit() else actor
-                    groups[(kind, _resources_text(asked))] = groups.get((kind, _resources_text(asked)), 0) + 1
-            parts = " + ".join(f"{n} {kind}s x {text}" if n > 1 else f"{kind} {text}" for (kind, text), n in groups.items())
-            raise ConfigError(
-                f"ray placement: {parts} ask for {key} {total:g} in all; {where} has {key} {held:g} (nodes: {have})"
-            )
-
-
-def _resources_text(resources: dict[str, float]) -> str:
-    """``{CPU: 1, trainer_node: 1}``: the resources an actor declares or a node holds (Ray's own
-    bookkeeping entries, memory and ``node:`` addresses, left out)."""
-    shown = {k: v for k, v in resources.items() if k not in ("memory", "object_store_memory") and not k.startswith("node:")}
-    return "{" + ", ".join(f"{k}: {v:g}" for k, v in sorted(shown.items())) + "}"
-
-
 def _run_actors(config: RunConfig, run_dir: pathlib.Path, address: str, keys: dict) -> dict:
+    """Reserve the placement group (rollbook/run/ray_placement.py), then run the actors in it."""
+    plan = placement_plan(config, alive_nodes())
+    with reserved(plan, config.ray) as group:
+        summary = _run_in_group(config, run_dir, address, keys, plan, group)
+        summary["placement"] = {
+            "placement_group_id": group.id.hex(),
+            "bundles": [resources for _, resources in plan.bundles],
+            "rollout_bundles": [seat.bundle for seat in plan.rollout],
+            "trainer_bundles": [seat.bundle for seat in plan.trainer],
+        }
+        return summary
+
+
+def _run_in_group(config: RunConfig, run_dir: pathlib.Path, address: str, keys: dict, plan: Plan, group) -> dict:
     import ray
 
     from rollbook.config import WorkerConfig
@@ -485,17 +441,15 @@ def _run_actors(config: RunConfig, run_dir: pathlib.Path, address: str, keys: di
                 max_idle_s=0,
             )
             options: dict = {
-                "num_cpus": rc.worker_cpus,
-                "max_restarts": rc.max_restarts,
+                **actor_options(plan.rollout[i], group),  # its CPUs, accelerators and pins, in its bundle
+                "max_restarts": rc.max_restarts,  # a restarted actor takes the same bundle
                 "max_task_retries": -1,
                 "name": _rollout_name(i, run_dir.name),
                 "runtime_env": {"env_vars": {"ROLLBOOK_WORKER_KEY": keys["worker_key"]}},
             }
-            if rc.worker_resources:
-                options["resources"] = rc.worker_resources[i % len(rc.worker_resources)]
             workers.append(rollout_cls.options(**options).remote(wcfg))
         ray.get([w.where.remote() for w in workers])  # constructed: imports done, polling for weights
-        ranks, trainer_node_ids = _start_ranks(trainer_cls, config, weights, attempt=0)
+        ranks, trainer_infos = _start_ranks(trainer_cls, config, weights, (plan, group), attempt=0)
         attempts = 0
         while True:
             try:
@@ -516,9 +470,10 @@ def _run_actors(config: RunConfig, run_dir: pathlib.Path, address: str, keys: di
                 log.warning(
                     "a trainer rank failed (%s); starting the group again from the last checkpoint", str(exc).splitlines()[0]
                 )
-                ranks, trainer_node_ids = _start_ranks(trainer_cls, config, weights, attempt=attempts)
+                ranks, trainer_infos = _start_ranks(trainer_cls, config, weights, (plan, group), attempt=attempts)
         summary["workers"] = [_stop_worker(w) for w in workers]
-        summary["trainer_node_ids"] = trainer_node_ids
+        summary["trainer_node_ids"] = [info["node_id"] for info in trainer_infos]
+        summary["trainer_placement_group_ids"] = [info["placement_group_id"] for info in trainer_infos]
         return summary
     finally:
         for w in workers:
@@ -541,22 +496,23 @@ def _stop_worker(worker) -> dict:
         return {"error": str(exc).splitlines()[0]}
 
 
-def _start_ranks(trainer_cls, config: RunConfig, weights: str, attempt: int):
-    """The trainer group's actors (named ``rollbook-trainer-RANK-RUNDIR-ATTEMPT``) with their ``run``
-    refs, and the node id of each rank (asked before ``run`` starts: a rank may die after the last
-    step, and an actor answers nothing else while ``run`` holds it). ``weights`` is the same for
-    every start (the board, or rank 0's weight server address), so the rollout actors keep fetching
-    from it."""
+def _start_ranks(trainer_cls, config: RunConfig, weights: str, placed: tuple[Plan, Any], attempt: int):
+    """The trainer group's actors (named ``rollbook-trainer-RANK-RUNDIR-ATTEMPT``), each in its bundle of
+    the placement group (``placed``: the plan and the group; a restarted group takes the bundles the
+    failed one left), with their ``run`` refs, and where each rank is (``TrainerRank.where``, asked before ``run``
+    starts: a rank may die after the last step, and an actor answers nothing else while ``run`` holds
+    it). ``weights`` is the same for every start (the board, or rank 0's weight server address), so the
+    rollout actors keep fetching from it."""
     import ray
 
     rc = config.ray
+    plan, group = placed
     world = config.trainer.num_ranks
-    options: dict = {"num_cpus": rc.trainer_cpus, "num_gpus": rc.trainer_gpus, "max_restarts": 0}
-    if rc.trainer_resources:
-        options["resources"] = rc.trainer_resources
     name = pathlib.Path(config.run_dir).name
     actors = [
-        trainer_cls.options(**options, name=f"rollbook-trainer-{rank}-{name}-{attempt}").remote(config, rank, world)
+        trainer_cls.options(
+            **actor_options(plan.trainer[rank], group), max_restarts=0, name=f"rollbook-trainer-{rank}-{name}-{attempt}"
+        ).remote(config, rank, world)
         for rank in range(world)
     ]
     infos = ray.get([a.where.remote() for a in actors])
@@ -564,7 +520,7 @@ def _start_ranks(trainer_cls, config: RunConfig, weights: str, attempt: int):
     init_method = f"tcp://{head['ip']}:{head['rendezvous_port']}"
     rollout_names = tuple(_rollout_name(i, name) for i in range(rc.num_workers))
     refs = [a.run.remote(init_method, weights, rollout_names) for a in actors]
-    return list(zip(actors, refs, strict=True)), [info["node_id"] for info in infos]
+    return list(zip(actors, refs, strict=True)), infos
 
 
 def _rollout_name(index: int, run_name: str) -> str:

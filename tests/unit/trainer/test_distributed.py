@@ -70,6 +70,7 @@ STEP_CASES = {  # test_two_ranks_with_half_the_groups_each_take_the_step_of_one_
     "clipped": {**STEP, "grad_clip": 0.05, "loss": {}},
     "kl-penalty": {**STEP, "loss": KL},
     "sequence-mean": {**STEP, "loss": {"aggregation": "sequence_mean", **KL}},
+    "offload-optimizer": {**STEP, "offload_optimizer": True, "loss": {}},  # each replica's AdamW state leaves its device
 }
 STATS_CASES = {  # test_two_ranks_report_the_step_statistics_of_one_rank
     "token-mean": {**STEP, "loss": {}},
@@ -228,6 +229,12 @@ def test_a_rank_without_a_group_still_joins_and_the_step_is_the_single_rank_step
     ranks = _ranks_of(two_ranks, "one-group")
     _assert_same(one, ranks[0])
     _assert_same(one, ranks[1])
+
+
+@pytest.mark.slow  # two gloo rank processes
+def test_replicated_ranks_each_move_their_optimizer_state_off_the_device(two_ranks):
+    """The ``offload-optimizer`` step case: the one-rank step, and every replica offloaded its AdamW state."""
+    assert all(result["stats"]["perf/offload_s"] > 0 for result in _ranks_of(two_ranks, "offload-optimizer"))
 
 
 def test_shares_are_whole_groups_covering_the_batch_once_and_balanced():

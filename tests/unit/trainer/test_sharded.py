@@ -54,6 +54,7 @@ STEP_CASES = {
         {**STEP, "loss": {"aggregation": "sequence_mean", "distill_aggregation": "token_mean", "distill_coef": 1.0}},
     ),
     "one-group": (1, {"lr": 1e-2}),  # rank 1 has no share of the batch
+    "offload-optimizer": (6, {**STEP, "offload_optimizer": True, "loss": {}}),  # no effect on the shards (a warning)
 }
 # several micro-batches per rank: passes with and without grad, then with grad again, in one autocast
 BF16 = (6, {**STEP, "dtype": "bfloat16", "micro_batch_tokens": 64, "loss": {}})
@@ -265,6 +266,13 @@ def test_a_bfloat16_sharded_step_is_the_single_rank_step_within_bfloat16_roundin
         assert whole["params"][name].dtype == torch.float32
         assert float((whole["grads"][name] - grad).norm()) <= 0.03 * float(grad.norm()) + 1e-6, name
     assert whole["stats"]["grad/norm"] == pytest.approx(one["stats"]["grad/norm"], rel=0.03)
+
+
+@pytest.mark.slow  # two gloo rank processes
+def test_offload_optimizer_leaves_the_sharded_state_where_it_is(sharded):
+    """Each rank keeps its share of the AdamW state (the checkpoint's gather of it is a collective on
+    the device); the step is the one-rank step all the same (the ``offload-optimizer`` step case)."""
+    assert all("perf/offload_s" not in result["stats"] for result in _ranks_of(sharded, "offload-optimizer"))
 
 
 @pytest.mark.slow  # two gloo rank processes
