@@ -19,6 +19,8 @@
 #   packed_memory.json  bench/packed_memory.py: peak memory of a packed 16,384-token micro-batch of a
 #                       151,936-token vocabulary, the dense-mask, whole-batch-logits path against the
 #                       chunked one
+#   generate.json       bench/generate.py: the native engine against Hugging Face `generate` on the same
+#                       model, a static batch of 64 and continuous arrivals
 #   run.json            `rollbook run --config configs/quickstart.toml --device DEVICE --dtype bfloat16`,
 #                       100 steps: held-out reward per domain before and after, wall time; run-metrics.jsonl
 #                       and run-report.md beside it
@@ -60,10 +62,12 @@ if [ "$DEVICE" = "cpu" ]; then  # a dry run: the same steps, small enough for a 
   TRAINER=(--model tiny --num-sequences 8 --max-tokens 512 --prompt-len 16 --output-len 112 --repeats 1)
   MEMORY=(--tokens 2048 --vocab 4096)
   RUN_STEPS=10
+  GENERATE=(--model tiny --num-requests 64 --repeats 1)
 else
   TRAINER=(--model qwen2-0.5b --num-sequences 64 --max-tokens 16384 --prompt-len 64 --output-len 448 --repeats 3)
   MEMORY=(--tokens 16384 --vocab 151936)
   RUN_STEPS=100
+  GENERATE=(--model qwen2-0.5b --num-threads 4)
 fi
 
 declare -A STATUS
@@ -91,6 +95,7 @@ step logprob 120 $PY -m pytest -q -p no:cacheprovider -rs tests/integration/test
   >"$OUT/logprob.log" 2>&1
 step trainer 150 $PY bench/trainer.py --json --device "$DEVICE" --dtype bfloat16 "${TRAINER[@]}" >"$OUT/trainer.json"
 step packed_memory 150 $PY bench/packed_memory.py --json --device "$DEVICE" --dtype bfloat16 "${MEMORY[@]}" >"$OUT/packed_memory.json"
+step generate 120 $PY bench/generate.py --json --device "$DEVICE" --dtype bfloat16 "${GENERATE[@]}" >"$OUT/generate.json"
 
 RUN_DIR=$(mktemp -d)/run
 step run 240 $PY -m rollbook.cli run --config configs/quickstart.toml --run_dir "$RUN_DIR" --device "$DEVICE" \
