@@ -33,7 +33,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
+
+from rollbook.attention import causal_per_sequence, refuse_score_modifiers
 
 SLAB_ATTENTION = "rollbook_kv_slab"
 """The attention implementation ``forward`` runs the model under."""
@@ -173,22 +174,7 @@ class _Packed:
 
     def _prefill(self, q, k, v, scale, window: int | None) -> torch.Tensor:
         """Causal SDPA within each sequence (those of one length as one batch) -> ``[T, H, D]``."""
-        gqa = k.shape[0] != q.shape[0]
-        pieces = []
-        for group in self.groups:
-            if isinstance(group, slice):
-                qs, ks, vs = (t[None, :, group] for t in (q, k, v))  # [1, H, L, D]
-            else:
-                qs, ks, vs = (t[:, group].transpose(0, 1) for t in (q, k, v))  # [n, H, L, D]
-            length = qs.shape[2]
-            if window is not None and length > window:
-                pos = torch.arange(length, device=qs.device)
-                band = (pos[:, None] >= pos[None, :]) & (pos[:, None] - pos[None, :] < window)
-                out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=band, scale=scale, enable_gqa=gqa)
-            else:
-                out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa)
-            pieces.append(out.transpose(1, 2).reshape(-1, q.shape[0], q.shape[2]))  # [n * L, H, D]
-        out = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+        out = causal_per_sequence(q, k, v, self.groups, scale, window, enable_gqa=k.shape[0] != q.shape[0])
         return out[self.order] if self.order is not None else out
 
 
@@ -236,12 +222,7 @@ def _slab_attention(module, query, key, value, attention_mask, dropout: float = 
     step = kwargs.get("rollbook_kv")
     if step is None:
         raise RuntimeError("KV-slab attention runs only inside the rollout engine's forward (no rollbook_kv given)")
-    unsupported = [name for name in ("softcap", "s_aux", "position_bias") if kwargs.get(name) is not None]
-    if unsupported:
-        raise ValueError(
-            f"{type(module).__name__} modifies its attention scores ({', '.join(unsupported)}), which the native "
-            "engine's attention does not apply; it supports attention that is plain causal SDPA (Llama, Qwen2, ...)"
-        )
+    refuse_score_modifiers(module, kwargs, "the native engine's attention")
     return step.attend(module.layer_idx, query, key, value, scaling, kwargs.get("sliding_window")), None
 
 

@@ -50,8 +50,9 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
-import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
+
+from rollbook.attention import causal_per_sequence, refuse_score_modifiers
 
 
 @dataclass
@@ -299,32 +300,13 @@ def _packed_attention(module, query, key, value, attention_mask, dropout: float 
     segments = kwargs.get("rollbook_segments")
     if segments is None:
         raise RuntimeError("packed attention runs only inside trainer/packing.py's forward (no segments given)")
-    unsupported = [name for name in ("softcap", "s_aux", "position_bias") if kwargs.get(name) is not None]
-    if unsupported:
-        raise ValueError(
-            f"{type(module).__name__} modifies its attention scores ({', '.join(unsupported)}), which packed attention "
-            "does not apply; packed training supports attention that is plain causal SDPA (Llama, Qwen2, Mistral, ...)"
-        )
+    refuse_score_modifiers(module, kwargs, "packed training")
     window = kwargs.get("sliding_window")
     q, k, v = query[0], key[0], value[0]
     if k.shape[0] != q.shape[0]:  # grouped-query attention: each key/value head serves consecutive query heads
         k = k.repeat_interleave(q.shape[0] // k.shape[0], dim=0)
         v = v.repeat_interleave(q.shape[0] // v.shape[0], dim=0)
-    pieces = []
-    for group in segments.groups:
-        if isinstance(group, slice):
-            qs, ks, vs = (t[None, :, group] for t in (q, k, v))  # [1, H, L, D]
-        else:
-            qs, ks, vs = (t[:, group].transpose(0, 1) for t in (q, k, v))  # [n, H, L, D]
-        length = qs.shape[2]
-        if window is not None and length > window:
-            pos = torch.arange(length, device=qs.device)
-            band = (pos[:, None] >= pos[None, :]) & (pos[:, None] - pos[None, :] < window)  # query i sees key j
-            out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=band, dropout_p=dropout, scale=scaling)
-        else:
-            out = F.scaled_dot_product_attention(qs, ks, vs, dropout_p=dropout, is_causal=True, scale=scaling)
-        pieces.append(out.transpose(1, 2).reshape(-1, q.shape[0], q.shape[2]))  # [n * L, H, D]
-    out = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+    out = causal_per_sequence(q, k, v, segments.groups, scaling, window, dropout=dropout)
     if segments.order is not None:
         out = out[segments.order]
     return out[None], None

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from rollbook import attention
 from rollbook.language_models import TinyModelSpec, build_tiny_model
 from rollbook.trainer import packing
 from rollbook.trainer.packing import pack_sequences, packed_logprobs, packed_logprobs_and_kl
@@ -93,13 +94,13 @@ def test_attention_sees_each_sequence_alone_and_no_row_wide_mask(model, monkeypa
     prompts.append([1, 2, 3, 4, 5])
     outputs.append([6, 7, 8])  # and one of 8
     calls = []
-    real = packing.F.scaled_dot_product_attention
+    real = attention.F.scaled_dot_product_attention
 
     def spy(q, k, v, *args, **kwargs):
         calls.append((tuple(q.shape), kwargs.get("is_causal"), args[0] if args else kwargs.get("attn_mask")))
         return real(q, k, v, *args, **kwargs)
 
-    monkeypatch.setattr(packing.F, "scaled_dot_product_attention", spy)
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", spy)
     [packed] = pack_sequences(prompts, outputs)
     with torch.no_grad():
         got = packed_logprobs(model, packed)
