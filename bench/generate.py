@@ -31,10 +31,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import pathlib
 import random
 import sys
 import threading
 import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def parse_args() -> argparse.Namespace:
@@ -62,6 +65,7 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
+    sys.path.insert(0, str(ROOT))  # bench.models
     import torch
 
     from rollbook import devices
@@ -148,7 +152,6 @@ def main() -> None:
 
 def build_model(args: argparse.Namespace):
     """The tiny Llama of the size flags, or a Qwen2 of the 0.5B shape (random weights), float32 on the CPU."""
-    import torch
 
     from rollbook.language_models import TinyModelSpec, build_tiny_model
     from rollbook.tasks import TOKENIZER
@@ -161,21 +164,9 @@ def build_model(args: argparse.Namespace):
             intermediate_size=2 * args.hidden_size,
         )
         return build_tiny_model(spec, seed=args.seed)
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from bench.models import qwen2_half_billion
 
-    config = Qwen2Config(
-        vocab_size=151_936,
-        hidden_size=896,
-        intermediate_size=4864,
-        num_hidden_layers=24,
-        num_attention_heads=14,
-        num_key_value_heads=2,
-        max_position_embeddings=4096,
-        tie_word_embeddings=True,
-        attn_implementation="sdpa",
-    )
-    torch.manual_seed(args.seed)
-    return Qwen2ForCausalLM(config).float()
+    return qwen2_half_billion(args.seed)
 
 
 def task_prompts(n: int, seed: int) -> list[list[int]]:

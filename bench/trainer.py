@@ -35,8 +35,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import pathlib
 import statistics
+import sys
 import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def parse_args() -> argparse.Namespace:
@@ -70,6 +74,7 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
+    sys.path.insert(0, str(ROOT))  # bench.models
     import torch
 
     from rollbook import devices
@@ -163,7 +168,6 @@ def main() -> None:
 def build_model(args: argparse.Namespace, seed: int):
     """The benchmark's model, float32 on the CPU: the tiny Llama of the size flags, or a Qwen2 of the
     0.5B shape (built from a config, random weights; nothing is downloaded)."""
-    import torch
 
     from rollbook.language_models import TinyModelSpec, build_tiny_model
 
@@ -176,21 +180,9 @@ def build_model(args: argparse.Namespace, seed: int):
             max_position_embeddings=args.prompt_len + args.output_len,
         )
         return build_tiny_model(spec, seed=seed)
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from bench.models import qwen2_half_billion
 
-    config = Qwen2Config(
-        vocab_size=151_936,
-        hidden_size=896,
-        intermediate_size=4864,
-        num_hidden_layers=24,
-        num_attention_heads=14,
-        num_key_value_heads=2,
-        max_position_embeddings=max(4096, args.prompt_len + args.output_len),
-        tie_word_embeddings=True,
-        attn_implementation="sdpa",
-    )
-    torch.manual_seed(seed)
-    return Qwen2ForCausalLM(config).float()
+    return qwen2_half_billion(seed, args.prompt_len + args.output_len)
 
 
 def make_batches(args: argparse.Namespace, torch, vocab: int):
