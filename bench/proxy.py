@@ -11,12 +11,18 @@ proxy, driven by the official ``openai`` client, in the same run with the same c
 - ``added_latency_ms_mean`` / ``added_latency_ms_p50``: proxy minus direct, per call;
   ``proxy_over_direct_rps``: the throughput ratio. ``*_tokens_per_call``: generation stops at
   ``<eos>`` in both, so the work per call is the same in distribution; compare it too.
+- ``ttft_ms_mean`` / ``stream_call_ms_mean`` / ``ttft_over_call``: then, with the proxy otherwise
+  idle, streamed calls (``stream=True``, ``max_tokens`` ``--stream-tokens``) one after another
+  until ``--ttft-calls`` of them produced exactly ``--stream-tokens`` tokens (the untrained model
+  ends some answers early with ``<eos>``; those are not counted): time from sending the request to
+  the first chunk with text, the whole call, and the mean of their per-call ratio.
 
 Timing runs from a barrier (every client built and its session started) to the last answer.
 Runs on a loaded machine are noisy: compare the two sides of the same run.
 
     python bench/proxy.py --json                         # one JSON line on stdout, progress on stderr
     python bench/proxy.py --clients 8 --calls 50 --max-tokens 16
+    python bench/proxy.py --json --clients 16 --calls 10 --max-tokens 16   # 16 concurrent sessions
 """
 
 from __future__ import annotations
@@ -94,16 +100,51 @@ def _run_clients(num_clients: int, calls: int, make: Callable[[int], Callable[[]
     }
 
 
+def _time_to_first_token(openai, url: str, control, sessions: list[dict], tokens: int, wanted: int) -> tuple[dict, int]:
+    """Streamed calls one at a time until ``wanted`` answers of exactly ``tokens`` tokens (at most
+    ``20 * wanted`` calls); returns the timings and how many calls were made."""
+    started = control(url, "/rollbook/sessions", {"task_id": "bench-stream"}, None)
+    sessions.append(started)
+    oai = openai.OpenAI(base_url=url + "/v1", api_key=started["api_key"], max_retries=0, timeout=300)
+    firsts, totals, calls = [], [], 0
+    while len(totals) < wanted and calls < 20 * wanted:
+        calls += 1
+        t0 = time.perf_counter()
+        first, produced = None, 0
+        for chunk in oai.chat.completions.create(
+            model=MODEL, messages=PROMPT, max_tokens=tokens, stream=True, stream_options={"include_usage": True}
+        ):
+            if first is None and chunk.choices and chunk.choices[0].delta.content:
+                first = time.perf_counter() - t0
+            if chunk.usage is not None:
+                produced = chunk.usage.completion_tokens
+        total = time.perf_counter() - t0
+        if produced == tokens and first is not None:
+            firsts.append(first)
+            totals.append(total)
+    if not totals:
+        raise SystemExit(f"no streamed call of {tokens} tokens in {calls} calls")
+    return {
+        "ttft_ms_mean": round(1000 * statistics.fmean(firsts), 2),
+        "stream_call_ms_mean": round(1000 * statistics.fmean(totals), 2),
+        "ttft_over_call": round(statistics.fmean(f / t for f, t in zip(firsts, totals)), 4),
+        "stream_tokens": tokens,
+        "stream_calls_timed": len(totals),
+    }, calls
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--json", action="store_true", help="print exactly one JSON line on stdout")
     p.add_argument("--clients", type=int, default=4, help="concurrent clients (default: %(default)s)")
     p.add_argument("--calls", type=int, default=25, help="calls per client (default: %(default)s)")
     p.add_argument("--max-tokens", type=int, default=8, help="max_tokens of every call (default: %(default)s)")
+    p.add_argument("--stream-tokens", type=int, default=64, help="max_tokens of the streamed calls (default: %(default)s)")
+    p.add_argument("--ttft-calls", type=int, default=10, help="streamed calls of full length to time (default: %(default)s)")
     p.add_argument("--work-dir", default=None, help="where the temporary run dir goes")
     args = p.parse_args(argv)
-    if min(args.clients, args.calls, args.max_tokens) < 1:
-        raise SystemExit("--clients, --calls and --max-tokens must be >= 1")
+    if min(args.clients, args.calls, args.max_tokens, args.stream_tokens, args.ttft_calls) < 1:
+        raise SystemExit("--clients, --calls, --max-tokens, --stream-tokens and --ttft-calls must be >= 1")
 
     import openai
     import torch
@@ -170,9 +211,11 @@ def main(argv: list[str] | None = None) -> int:
 
             _progress(f"proxy at {url}: the same load through the openai client")
             proxied = _run_clients(args.clients, args.calls, proxy_client)
+            _progress(f"streamed calls of {args.stream_tokens} tokens, one at a time: time to first token")
+            streamed, stream_calls = _time_to_first_token(openai, url, control, sessions, args.stream_tokens, args.ttft_calls)
             for started in sessions:  # the end call submits each session's last (held) completion
                 control(url, f"/rollbook/sessions/{started['session_id']}/end", {}, started["api_key"])
-            expected = args.clients * (args.calls + 1)
+            expected = args.clients * (args.calls + 1) + stream_calls
             deadline = time.monotonic() + 120
             with StoreClient(address) as client:
                 while True:
@@ -198,6 +241,7 @@ def main(argv: list[str] | None = None) -> int:
         "proxy_latency_ms_mean": round(1000 * proxied["latency_mean"], 2),
         "added_latency_ms_mean": round(1000 * (proxied["latency_mean"] - direct["latency_mean"]), 2),
         "added_latency_ms_p50": round(1000 * (proxied["latency_p50"] - direct["latency_p50"]), 2),
+        **streamed,
         "direct_tokens_per_call": round(direct["tokens_per_call"], 2),
         "proxy_tokens_per_call": round(proxied["tokens_per_call"], 2),
         "clients": args.clients,

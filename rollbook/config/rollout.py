@@ -349,7 +349,8 @@ class ProxyConfig(BaseModel):
     spool_dir: str | None = Field(
         None,
         description="A local directory for the durable spool: every completion is written "
-        "there (fsync'd) before its first byte goes out and stays until the store answered it, so "
+        "there (fsync'd) before the caller has it whole (the body, or a stream's finish events) and "
+        "stays until the store answered it, so "
         "a proxy killed and restarted on the same directory submits what it had delivered, exactly "
         "once (docs/online.md). None: in memory only.",
     )

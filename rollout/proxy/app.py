@@ -4,15 +4,14 @@
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator
 from typing import Any, Literal
 
 from pydantic import BaseModel, ValidationError
 
 from rollbook.rollout.proxy.core import Proxy
-from rollbook.rollout.proxy.payloads import stream_chunks
 from rollbook.rollout.proxy.schemas import ApiError, LoadWeights, RegisterModel, Reward, StartSession, validation_error
 from rollbook.rollout.proxy.sessions import SessionError
+from rollbook.rollout.proxy.streaming import TokenStream
 
 log = logging.getLogger("rollbook.proxy")
 
@@ -98,31 +97,17 @@ def create_app(proxy: Proxy):
     async def completion(kind: Literal["chat", "text"], request: Request):
         proxy.session_of_key(request.headers)  # 401 before the body is read
         body = await read_json(request)
-        payload, deliver, req = await proxy.complete(kind, request.headers, body)
-        if not req.stream:
-            await asyncio.sleep(0)  # let a pending connection loss be seen
-            deliver(not await request.is_disconnected())
-            return JSONResponse(payload, headers={"x-rollbook-turn": str(payload["rollbook"]["turn"])})
-        include_usage = bool((req.stream_options or {}).get("include_usage"))
-        chunks = stream_chunks(proxy, kind, payload, include_usage)
-
-        async def events() -> AsyncIterator[bytes]:
-            finished = False
-            try:
-                for chunk in chunks:
-                    if await request.is_disconnected():
-                        return
-                    yield chunk
-                await asyncio.sleep(0)
-                finished = not await request.is_disconnected()
-            finally:
-                deliver(finished)
-
-        return StreamingResponse(
-            events(),
-            media_type="text/event-stream",
-            headers={"x-rollbook-turn": str(payload["rollbook"]["turn"]), "cache-control": "no-cache"},
-        )
+        answer = await proxy.complete(kind, request.headers, body)
+        if isinstance(answer, TokenStream):  # tokens leave as they are sampled
+            return StreamingResponse(
+                answer.events(request.is_disconnected),
+                media_type="text/event-stream",
+                headers={"x-rollbook-turn": str(answer.turn), "cache-control": "no-cache"},
+            )
+        payload, deliver, req = answer
+        await asyncio.sleep(0)  # let a pending connection loss be seen
+        deliver(not await request.is_disconnected())
+        return JSONResponse(payload, headers={"x-rollbook-turn": str(payload["rollbook"]["turn"])})
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):

@@ -20,6 +20,7 @@ from rollbook.rollout.proxy.payloads import chat_payload, text_payload
 from rollbook.rollout.proxy.render import Renderer, RenderError, renderer
 from rollbook.rollout.proxy.schemas import ApiError, ChatRequest, CompletionRequest, Sampling, validation_error
 from rollbook.rollout.proxy.sessions import Session, Sessions, SubmitQueue, reward_targets
+from rollbook.rollout.proxy.streaming import TokenStream
 
 log = logging.getLogger("rollbook.proxy")
 
@@ -175,9 +176,11 @@ class Proxy:
         ]
         return requests, stop_ids
 
-    async def complete(self, kind: Literal["chat", "text"], headers, body: Any) -> tuple[dict, Any, Any]:
-        """Run one completion request: (the response payload, the ``deliver(delivered)`` callback that
-        records the attempt once its delivery is known, the validated request)."""
+    async def complete(self, kind: Literal["chat", "text"], headers, body: Any) -> tuple[dict, Any, Any] | TokenStream:
+        """Run one completion request. Streamed, on an engine that samples token by token
+        (``submit``): a ``TokenStream`` at once, its tokens arriving as they are sampled. Otherwise,
+        once generated: (the response payload, the ``deliver(delivered)`` callback that records the
+        attempt once its delivery is known, the validated request)."""
         session = self.session_of_key(headers)
         if session.ended_at is not None:
             raise ApiError(409, f"session {session.session_id} has ended; start a new one", code="session_ended")
@@ -212,17 +215,28 @@ class Proxy:
         # the caller retried this call: its delivered attempts were not read; any other call: it moved on
         self.release(session, retracted=set(map(id, call.attempts[:-1])))
         await self.gate.admit()
+        if req.stream:
+            return self._stream(kind, req, session, call, attempt, requests)
         try:
             loop = asyncio.get_running_loop()
             results: list[GenerationResult] = await loop.run_in_executor(self.pool, self.engine.generate, requests)
         except Exception as exc:
-            self.counters["errors"] += 1
-            log.exception("generation failed")
-            raise ApiError(500, f"generation failed: {type(exc).__name__}: {exc}", code="engine_error") from None
+            raise self._engine_error(exc) from None
         finally:
             await self.gate.release()
+        payload, deliver = self._finished(kind, req, session, call, attempt, results)
+        return payload, deliver, req
+
+    def _engine_error(self, exc: BaseException) -> ApiError:
+        self.counters["errors"] += 1
+        log.error("generation failed", exc_info=exc)
+        return ApiError(500, f"generation failed: {type(exc).__name__}: {exc}", code="engine_error")
+
+    def _finished(self, kind: str, req: Sampling, session: Session, call, attempt, results: list[GenerationResult]) -> tuple[dict, Any]:
+        """Hold a generated attempt and build its answer: (payload, ``deliver(delivered)``)."""
         self.counters["completions"] += 1
-        # durable (with spool_dir) before any byte of it goes out: a restarted proxy submits it as consumed
+        # durable (with spool_dir) before the answer is complete at the caller: a restarted proxy
+        # submits it as consumed
         hold = self.submitter.hold(self.sessions.trajectories(session, call, attempt, results, True, record=False))
 
         def deliver(delivered: bool) -> None:
@@ -235,7 +249,48 @@ class Proxy:
                 attempt.verdicts = self.submitter.put(trajectories, unhold=hold)
 
         payload = (chat_payload if kind == "chat" else text_payload)(self, req, attempt.completion_id, results, call.turn)
-        return payload, deliver, req
+        return payload, deliver
+
+    def _stream(self, kind: str, req: Sampling, session: Session, call, attempt, requests: list[GenerationRequest]) -> TokenStream:
+        """Generate a streamed completion: on an engine that samples token by token (``submit``),
+        each choice with a callback that queues every token as it is sampled; on one that does not
+        (vLLM), whole, then its tokens queued at once. The gate is released when all are done."""
+        loop = asyncio.get_running_loop()
+        stream = TokenStream(self, kind, req, attempt.completion_id, call.turn, len(requests))
+        submit = getattr(self.engine, "submit", None)
+
+        def on_token(index: int):
+            return lambda token, logprob, version: loop.call_soon_threadsafe(stream.queue.put_nowait, (index, token, logprob))
+
+        futures = []
+        if submit is not None:
+            try:
+                futures = [submit(r, on_token=on_token(i)) for i, r in enumerate(requests)]
+            except Exception as exc:
+                loop.create_task(self.gate.release())
+                raise self._engine_error(exc) from None
+
+        async def generate() -> list[GenerationResult]:
+            if submit is not None:  # the callbacks queued every token before its future resolved
+                return [await asyncio.wrap_future(f) for f in futures]
+            results = await loop.run_in_executor(self.pool, self.engine.generate, requests)
+            for i, r in enumerate(results):
+                for token, logprob in zip(r.output_token_ids, r.output_logprobs):
+                    stream.queue.put_nowait((i, token, logprob))
+            return results
+
+        async def outcome() -> tuple[dict, Any]:
+            try:
+                results = await generate()
+            except Exception as exc:
+                raise self._engine_error(exc) from None
+            finally:
+                await self.gate.release()
+                stream.queue.put_nowait(None)
+            return self._finished(kind, req, session, call, attempt, results)
+
+        stream.outcome = loop.create_task(outcome())
+        return stream
 
     # -- sessions, rewards --
 

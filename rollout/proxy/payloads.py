@@ -1,4 +1,11 @@
-"""OpenAI-format response bodies of a finished completion, and its server-sent events."""
+"""OpenAI-format response bodies and server-sent events of completions.
+
+The text of a reply is ``render.decode(output ids)``; ``TextPieces`` splits it into the piece each
+output token adds (empty for a token the text leaves out, such as ``<eos>`` or ``<pad>``), so the
+streamed deltas concatenate to the non-streamed text and ``text_offset`` indexes it. ``Chunks``
+writes the events of one streamed completion; the proxy sends them as tokens are sampled
+(``rollout/proxy/streaming.py``).
+"""
 
 from __future__ import annotations
 
@@ -11,6 +18,50 @@ from rollbook.rollout.engine import GenerationResult
 
 if TYPE_CHECKING:  # the payloads read the proxy's renderer, engine version and model id
     from rollbook.rollout.proxy.core import Proxy
+    from rollbook.rollout.proxy.render import Renderer
+
+# tokens decoded again before the newest one: enough context for a tokenizer whose decoding of a
+# token depends on its neighbours (a leading space, a multi-byte character split over tokens)
+_CONTEXT_TOKENS = 6
+
+
+class TextPieces:
+    """The text each output token adds to the decoded reply, one token at a time. A token that ends
+    inside a multi-byte character adds nothing until the character is whole; ``flush`` returns what
+    is left at the end, so the pieces always concatenate to ``render.decode(ids)``."""
+
+    def __init__(self, render: Renderer) -> None:
+        self.render = render
+        self.ids: list[int] = []
+        self.text = ""  # what the pieces so far concatenate to
+        self._prefix = 0  # ids[_prefix:_read] decode to the tail of text
+        self._read = 0
+
+    def push(self, token: int) -> str:
+        self.ids.append(token)
+        before = self.render.decode(self.ids[self._prefix : self._read])
+        after = self.render.decode(self.ids[self._prefix :])
+        if len(after) <= len(before) or not after.startswith(before) or after.endswith("\ufffd"):
+            return ""
+        piece = after[len(before) :]
+        self.text += piece
+        self._prefix, self._read = max(0, len(self.ids) - _CONTEXT_TOKENS), len(self.ids)
+        return piece
+
+    def flush(self) -> str:
+        whole = self.render.decode(self.ids)
+        piece = whole[len(self.text) :] if whole.startswith(self.text) else ""
+        self.text += piece
+        return piece
+
+
+def token_pieces(render: Renderer, ids: Sequence[int]) -> list[str]:
+    """Per output token, the text it adds; the last one also carries what ``flush`` returns."""
+    pieces = TextPieces(render)
+    out = [pieces.push(t) for t in ids]
+    if out:
+        out[-1] += pieces.flush()
+    return out
 
 
 def _usage(results: Sequence[GenerationResult]) -> dict:
@@ -23,16 +74,18 @@ def _rollbook_extra(proxy: Proxy, results: Sequence[GenerationResult], turn: int
     return {"turn": turn, "version": proxy.engine.version, "output_versions": [r.output_versions for r in results]}
 
 
+def chat_logprob(render: Renderer, token: int, logprob: float) -> dict:
+    text = render.token_text(token)
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode()), "top_logprobs": []}
+
+
 def chat_payload(proxy: Proxy, req: Any, completion_id: str, results: Sequence[GenerationResult], turn: int) -> dict:
     choices = []
     for i, r in enumerate(results):
         logprobs = None
         if req.logprobs:
             logprobs = {
-                "content": [
-                    {"token": (t := proxy.render.token_text(tok)), "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
-                    for tok, lp in zip(r.output_token_ids, r.output_logprobs)
-                ],
+                "content": [chat_logprob(proxy.render, tok, lp) for tok, lp in zip(r.output_token_ids, r.output_logprobs)],
                 "refusal": None,
             }
         choices.append(
@@ -61,10 +114,10 @@ def text_payload(proxy: Proxy, req: Any, completion_id: str, results: Sequence[G
         logprobs = None
         if req.logprobs is not None:
             tokens = [proxy.render.token_text(t) for t in r.output_token_ids]
-            offsets, at = [], 0
-            for t in tokens:
+            offsets, at = [], 0  # where each token's text starts in the reply text
+            for piece in token_pieces(proxy.render, r.output_token_ids):
                 offsets.append(at)
-                at += len(t)
+                at += len(piece)
             logprobs = {"tokens": tokens, "token_logprobs": list(r.output_logprobs), "top_logprobs": None, "text_offset": offsets}
         choices.append(
             {"index": i, "text": proxy.render.decode(r.output_token_ids), "logprobs": logprobs, "finish_reason": r.finish_reason}
@@ -81,87 +134,56 @@ def text_payload(proxy: Proxy, req: Any, completion_id: str, results: Sequence[G
     }
 
 
-def stream_chunks(proxy: Proxy, kind: str, payload: dict, include_usage: bool) -> list[bytes]:
-    """The server-sent events of a finished completion: a role chunk (chat), one chunk per token of
-    every choice, a finish chunk per choice, the usage chunk when asked, then ``[DONE]``."""
-    events: list[dict] = []
-    base = {
-        "id": payload["id"],
-        "created": payload["created"],
-        "model": payload["model"],
-        "system_fingerprint": payload["system_fingerprint"],
-    }
-    obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
-    for choice in payload["choices"]:
-        i = choice["index"]
-        if kind == "chat":
-            events.append(
-                {
-                    **base,
-                    "object": obj,
-                    "choices": [
-                        {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-                    ],
-                }
-            )
-            text = choice["message"]["content"]
-            items = choice["logprobs"]["content"] if choice["logprobs"] else None
-            pieces = _split(text, items)
-            for piece, item in pieces:
-                events.append(
-                    {
-                        **base,
-                        "object": obj,
-                        "choices": [
-                            {
-                                "index": i,
-                                "delta": {"content": piece},
-                                "logprobs": {"content": [item], "refusal": None} if item else None,
-                                "finish_reason": None,
-                            }
-                        ],
-                    }
-                )
-            events.append(
-                {
-                    **base,
-                    "object": obj,
-                    "choices": [{"index": i, "delta": {}, "logprobs": None, "finish_reason": choice["finish_reason"]}],
-                }
-            )
-        else:
-            lp = choice["logprobs"]
-            pieces = _split(
-                choice["text"], None if lp is None else list(zip(lp["tokens"], lp["token_logprobs"], lp["text_offset"]))
-            )
-            for piece, item in pieces:
-                logprobs = None
-                if item is not None:
-                    logprobs = {"tokens": [item[0]], "token_logprobs": [item[1]], "top_logprobs": None, "text_offset": [item[2]]}
-                events.append(
-                    {**base, "object": obj, "choices": [{"index": i, "text": piece, "logprobs": logprobs, "finish_reason": None}]}
-                )
-            events.append(
-                {
-                    **base,
-                    "object": obj,
-                    "choices": [{"index": i, "text": "", "logprobs": None, "finish_reason": choice["finish_reason"]}],
-                }
-            )
-    if include_usage:
-        events.append({**base, "object": obj, "choices": [], "usage": payload["usage"]})
-    return [f"data: {json.dumps(e)}\n\n".encode() for e in events] + [b"data: [DONE]\n\n"]
+class Chunks:
+    """The server-sent events of one streamed completion, as the OpenAI API sends them: per choice a
+    role chunk (chat), a chunk per output token (with its log-prob when asked; a token that adds no
+    text and carries no log-prob sends nothing), a finish chunk; then the usage chunk when asked, and
+    ``[DONE]``. ``text_offset`` (completions) indexes the choice's text."""
 
+    def __init__(self, proxy: Proxy, kind: str, req: Any, completion_id: str, created: int | None = None) -> None:
+        self.render, self.kind = proxy.render, kind
+        self.logprobs = bool(req.logprobs) if kind == "chat" else req.logprobs is not None
+        self.base = {
+            "id": completion_id,
+            "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
+            "created": int(time.time()) if created is None else created,
+            "model": proxy.config.model_id,
+            "system_fingerprint": f"v{proxy.engine.version}",
+        }
+        self._offsets: dict[int, int] = {}
 
-def _split(text: str, items: list | None) -> list[tuple[str, Any]]:
-    """Per-token pieces of ``text`` (one character a token with the character tokenizer); with log-probs,
-    one piece per output token (special tokens as empty text)."""
-    if items is None:
-        return [(ch, None) for ch in text]
-    out, at = [], 0
-    for item in items:
-        token = item["token"] if isinstance(item, dict) else item[0]
-        piece = text[at : at + len(token)] if text[at : at + len(token)] == token else ""
-        at += len(piece)
-        out.append((piece, item))
-    return out
+    def _event(self, choice: dict | None, **extra: Any) -> bytes:
+        body = {**self.base, "choices": [] if choice is None else [choice], **extra}
+        return f"data: {json.dumps(body)}\n\n".encode()
+
+    def role(self, index: int) -> list[bytes]:
+        if self.kind != "chat":
+            return []
+        return [self._event({"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None})]
+
+    def token(self, index: int, token: int | None, logprob: float | None, piece: str) -> list[bytes]:
+        """The event of one output token (``token`` None: text with no token of its own, a flush)."""
+        with_logprob = self.logprobs and token is not None
+        if not piece and not with_logprob:
+            return []
+        at = self._offsets.get(index, 0)
+        self._offsets[index] = at + len(piece)
+        if self.kind == "chat":
+            logprobs = {"content": [chat_logprob(self.render, token, logprob)], "refusal": None} if with_logprob else None
+            return [self._event({"index": index, "delta": {"content": piece}, "logprobs": logprobs, "finish_reason": None})]
+        logprobs = None
+        if with_logprob:
+            text = self.render.token_text(token)
+            logprobs = {"tokens": [text], "token_logprobs": [logprob], "top_logprobs": None, "text_offset": [at]}
+        return [self._event({"index": index, "text": piece, "logprobs": logprobs, "finish_reason": None})]
+
+    def finish(self, index: int, finish_reason: str) -> list[bytes]:
+        if self.kind == "chat":
+            return [self._event({"index": index, "delta": {}, "logprobs": None, "finish_reason": finish_reason})]
+        return [self._event({"index": index, "text": "", "logprobs": None, "finish_reason": finish_reason})]
+
+    def end(self, usage: dict | None) -> list[bytes]:
+        return ([self._event(None, usage=usage)] if usage is not None else []) + [b"data: [DONE]\n\n"]
+
+    def error(self, body: dict) -> bytes:
+        return f"data: {json.dumps(body)}\n\n".encode()
