@@ -65,7 +65,7 @@ class InvalidReward(ValueError):
 
 
 class NotRewardable(ValueError):
-    """The trajectory exists but its reward can no longer be set (rejected, or already served)."""
+    """The trajectory exists but its reward can no longer be set (rejected, or leased or served to a trainer)."""
 
 
 @dataclass(frozen=True)
@@ -354,8 +354,10 @@ class Ledger:
                         raise NotRewardable(f"trajectory {trajectory_id!r} was rejected ({rejected[0]}); it will never train")
                     raise UnknownTrajectory(f"unknown trajectory {trajectory_id!r}")
             tid, status = found
-            if status != "pending":
-                raise NotRewardable(f"trajectory {tid!r} is already {status}; its reward can no longer change")
+            # until a trainer leases it, a later reward replaces the earlier one (the rewards table
+            # keeps every one); a row in a group that is ready stays ready with the new reward
+            if status not in ("pending", "ready"):
+                raise NotRewardable(f"trajectory {tid!r} is already {status} to a trainer; its reward can no longer change")
             con.execute("UPDATE trajectories SET reward = ?, original_reward = ? WHERE trajectory_id = ?", [reward, reward, tid])
             con.execute(
                 "INSERT INTO rewards VALUES (?, ?, ?, ?, ?)",

@@ -385,11 +385,21 @@ class Proxy:
     async def load_weights(self, path: str, version: int, publish: bool) -> dict:
         try:
             await self.install(path, version)
-            if publish:
-                loop = asyncio.get_running_loop()
-                await loop.run_in_executor(self.control_pool, self.client.publish_version, self.config.model_id, version)
         except (OSError, ValueError, RuntimeError) as exc:
-            raise ApiError(400, f"load_weights: {type(exc).__name__}: {exc}", code="invalid_weights") from None
+            cause = f" ({type(exc.__cause__).__name__}: {exc.__cause__})" if exc.__cause__ is not None else ""
+            raise ApiError(400, f"load_weights: {type(exc).__name__}: {exc}{cause}", code="invalid_weights") from None
+        if publish:
+            loop = asyncio.get_running_loop()
+            try:
+                await loop.run_in_executor(self.control_pool, self.client.publish_version, self.config.model_id, version)
+            except Exception as exc:
+                details = getattr(exc, "details", None)
+                raise ApiError(
+                    502,
+                    f"version {version} is installed, but the store refused PublishVersion: "
+                    f"{details() if callable(details) else exc}",
+                    code="store_error",
+                ) from None
         return self.status()
 
     async def follow_weights(self, spec: str, poll_s: float) -> None:
@@ -442,14 +452,26 @@ def _load_snapshot(load_into, snapshot, model):
 
 
 def read_state_dict(path: str):
+    """The state dict in ``path`` (``.safetensors``, else a torch ``.pt`` file, optionally a
+    checkpoint with a ``model`` entry); a ``ValueError`` naming the file for anything else."""
     p = pathlib.Path(path)
     if not p.is_file():
         raise ValueError(f"no file {path}")
-    if p.suffix == ".safetensors":
-        from safetensors.torch import load_file
+    try:
+        if p.suffix == ".safetensors":
+            from safetensors.torch import load_file
 
-        return load_file(str(p))
+            state = load_file(str(p))
+        else:
+            import torch
+
+            state = torch.load(str(p), map_location="cpu", weights_only=True)
+    except Exception as exc:  # a truncated or foreign file: each library raises its own error types
+        raise ValueError(f"{path} is not a readable state dict: {type(exc).__name__}: {str(exc)[:300]}") from None
+    if isinstance(state, dict) and "model" in state:
+        state = state["model"]
     import torch
 
-    state = torch.load(str(p), map_location="cpu", weights_only=True)
-    return state.get("model", state) if isinstance(state, dict) and "model" in state else state
+    if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()):
+        raise ValueError(f"{path} holds a {type(state).__name__}, not a state dict (names to tensors)")
+    return state

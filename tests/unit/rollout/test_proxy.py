@@ -182,3 +182,47 @@ def test_a_delivered_attempt_whose_call_is_retried_is_submitted_unconsumed_and_t
     assert got == {"turn-0.0/a0": False, "turn-0.0/a1": True, "turn-1.0/a0": True}
     assert proxy.counters["retracted"] == 1
     proxy.close()
+
+
+def _app_client():
+    from fastapi.testclient import TestClient
+
+    from rollbook.config import ProxyConfig
+    from rollbook.rollout.proxy.app import create_app
+    from rollbook.rollout.proxy.core import Proxy
+
+    proxy = Proxy(ProxyConfig(), _FakeEngine(), _FakeStore(), admin_key=None, worker_key=None)
+    return proxy, TestClient(create_app(proxy))
+
+
+def test_a_wrong_method_is_an_invalid_request_error_not_a_server_error():
+    proxy, client = _app_client()
+    with client:
+        answer = client.get("/v1/chat/completions")
+    proxy.close()
+    assert answer.status_code == 405
+    assert answer.json()["error"]["type"] == "invalid_request_error"
+    assert answer.json()["error"]["code"] == "method_not_allowed"
+
+
+def test_load_weights_of_a_corrupt_or_foreign_file_is_a_400_invalid_weights_without_a_traceback(tmp_path, caplog):
+    import torch
+
+    (tmp_path / "cut.pt").write_bytes(b"PK\x03\x04 not really a zip")
+    (tmp_path / "noise.pt").write_bytes(b"\x80\x02noise, not a pickle")
+    (tmp_path / "cut.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json}")
+    torch.save([torch.zeros(2)], tmp_path / "list.pt")
+    proxy, client = _app_client()
+    with client:
+        answers = {
+            name: client.post("/rollbook/admin/load_weights", json={"path": str(tmp_path / name), "version": 1})
+            for name in ("cut.pt", "noise.pt", "cut.safetensors", "list.pt", "missing.pt")
+        }
+    proxy.close()
+    for name, answer in answers.items():
+        assert answer.status_code == 400, (name, answer.text)
+        error = answer.json()["error"]
+        assert error["code"] == "invalid_weights" and error["type"] == "invalid_request_error", (name, error)
+        assert name in error["message"], (name, error)
+    assert "not a state dict" in answers["list.pt"].json()["error"]["message"]
+    assert not [r for r in caplog.records if r.exc_info], "a refused file is not a bug: no traceback in the log"

@@ -285,3 +285,23 @@ def test_recovery_after_a_torn_tail_keeps_the_complete_batches_and_writes_a_new_
         assert table_counts(ledger) == (21, 21, 2)
     finally:
         ledger.close()
+
+
+def test_a_later_reward_replaces_the_earlier_one_until_a_trainer_leases_the_row(ledger):
+    """Overwrite until leased: a second reward for a rewarded row whose group is ready (not yet
+    served) replaces the first; once a trainer leased it, the reward can no longer change."""
+    from rollbook.v1 import rollbook_pb2 as pb
+
+    ledger.submit([row("t", reward=None, group_id="g", group_size=1)])
+    ledger.set_reward(0.25, trajectory_id="t")
+    ledger.flush()
+    cur = ledger.cursor()
+    assert cur.execute("SELECT status, reward FROM trajectories").fetchall() == [("ready", 0.25)]
+    assert ledger.set_reward(1.0, trajectory_id="t") == "t"  # ready, not leased: replaced
+    assert cur.execute("SELECT status, reward, original_reward FROM trajectories").fetchall() == [("ready", 1.0, 1.0)]
+    assert [r for (r,) in cur.execute("SELECT reward FROM rewards ORDER BY set_at").fetchall()] == [0.25, 1.0]
+    leased = ledger.pull_batch(pb.PullBatchRequest(model_id=MODEL, trainer_id="tr", num_samples=1, trainer_version=0, max_staleness=4))
+    assert leased.lease_id
+    with pytest.raises(NotRewardable, match="already leased to a trainer"):
+        ledger.set_reward(0.0, trajectory_id="t")
+    cur.close()
