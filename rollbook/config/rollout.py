@@ -338,6 +338,13 @@ class ProxyConfig(BaseModel):
     )
     max_sessions: int = Field(100_000, ge=1, description="Sessions held at once (ended ones count until ended_session_ttl_s).")
     ended_session_ttl_s: float = Field(3600.0, gt=0, description="How long an ended session still takes rewards.")
+    idle_session_ttl_s: float = Field(
+        3600.0,
+        gt=0,
+        description="A session without any request (completion, reward, end, lookup) for this long, and "
+        "nothing in flight, expires: what it delivered is submitted as consumed, and further completions "
+        "and rewards get 409 session_expired. It is forgotten ended_session_ttl_s later.",
+    )
     consume_settle_s: float = Field(
         60.0,
         gt=0,

@@ -43,6 +43,8 @@ def create_app(proxy: Proxy):
 
     def error(exc: ApiError) -> JSONResponse:
         headers = {"retry-after": "1"} if exc.status in (429, 503) else None
+        if exc.status == 409:  # an ended or expired session, nothing to reward: retrying cannot help
+            headers = {"x-should-retry": "false"}
         return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
     @app.exception_handler(ApiError)

@@ -46,6 +46,7 @@ class Proxy:
             worker_id=config.worker_id,
             max_sessions=config.max_sessions,
             ended_ttl_s=config.ended_session_ttl_s,
+            idle_ttl_s=config.idle_session_ttl_s,
         )
         self.submitter = SubmitQueue(
             client, batch_size=config.submit_batch_size, spool_dir=config.spool_dir, spool_max_bytes=config.spool_max_bytes
@@ -182,8 +183,7 @@ class Proxy:
         once generated: (the response payload, the ``deliver(delivered)`` callback that records the
         attempt once its delivery is known, the validated request)."""
         session = self.session_of_key(headers)
-        if session.ended_at is not None:
-            raise ApiError(409, f"session {session.session_id} has ended; start a new one", code="session_ended")
+        refuse_if_over(session, "completions")
         if not isinstance(body, dict):
             raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
         try:
@@ -211,10 +211,15 @@ class Proxy:
         except ValueError:
             retry_count = 0
         idem = headers.get("idempotency-key") or None
-        call, attempt = session.begin_attempt(body, idem, retry_count, time.time())
+        await self.gate.admit()  # before the turn is numbered: a 429 or 503 uses up no turn
+        try:
+            refuse_if_over(session, "completions")  # it may have ended while this call waited
+            call, attempt = session.begin_attempt(body, idem, retry_count, time.time())
+        except BaseException:
+            await self.gate.release()
+            raise
         # the caller retried this call: its delivered attempts were not read; any other call: it moved on
         self.release(session, retracted=set(map(id, call.attempts[:-1])))
-        await self.gate.admit()
         if req.stream:
             return self._stream(kind, req, session, call, attempt, requests)
         try:
@@ -317,12 +322,23 @@ class Proxy:
 
     async def settle_held(self) -> None:
         """Submit delivered attempts held longer than ``consume_settle_s`` (a session that stopped
-        without a reward or an end), as consumed."""
+        without a reward or an end), as consumed; end sessions idle for ``idle_session_ttl_s``."""
         while True:
-            await asyncio.sleep(min(1.0, self.config.consume_settle_s / 4))
+            await asyncio.sleep(min(1.0, self.config.consume_settle_s / 4, self.config.idle_session_ttl_s / 4))
             self.release(None, older_than=self.config.consume_settle_s)
+            self.expire_idle()
+
+    def expire_idle(self) -> list[Session]:
+        """End idle sessions (``Sessions.expire_idle``); what they had delivered is submitted as consumed."""
+        expired = self.sessions.expire_idle(time.time())
+        for session in expired:
+            self.release(session)
+            log.info("session %s expired after %g s without a request", session.session_id, self.config.idle_session_ttl_s)
+        return expired
 
     async def reward(self, session: Session, which: str | int, value: float) -> dict:
+        if session.expired:
+            refuse_if_over(session, "rewards")
         self.release(session)  # a reward means the caller has read its completions
         targets = reward_targets(session, which)
         loop = asyncio.get_running_loop()
@@ -445,6 +461,19 @@ class Proxy:
             "held": len(self.held),
             **self.counters,
         }
+
+
+def refuse_if_over(session: Session, what: str) -> None:
+    """409 for a session that ended (``what`` = "completions") or expired (anything)."""
+    if session.expired:
+        raise ApiError(
+            409,
+            f"session {session.session_id} expired after idle_session_ttl_s without a request; its calls are "
+            f"stored, but it takes no more {what}; start a new session",
+            code="session_expired",
+        )
+    if session.ended_at is not None and what == "completions":
+        raise ApiError(409, f"session {session.session_id} has ended; start a new one", code="session_ended")
 
 
 def _load_snapshot(load_into, snapshot, model):

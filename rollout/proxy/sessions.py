@@ -91,6 +91,8 @@ class Session:
     group_size: int
     started_at: float
     ended_at: float | None = None
+    expired: bool = False  # ended by the proxy after idle_session_ttl_s without a request
+    last_active: float = 0.0  # time.time() of its latest request (completion, reward, end, lookup)
     calls: list[Call] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -130,6 +132,7 @@ class Session:
                 "group_id": self.group_id,
                 "group_size": self.group_size,
                 "ended": self.ended_at is not None,
+                "expired": self.expired,
                 "calls": [
                     {
                         "turn": c.turn,
@@ -159,9 +162,9 @@ class SessionError(Exception):
 class Sessions:
     """Every session this proxy started; ``authenticate`` maps an API key to its session."""
 
-    def __init__(self, *, model_id: str, worker_id: str, max_sessions: int, ended_ttl_s: float):
+    def __init__(self, *, model_id: str, worker_id: str, max_sessions: int, ended_ttl_s: float, idle_ttl_s: float = 3600.0):
         self.model_id, self.worker_id = model_id, worker_id
-        self.max_sessions, self.ended_ttl_s = max_sessions, ended_ttl_s
+        self.max_sessions, self.ended_ttl_s, self.idle_ttl_s = max_sessions, ended_ttl_s, idle_ttl_s
         self._by_id: dict[str, Session] = {}
         self._by_key: dict[bytes, str] = {}
         self._key_of: dict[str, bytes] = {}
@@ -179,22 +182,46 @@ class Sessions:
                 )
             session_id = f"s-{secrets.token_hex(8)}"
             key = KEY_PREFIX + secrets.token_urlsafe(24)
-            session = Session(session_id, task_id, domain, group_id, group_size, started_at=now)
+            session = Session(session_id, task_id, domain, group_id, group_size, started_at=now, last_active=now)
             self._by_id[session_id] = session
             self._by_key[key_digest(key)] = session_id
             self._key_of[session_id] = key_digest(key)
         return session, key
 
     def authenticate(self, key: str | None) -> Session | None:
+        """The session of ``key``, marked active now."""
         if not key:
             return None
         with self._lock:
             session_id = self._by_key.get(key_digest(key))
-            return self._by_id.get(session_id) if session_id else None
+            session = self._by_id.get(session_id) if session_id else None
+            if session is not None:
+                session.last_active = time.time()
+            return session
 
     def get(self, session_id: str) -> Session | None:
+        """The session ``session_id``, marked active now."""
         with self._lock:
-            return self._by_id.get(session_id)
+            session = self._by_id.get(session_id)
+            if session is not None:
+                session.last_active = time.time()
+            return session
+
+    def expire_idle(self, now: float) -> list[Session]:
+        """End the sessions without a request for ``idle_ttl_s`` and nothing in flight (marked
+        ``expired``: no more completions or rewards); returns them. They are forgotten
+        ``ended_ttl_s`` later, like ended ones."""
+        with self._lock:
+            idle = [
+                s
+                for s in self._by_id.values()
+                if s.ended_at is None and now - s.last_active > self.idle_ttl_s
+                and not any(a.delivered is None for c in s.calls for a in c.attempts)
+            ]
+            for s in idle:
+                s.ended_at, s.expired = now, True
+            self._forget_expired(now)
+        return idle
 
     def _forget_expired(self, now: float) -> None:
         old = [s for s in self._by_id.values() if s.ended_at is not None and now - s.ended_at > self.ended_ttl_s]

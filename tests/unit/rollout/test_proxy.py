@@ -226,3 +226,70 @@ def test_load_weights_of_a_corrupt_or_foreign_file_is_a_400_invalid_weights_with
         assert name in error["message"], (name, error)
     assert "not a state dict" in answers["list.pt"].json()["error"]["message"]
     assert not [r for r in caplog.records if r.exc_info], "a refused file is not a bug: no traceback in the log"
+
+
+def test_an_idle_session_expires_its_delivered_call_is_stored_and_late_calls_and_rewards_are_refused():
+    from rollbook.config import ProxyConfig
+    from rollbook.rollout.proxy.core import Proxy
+
+    store = _FakeStore()
+
+    async def scenario():
+        proxy = Proxy(ProxyConfig(idle_session_ttl_s=30), _FakeEngine(), store, admin_key=None, worker_key=None)
+        session, key = proxy.sessions.start(task_id="t", domain="d", group_id="", group_size=1)
+        busy, _ = proxy.sessions.start(task_id="t", domain="d", group_id="", group_size=1)
+        headers = {"authorization": f"Bearer {key}"}
+        _, deliver, _ = await proxy.complete("chat", headers, BODY)
+        deliver(True)  # held: the agent never comes back
+        assert proxy.expire_idle() == [] and not store.submitted  # not idle yet
+        session.last_active -= 31
+        assert proxy.expire_idle() == [session]
+        assert session.expired and busy.ended_at is None  # the other session was active
+        with pytest.raises(ApiError) as late_call:
+            await proxy.complete("chat", headers, BODY)
+        with pytest.raises(ApiError) as late_reward:
+            await proxy.reward(session, "last", 1.0)
+        proxy.submitter.close()
+        proxy.close()
+        return session, late_call.value, late_reward.value
+
+    session, late_call, late_reward = asyncio.run(scenario())
+    assert [t["consumed"] for t in store.submitted] == [True]  # what it delivered is stored, as read
+    assert (late_call.status, late_call.code) == (409, "session_expired") and "completions" in late_call.message
+    assert (late_reward.status, late_reward.code) == (409, "session_expired") and "rewards" in late_reward.message
+    assert session.summary()["expired"] is True
+
+
+def test_a_call_refused_as_overloaded_uses_up_no_turn():
+    from rollbook.config import ProxyConfig
+    from rollbook.rollout.proxy.core import Proxy
+
+    async def scenario():
+        proxy = Proxy(ProxyConfig(max_concurrent=1, max_waiting=0), _FakeEngine(), _FakeStore(), admin_key=None, worker_key=None)
+        session, key = proxy.sessions.start(task_id="t", domain="d", group_id="", group_size=1)
+        headers = {"authorization": f"Bearer {key}"}
+        await proxy.gate.admit()  # another completion holds the only slot
+        with pytest.raises(ApiError) as refused:
+            await proxy.complete("chat", headers, BODY)
+        await proxy.gate.release()
+        payload, deliver, _ = await proxy.complete("chat", headers, BODY)
+        deliver(True)
+        proxy.submitter.close()
+        proxy.close()
+        return refused.value, payload, session
+
+    refused, payload, session = asyncio.run(scenario())
+    assert refused.status == 429
+    assert payload["rollbook"]["turn"] == 0 and [c["turn"] for c in session.summary()["calls"]] == [0]
+
+
+def test_an_ended_session_s_409_tells_the_sdk_not_to_retry():
+    proxy, client = _app_client()
+    with client:
+        started = client.post("/rollbook/sessions", json={"task_id": "t"}).json()
+        auth = {"authorization": f"Bearer {started['api_key']}"}
+        client.post(f"/rollbook/sessions/{started['session_id']}/end", headers=auth)
+        answer = client.post("/v1/chat/completions", json=BODY, headers=auth)
+    proxy.close()
+    assert answer.status_code == 409 and answer.json()["error"]["code"] == "session_ended"
+    assert answer.headers["x-should-retry"] == "false"

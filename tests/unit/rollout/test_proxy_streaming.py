@@ -44,9 +44,10 @@ class _FirstTokenGate:
 
         def hook(token, logprob, version):
             sampled.append(token)
-            on_token(token, logprob, version)
             if len(sampled) == 1:
                 self.first.set()
+            on_token(token, logprob, version)
+            if len(sampled) == 1:
                 assert self.go.wait(30), "the test never let the engine go on"
 
         return self.engine.submit(request, seed=seed, on_token=hook)
