@@ -303,6 +303,16 @@ class ProxyConfig(BaseModel):
     )
     model_id: str = Field("tiny", description="The model name clients ask for and the store records trajectories under.")
     model: ModelConfig = Field(default_factory=ModelConfig, description="The served model's architecture (or local path).")
+    tokenizer: str | None = Field(
+        None,
+        description="Local directory of a Hugging Face tokenizer with a chat template; None: model.path's "
+        "when set (a Hugging Face model directory), else the toy tasks' character tokenizer (docs/online.md).",
+    )
+    tool_parser: Literal["hermes"] | None = Field(
+        "hermes",
+        description="How tool calls are read from an HF model's output: 'hermes' (<tool_call>{json}</tool_call>, "
+        "Hermes and Qwen 2.5/3 templates); None refuses requests with tools.",
+    )
     engine: Literal["native", "vllm"] = Field(
         "native", description="native: the PyTorch engine (CPU or CUDA); vllm: VllmEngine on model.path (GPU, optional)."
     )

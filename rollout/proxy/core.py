@@ -3,6 +3,7 @@ trajectories of the calling session, rewards, session ends, weight installs and 
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import functools
 import hmac
 import logging
@@ -14,11 +15,13 @@ from typing import Any, Literal
 from pydantic import ValidationError
 
 from rollbook.config import ProxyConfig
+from rollbook.language_models import stop_token_ids
 from rollbook.rollout.engine import GenerationEngine, GenerationRequest, GenerationResult
 from rollbook.rollout.proxy.admission import Gate
-from rollbook.rollout.proxy.payloads import chat_payload, text_payload
+from rollbook.rollout.proxy.history import Reply, normalize_messages, plan_chat, plan_text
+from rollbook.rollout.proxy.payloads import chat_payload, chat_reply, text_payload
 from rollbook.rollout.proxy.render import Renderer, RenderError, renderer
-from rollbook.rollout.proxy.schemas import ApiError, ChatRequest, CompletionRequest, Sampling, validation_error
+from rollbook.rollout.proxy.schemas import ApiError, ChatRequest, CompletionRequest, Sampling, refuse_unsupported, validation_error
 from rollbook.rollout.proxy.sessions import Session, Sessions, SubmitQueue, reward_targets
 from rollbook.rollout.proxy.streaming import TokenStream
 
@@ -39,7 +42,8 @@ class Proxy:
         render: Renderer | None = None,
     ):
         self.config, self.engine, self.client = config, engine, client
-        self.render = render or renderer()
+        self.render = render or renderer(config)
+        self.stop_ids = stop_token_ids(self.render.eos_token_id, config.model)  # the tokenizer's eos, the model's eos ids
         self.admin_key, self.worker_key = admin_key, worker_key
         self.sessions = Sessions(
             model_id=config.model_id,
@@ -160,7 +164,7 @@ class Proxy:
         stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         if len(stops) > 4:
             raise ApiError(400, "stop: at most 4 sequences", code="invalid_value", param="stop")
-        stop_ids = sorted({self.render.eos_token_id, *self.render.stop_token_ids(stops)})
+        stop_ids = sorted({*self.stop_ids, *self.render.stop_token_ids(stops)})
         temperature = 1.0 if req.temperature is None else req.temperature
         top_p = 1.0 if req.top_p is None else req.top_p
         top_k = 0 if req.top_k is None else req.top_k
@@ -177,6 +181,27 @@ class Proxy:
         ]
         return requests, stop_ids
 
+    def _tools(self, chat: ChatRequest) -> list[dict] | None:
+        """The tools rendered into the prompt and parsed from the output, or None (none given, or
+        ``tool_choice`` "none"). A choice the proxy cannot honour is refused."""
+        if not chat.tools or chat.tool_choice == "none":
+            return None
+        if chat.tool_choice not in (None, "auto"):
+            raise ApiError(
+                400,
+                "tool_choice: only 'auto' and 'none' are served (the proxy does not constrain decoding to force a call)",
+                code="unsupported_value",
+                param="tool_choice",
+            )
+        if self.render.tool_parser is None:
+            raise ApiError(
+                400,
+                "tools: this proxy's model takes no tools (the character tokenizer, or tool_parser off)",
+                code="unsupported_value",
+                param="tools",
+            )
+        return [t.model_dump() for t in chat.tools]
+
     async def complete(self, kind: Literal["chat", "text"], headers, body: Any) -> tuple[dict, Any, Any] | TokenStream:
         """Run one completion request. Streamed, on an engine that samples token by token
         (``submit``): a ``TokenStream`` at once, its tokens arriving as they are sampled. Otherwise,
@@ -189,21 +214,22 @@ class Proxy:
         try:
             if kind == "chat":
                 chat = ChatRequest.model_validate(body)
-                prompt_ids = self.render.chat_prompt([(m.role, m.text(i)) for i, m in enumerate(chat.messages)])
+                refuse_unsupported(chat)
+                messages = normalize_messages(chat.messages)
+                turn = plan_chat(self.render, session, messages, self._tools(chat))
                 req: Sampling = chat
                 max_tokens = chat.max_completion_tokens or chat.max_tokens
             else:
                 text = CompletionRequest.model_validate(body)
+                refuse_unsupported(text)
                 prompt_ids = self.render.text_prompt(text.prompt) if isinstance(text.prompt, str) else list(text.prompt)
                 if not prompt_ids:
                     raise ApiError(400, "prompt: empty", code="invalid_value", param="prompt")
+                turn = plan_text(session, prompt_ids)
                 req, max_tokens = text, text.max_tokens
+            requests, _ = self._params(req, turn.prompt_ids, max_tokens)
         except ValidationError as exc:
             raise validation_error(exc) from None
-        except RenderError as exc:
-            raise ApiError(400, str(exc), code="invalid_value", param=exc.param) from None
-        try:
-            requests, _ = self._params(req, prompt_ids, max_tokens)
         except RenderError as exc:
             raise ApiError(400, str(exc), code="invalid_value", param=exc.param) from None
         try:
@@ -218,6 +244,10 @@ class Proxy:
         except BaseException:
             await self.gate.release()
             raise
+        if call.turn_plan is None:
+            call.turn_plan = turn
+        elif call.turn_plan.prompt_ids != turn.prompt_ids:  # a retry: the same prompt as its call's first attempt
+            requests = [dataclasses.replace(r, prompt_token_ids=list(call.turn_plan.prompt_ids)) for r in requests]
         # the caller retried this call: its delivered attempts were not read; any other call: it moved on
         self.release(session, retracted=set(map(id, call.attempts[:-1])))
         if req.stream:
@@ -254,6 +284,14 @@ class Proxy:
                 attempt.verdicts = self.submitter.put(trajectories, unhold=hold)
 
         payload = (chat_payload if kind == "chat" else text_payload)(self, req, attempt.completion_id, results, call.turn)
+        attempt.replies = [
+            Reply(
+                list(r.output_token_ids),
+                r.finish_reason,
+                chat_reply(self, req, attempt.completion_id, i, r)[2] if kind == "chat" else {},
+            )
+            for i, r in enumerate(results)
+        ]
         return payload, deliver
 
     def _stream(self, kind: str, req: Sampling, session: Session, call, attempt, requests: list[GenerationRequest]) -> TokenStream:

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from rollbook.rollout.engine import GenerationResult
+from rollbook.rollout.proxy.render import openai_tool_calls
 
 if TYPE_CHECKING:  # the payloads read the proxy's renderer, engine version and model id
     from rollbook.rollout.proxy.core import Proxy
@@ -55,6 +56,40 @@ class TextPieces:
         return piece
 
 
+class ToolCallHold:
+    """Streamed text of a reply whose tool calls are parsed at the end: text goes out until a
+    ``<tool_call>`` block may be starting, the rest waits for the end (``rest``), so the deltas are
+    the answer's ``content`` and the calls go out whole, parsed."""
+
+    MARK = "<tool_call>"
+
+    def __init__(self) -> None:
+        self.text = ""  # everything the reply has so far
+        self.sent = ""  # what went out as content
+        self.holding = False
+
+    def push(self, piece: str) -> str:
+        self.text += piece
+        if self.holding:
+            return ""
+        at = self.text.find(self.MARK, len(self.sent))
+        if at >= 0:
+            self.holding = True
+            out = self.text[len(self.sent) : at]
+        else:  # keep back a tail that may be the start of the mark
+            keep = next((k for k in range(len(self.MARK) - 1, 0, -1) if self.text.endswith(self.MARK[:k])), 0)
+            out = self.text[len(self.sent) : len(self.text) - keep]
+        if not (self.sent + out).strip():  # only whitespace so far: it is content only if text follows
+            return ""
+        self.sent += out
+        return out
+
+    def rest(self, content: str | None) -> str:
+        """What of the final ``content`` has not gone out yet."""
+        content = content or ""
+        return content[len(self.sent) :] if content.startswith(self.sent) else ""
+
+
 def token_pieces(render: Renderer, ids: Sequence[int]) -> list[str]:
     """Per output token, the text it adds; the last one also carries what ``flush`` returns."""
     pieces = TextPieces(render)
@@ -79,6 +114,33 @@ def chat_logprob(render: Renderer, token: int, logprob: float) -> dict:
     return {"token": text, "logprob": logprob, "bytes": list(text.encode()), "top_logprobs": []}
 
 
+def uses_tools(req: Any) -> bool:
+    """Whether a (validated) chat request's output is parsed for tool calls."""
+    return bool(getattr(req, "tools", None)) and getattr(req, "tool_choice", None) != "none"
+
+
+def chat_reply(proxy: Proxy, req: Any, completion_id: str, index: int, r: GenerationResult) -> tuple[dict, str, dict]:
+    """One choice of a chat answer: (its OpenAI message, its finish reason, the message as a history
+    entry for ``history.py``: tool-call arguments as dicts). With tools, the calls the parser finds
+    leave the content (it keeps the text around them) and the finish reason of a stopped reply with
+    calls is ``tool_calls``."""
+    text = proxy.render.decode(r.output_token_ids)
+    parser = proxy.render.tool_parser
+    if not uses_tools(req) or parser is None:
+        return {"role": "assistant", "content": text}, r.finish_reason, {"role": "assistant", "content": text}
+    content, calls = parser.parse(text)
+    if not calls:
+        return {"role": "assistant", "content": text}, r.finish_reason, {"role": "assistant", "content": text}
+    tool_calls = openai_tool_calls(calls, completion_id, index)
+    history = {
+        "role": "assistant",
+        "content": content,
+        "tool_calls": [{**c, "function": {"name": c["function"]["name"], "arguments": a["arguments"]}} for c, a in zip(tool_calls, calls)],
+    }
+    finish = "tool_calls" if r.finish_reason == "stop" else r.finish_reason
+    return {"role": "assistant", "content": content or None, "tool_calls": tool_calls}, finish, history
+
+
 def chat_payload(proxy: Proxy, req: Any, completion_id: str, results: Sequence[GenerationResult], turn: int) -> dict:
     choices = []
     for i, r in enumerate(results):
@@ -88,14 +150,8 @@ def chat_payload(proxy: Proxy, req: Any, completion_id: str, results: Sequence[G
                 "content": [chat_logprob(proxy.render, tok, lp) for tok, lp in zip(r.output_token_ids, r.output_logprobs)],
                 "refusal": None,
             }
-        choices.append(
-            {
-                "index": i,
-                "message": {"role": "assistant", "content": proxy.render.decode(r.output_token_ids)},
-                "logprobs": logprobs,
-                "finish_reason": r.finish_reason,
-            }
-        )
+        message, finish, _ = chat_reply(proxy, req, completion_id, i, r)
+        choices.append({"index": i, "message": message, "logprobs": logprobs, "finish_reason": finish})
     return {
         "id": completion_id,
         "object": "chat.completion",
@@ -176,6 +232,13 @@ class Chunks:
             text = self.render.token_text(token)
             logprobs = {"tokens": [text], "token_logprobs": [logprob], "top_logprobs": None, "text_offset": [at]}
         return [self._event({"index": index, "text": piece, "logprobs": logprobs, "finish_reason": None})]
+
+    def tool_calls(self, index: int, calls: list[dict]) -> list[bytes]:
+        """The parsed calls of a chat choice, whole, in one delta."""
+        if not calls:
+            return []
+        deltas = [{"index": j, **call} for j, call in enumerate(calls)]
+        return [self._event({"index": index, "delta": {"tool_calls": deltas}, "logprobs": None, "finish_reason": None})]
 
     def finish(self, index: int, finish_reason: str) -> list[bytes]:
         if self.kind == "chat":

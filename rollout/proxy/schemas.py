@@ -1,7 +1,11 @@
 """The OpenAI-format request bodies the proxy accepts, its control bodies, and its error answer.
 
 Request bodies are strict: a JSON string is not a number or a boolean (``"stream": "yes"`` is a 400, as
-at OpenAI). Unknown OpenAI fields the proxy does not use (``user``, ``seed``, ...) pass.
+at OpenAI). A field the proxy does not honour is refused (``unsupported_parameter``), not ignored:
+only bookkeeping fields that change no token (``user``, ``metadata``, ``store``, ``service_tier``,
+``parallel_tool_calls``) and neutral values of sampling fields it does not implement
+(``presence_penalty`` / ``frequency_penalty`` 0, an empty ``logit_bias``, ``response_format``
+text) pass.
 """
 
 import math
@@ -31,8 +35,19 @@ class Message(BaseModel):
         return "".join(parts)
 
 
+# fields that change no token: accepted and not acted on
+BOOKKEEPING = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls"})
+# sampling fields the proxy does not implement, with the value that means "off"
+NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "presence_penalty": (0, 0.0, None),
+    "frequency_penalty": (0, 0.0, None),
+    "logit_bias": ({}, None),
+    "response_format": ({"type": "text"}, None),
+}
+
+
 class Sampling(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)  # OpenAI fields the proxy does not use (user, seed, ...) pass
+    model_config = ConfigDict(extra="allow", strict=True)  # checked by refuse_unsupported
     model: str
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
@@ -51,11 +66,30 @@ class Sampling(BaseModel):
         return v
 
 
+class FunctionSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["function"]
+    function: FunctionSpec
+
+    def model_dump(self, **kwargs: Any) -> dict[str, Any]:  # as chat templates read it: no null entries
+        return super().model_dump(exclude_none=True, **kwargs)
+
+
 class ChatRequest(Sampling):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=0)
+    tools: list[Tool] | None = Field(None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
 
 
 class CompletionRequest(Sampling):
@@ -69,6 +103,17 @@ class CompletionRequest(Sampling):
         if v:
             raise ValueError("echo is not supported")
         return v
+
+
+def refuse_unsupported(model: Sampling) -> None:
+    """Raise a 400 ``unsupported_parameter`` for a field the proxy would otherwise silently ignore."""
+    for name, value in (model.model_extra or {}).items():
+        if name in BOOKKEEPING or (name in NEUTRAL and any(value == v and type(value) is type(v) for v in NEUTRAL[name])):
+            continue
+        hint = " (only its neutral value is accepted)" if name in NEUTRAL else ""
+        raise ApiError(
+            400, f"{name}: not supported by this proxy{hint}: refused rather than ignored", code="unsupported_parameter", param=name
+        )
 
 
 class StartSession(BaseModel):

@@ -39,6 +39,7 @@ from typing import Any
 
 from rollbook.client import StoreClient, as_trajectory
 from rollbook.rollout.engine import GenerationResult
+from rollbook.rollout.proxy.history import Reply, Turn
 from rollbook.v1 import rollbook_pb2 as pb
 
 log = logging.getLogger("rollbook.proxy")
@@ -65,6 +66,7 @@ class Attempt:
     held: list[dict] | None = None  # delivered, not yet submitted: waiting for a sign the caller consumed it
     held_since: float = 0.0
     hold: int | None = None  # its batch in the spool's held/ directory (SubmitQueue.hold), None without a spool
+    replies: list[Reply] = field(default_factory=list)  # per choice, once generated: what the next call may continue
 
 
 @dataclass
@@ -74,6 +76,7 @@ class Call:
     idempotency_key: str | None
     n: int = 1
     attempts: list[Attempt] = field(default_factory=list)
+    turn_plan: Turn | None = None  # its prompt ids and the call it continues (history.py), from its first attempt
 
     @property
     def delivered(self) -> Attempt | None:
@@ -136,6 +139,8 @@ class Session:
                 "calls": [
                     {
                         "turn": c.turn,
+                        "parent_request_id": c.turn_plan.parent_request_id if c.turn_plan else "",
+                        "branched": c.turn_plan.branched if c.turn_plan else False,
                         "attempts": [
                             {
                                 "attempt": a.number,

@@ -20,7 +20,7 @@ import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-from rollbook.rollout.proxy.payloads import Chunks, TextPieces
+from rollbook.rollout.proxy.payloads import Chunks, TextPieces, ToolCallHold, uses_tools
 from rollbook.rollout.proxy.schemas import ApiError
 
 if TYPE_CHECKING:
@@ -50,13 +50,17 @@ class TokenStream:
     async def _events(self, is_disconnected: Callable[[], Awaitable[bool]]) -> AsyncIterator[bytes]:
         chunks, delivered = self.chunks, None
         pieces = [TextPieces(self.proxy.render) for _ in range(self.num_choices)]
+        holds = [ToolCallHold() for _ in range(self.num_choices)] if self.kind == "chat" and uses_tools(self.req) else None
         try:
             for i in range(self.num_choices):
                 for event in chunks.role(i):
                     yield event
             while (item := await self.queue.get()) is not None:
                 i, token, logprob = item
-                for event in chunks.token(i, token, logprob, pieces[i].push(token)):
+                piece = pieces[i].push(token)
+                if holds is not None:
+                    piece = holds[i].push(piece)
+                for event in chunks.token(i, token, logprob, piece):
                     if await is_disconnected():
                         return
                     yield event
@@ -67,7 +71,13 @@ class TokenStream:
                 return
             tail = []
             for i, choice in enumerate(payload["choices"]):
-                tail += chunks.token(i, None, None, pieces[i].flush())
+                last = pieces[i].flush()
+                if holds is None:
+                    tail += chunks.token(i, None, None, last)
+                else:
+                    holds[i].push(last)
+                    tail += chunks.token(i, None, None, holds[i].rest(choice["message"]["content"]))
+                    tail += chunks.tool_calls(i, choice["message"].get("tool_calls") or [])
                 tail += chunks.finish(i, choice["finish_reason"])
             usage = payload["usage"] if (self.req.stream_options or {}).get("include_usage") else None
             for event in tail + chunks.end(usage):
