@@ -42,6 +42,9 @@ TRAJECTORY_SCHEMA = pa.schema(
         ("worker_id", pa.string()),
         ("created_at", pa.float64()),
         ("received_at", pa.float64()),
+        # the call tree of a session, last (see ADDED_COLUMNS)
+        ("parent_request_id", pa.string()),
+        ("branched", pa.bool_()),
     ]
 )
 
@@ -62,8 +65,17 @@ REJECTION_SCHEMA = pa.schema(
         # last, so that files made before them (ALTER TABLE ... ADD COLUMN below) have the same order
         ("consumed", pa.bool_()),
         ("created_at", pa.float64()),
+        ("parent_request_id", pa.string()),
+        ("branched", pa.bool_()),
     ]
 )
+
+# Columns added to both schemas after files and log segments were made without them, with the
+# value a row made before them reads: that of a trajectory that does not set the field (no parent
+# call, not branched). Every file gets them through ALTER TABLE (DDL below), a new one too, so that
+# old and new files have one column order (in `trajectories` they come after `status`); a log
+# segment written before them replays with these values (store/wal.py).
+ADDED_COLUMNS: dict[str, str | bool] = {"parent_request_id": "", "branched": False}
 
 _DUCK_TYPES = {
     pa.string(): "VARCHAR",
@@ -80,7 +92,19 @@ _DUCK_TYPES = {
 
 
 def _columns_ddl(schema: pa.Schema) -> str:
-    return ",\n  ".join(f"{f.name} {_DUCK_TYPES[f.type]}" for f in schema)
+    return ",\n  ".join(f"{f.name} {_DUCK_TYPES[f.type]}" for f in schema if f.name not in ADDED_COLUMNS)
+
+
+def _sql_literal(value: str | bool) -> str:
+    return ("true" if value else "false") if isinstance(value, bool) else "'" + value.replace("'", "''") + "'"
+
+
+def _add_columns_ddl(table: str, schema: pa.Schema) -> list[str]:
+    return [
+        f"ALTER TABLE {table} ADD COLUMN IF NOT EXISTS {name} {_DUCK_TYPES[schema.field(name).type]} "
+        f"DEFAULT {_sql_literal(value)}"
+        for name, value in ADDED_COLUMNS.items()
+    ]
 
 
 # A group is the samples of one prompt from one policy: one per (model_id, group_id).
@@ -100,6 +124,9 @@ DDL = [
     "ALTER TABLE rejections ADD COLUMN IF NOT EXISTS consumed BOOLEAN",
     # and before `rejections.created_at` (a session's last interaction may be a rejected one)
     "ALTER TABLE rejections ADD COLUMN IF NOT EXISTS created_at DOUBLE",
+    # the call tree (parent_request_id, branched): every file, old or new (ADDED_COLUMNS)
+    *_add_columns_ddl("trajectories", TRAJECTORY_SCHEMA),
+    *_add_columns_ddl("rejections", REJECTION_SCHEMA),
     """CREATE TABLE IF NOT EXISTS rewards (
   trajectory_id VARCHAR, session_id VARCHAR, reward DOUBLE, source VARCHAR, set_at DOUBLE)""",
     _GROUPS_DDL,

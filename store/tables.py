@@ -75,6 +75,8 @@ def rejections_table(batch: TrajectoryColumns, rejected: Sequence[tuple[int, str
             "worker_id",
             "consumed",
             "created_at",
+            "parent_request_id",
+            "branched",
         )
     }
     cols.update(

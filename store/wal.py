@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import pyarrow as pa
 
 from rollbook.fsync import fsync_dir
-from rollbook.store.schema import REJECTION_SCHEMA, TRAJECTORY_SCHEMA
+from rollbook.store.schema import ADDED_COLUMNS, REJECTION_SCHEMA, TRAJECTORY_SCHEMA
 
 if TYPE_CHECKING:  # pragma: no cover
     import duckdb
@@ -161,14 +161,17 @@ def _concat(tables: list[pa.Table]) -> pa.Table | None:
 
 def _conform(batches: list[pa.RecordBatch], schema: pa.Schema) -> pa.Table:
     """The batches as one table in ``schema``; a segment written before a column was added to the
-    schema (``rejections.consumed``, ``rejections.created_at``) gets that column as NULLs instead of
-    failing to read."""
+    schema gets that column instead of failing to read: the call tree's columns with the values of a
+    trajectory that does not set them (``ADDED_COLUMNS``: no parent, not branched), the others
+    (``rejections.consumed``, ``rejections.created_at``) as NULLs."""
     if batches[0].schema.equals(schema):
         return pa.Table.from_batches(batches, schema=schema)
     table = pa.Table.from_batches(batches)
     for f in schema:
         if f.name not in table.column_names:
-            table = table.append_column(f, pa.nulls(table.num_rows, f.type))
+            n = table.num_rows
+            column = pa.array([ADDED_COLUMNS[f.name]] * n, f.type) if f.name in ADDED_COLUMNS else pa.nulls(n, f.type)
+            table = table.append_column(f, column)
     return table.select(schema.names).cast(schema)
 
 

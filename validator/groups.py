@@ -58,7 +58,7 @@ def reject_rows(
             """INSERT INTO rejections BY NAME
                SELECT t.trajectory_id, ? AS reason, r.detail, ? AS stage, t.session_id, t.group_id, t.request_id,
                       t.model_id, t.domain, t.worker_id, t.num_output_tokens::BIGINT AS num_output_tokens, ? AS rejected_at,
-                      t.consumed, t.created_at
+                      t.consumed, t.created_at, t.parent_request_id, t.branched
                FROM trajectories t JOIN _reject r USING (trajectory_id)""",
             [str(reason), stage, now],
         )

@@ -62,6 +62,7 @@ STRING_FIELDS = (
     "model_id",
     "worker_id",
     "finish_reason",
+    "parent_request_id",
 )
 
 
@@ -115,7 +116,7 @@ def _rows(like: Ragged, values: np.ndarray) -> Ragged:
 def _scalar_suspects(batch: TrajectoryColumns, config: IngestConfig) -> np.ndarray:
     """Rows whose scalar fields may break a rule: empty or overlong strings, missing or invalid
     sampling parameters, a non-finite or out-of-range reward, a non-finite created_at, a group_size
-    over the limit."""
+    over the limit, a branch without a parent."""
     n = len(batch)
     suspect = np.zeros(n, bool)
     for name in STRING_FIELDS:
@@ -133,7 +134,9 @@ def _scalar_suspects(batch: TrajectoryColumns, config: IngestConfig) -> np.ndarr
     rewards = np.fromiter((0.0 if r is None else r for r in batch.column("reward")), np.float64, n)
     suspect |= ~(np.abs(rewards) <= config.max_abs_reward)  # NaN and inf too
     suspect |= ~np.isfinite(np.fromiter(batch.column("created_at"), np.float64, n))
-    return suspect | (np.fromiter(batch.column("group_size"), np.int64, n) > config.max_group_size)
+    suspect |= np.fromiter(batch.column("group_size"), np.int64, n) > config.max_group_size
+    orphan_branch = (b and not p for b, p in zip(batch.column("branched"), batch.column("parent_request_id")))
+    return suspect | np.fromiter(orphan_branch, bool, n)
 
 
 def _version_ranges(model_ids: Sequence[str], registry: Registry) -> tuple[np.ndarray, np.ndarray]:
@@ -215,6 +218,11 @@ def _evidence(row: _RowLike, config: IngestConfig) -> Verdict:
         return Reason.NONFINITE_CREATED_AT, f"created_at = {m.created_at} (it orders the attempts of a request)"
     if m.group_size > config.max_group_size:
         return Reason.INVALID_GROUP_SIZE, f"group_size = {m.group_size} > max_group_size {config.max_group_size}"
+    if m.branched and not m.parent_request_id:
+        return (
+            Reason.BRANCH_WITHOUT_PARENT,
+            "branched is true but parent_request_id is empty: a call can only branch from a parent call",
+        )
     return None
 
 

@@ -24,9 +24,14 @@ from rollbook.validator.normalize import normalize_rewards
 from rollbook.validator.reasons import Reason
 
 # Columns served to the trainer (docs/schema.md describes them; `advantage` is the normalized
-# sequence-level reward, broadcast over the output tokens by the trainer).
+# sequence-level reward, broadcast over the output tokens by the trainer). The session's call tree
+# (`session_id`, `request_id`, `parent_request_id`, `branched`) links a batch's turns of one session.
 BATCH_COLUMNS = [
     "trajectory_id",
+    "session_id",
+    "request_id",
+    "parent_request_id",
+    "branched",
     "group_id",
     "task_id",
     "domain",

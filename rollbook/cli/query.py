@@ -117,6 +117,11 @@ def _private_copy(path: pathlib.Path, dest: pathlib.Path) -> None:
         guard.close()
     con = duckdb.connect(str(dest))
     try:
+        from rollbook.store import schema
+
+        for ddl in schema.DDL:  # a file made by an older store gets today's columns, as a store opening it would
+            con.execute(ddl)
+        schema.upgrade(con)
         _fold_unfolded_log(con, path)
         con.execute("CHECKPOINT")
     finally:

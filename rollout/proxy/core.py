@@ -21,7 +21,14 @@ from rollbook.rollout.proxy.admission import Gate
 from rollbook.rollout.proxy.history import Reply, normalize_messages, plan_chat, plan_text
 from rollbook.rollout.proxy.payloads import chat_payload, chat_reply, text_payload
 from rollbook.rollout.proxy.render import Renderer, RenderError, renderer
-from rollbook.rollout.proxy.schemas import ApiError, ChatRequest, CompletionRequest, Sampling, refuse_unsupported, validation_error
+from rollbook.rollout.proxy.schemas import (
+    ApiError,
+    ChatRequest,
+    CompletionRequest,
+    Sampling,
+    refuse_unsupported,
+    validation_error,
+)
 from rollbook.rollout.proxy.sessions import Session, Sessions, SubmitQueue, reward_targets
 from rollbook.rollout.proxy.streaming import TokenStream
 
@@ -267,7 +274,9 @@ class Proxy:
         log.error("generation failed", exc_info=exc)
         return ApiError(500, f"generation failed: {type(exc).__name__}: {exc}", code="engine_error")
 
-    def _finished(self, kind: str, req: Sampling, session: Session, call, attempt, results: list[GenerationResult]) -> tuple[dict, Any]:
+    def _finished(
+        self, kind: str, req: Sampling, session: Session, call, attempt, results: list[GenerationResult]
+    ) -> tuple[dict, Any]:
         """Hold a generated attempt and build its answer: (payload, ``deliver(delivered)``)."""
         self.counters["completions"] += 1
         # durable (with spool_dir) before the answer is complete at the caller: a restarted proxy
@@ -294,7 +303,9 @@ class Proxy:
         ]
         return payload, deliver
 
-    def _stream(self, kind: str, req: Sampling, session: Session, call, attempt, requests: list[GenerationRequest]) -> TokenStream:
+    def _stream(
+        self, kind: str, req: Sampling, session: Session, call, attempt, requests: list[GenerationRequest]
+    ) -> TokenStream:
         """Generate a streamed completion: on an engine that samples token by token (``submit``),
         each choice with a callback that queues every token as it is sampled; on one that does not
         (vLLM), whole, then its tokens queued at once. The gate is released when all are done."""
@@ -524,6 +535,7 @@ def read_state_dict(path: str):
     p = pathlib.Path(path)
     if not p.is_file():
         raise ValueError(f"no file {path}")
+    state: Any
     try:
         if p.suffix == ".safetensors":
             from safetensors.torch import load_file

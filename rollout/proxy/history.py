@@ -61,18 +61,11 @@ class Reply:
 
 def same_message(a: Message, b: Message) -> bool:
     """Equal as a history entry: role, text, and tool calls by name and arguments (ids ignored)."""
-    return (
-        a.get("role") == b.get("role")
-        and (a.get("content") or "") == (b.get("content") or "")
-        and _calls(a) == _calls(b)
-    )
+    return a.get("role") == b.get("role") and (a.get("content") or "") == (b.get("content") or "") and _calls(a) == _calls(b)
 
 
 def _calls(m: Message) -> list[tuple[str, str]]:
-    return [
-        (c["function"]["name"], json.dumps(c["function"]["arguments"], sort_keys=True))
-        for c in m.get("tool_calls") or []
-    ]
+    return [(c["function"]["name"], json.dumps(c["function"]["arguments"], sort_keys=True)) for c in m.get("tool_calls") or []]
 
 
 def _common_prefix(a: Sequence[Message], b: Sequence[Message]) -> int:
@@ -86,7 +79,9 @@ def _common_prefix(a: Sequence[Message], b: Sequence[Message]) -> int:
 
 def _delivered(session: Session) -> list[tuple[Call, list[Reply]]]:
     with session.lock:
-        return [(c, c.delivered.replies) for c in session.calls if c.delivered is not None and c.delivered.replies and c.turn_plan]
+        return [
+            (c, c.delivered.replies) for c in session.calls if c.delivered is not None and c.delivered.replies and c.turn_plan
+        ]
 
 
 def plan_chat(render: Renderer, session: Session, messages: list[Message], tools: list[dict] | None) -> Turn:
@@ -112,7 +107,9 @@ def plan_chat(render: Renderer, session: Session, messages: list[Message], tools
     return Turn(prompt, f"turn-{best[1].turn}.{best[2]}", True, messages, tools)
 
 
-def _continue(render: Renderer, earlier: Turn, reply: Reply, messages: list[Message], tools: list[dict] | None) -> list[int] | None:
+def _continue(
+    render: Renderer, earlier: Turn, reply: Reply, messages: list[Message], tools: list[dict] | None
+) -> list[int] | None:
     """Earlier prompt + sampled ids + the unsampled rest of the assistant turn's close + the new
     messages; None when the template does not render the new messages as an append."""
     assert earlier.messages is not None

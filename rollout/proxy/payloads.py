@@ -135,7 +135,9 @@ def chat_reply(proxy: Proxy, req: Any, completion_id: str, index: int, r: Genera
     history = {
         "role": "assistant",
         "content": content,
-        "tool_calls": [{**c, "function": {"name": c["function"]["name"], "arguments": a["arguments"]}} for c, a in zip(tool_calls, calls)],
+        "tool_calls": [
+            {**c, "function": {"name": c["function"]["name"], "arguments": a["arguments"]}} for c, a in zip(tool_calls, calls)
+        ],
     }
     finish = "tool_calls" if r.finish_reason == "stop" else r.finish_reason
     return {"role": "assistant", "content": content or None, "tool_calls": tool_calls}, finish, history
@@ -215,7 +217,9 @@ class Chunks:
     def role(self, index: int) -> list[bytes]:
         if self.kind != "chat":
             return []
-        return [self._event({"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None})]
+        return [
+            self._event({"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None})
+        ]
 
     def token(self, index: int, token: int | None, logprob: float | None, piece: str) -> list[bytes]:
         """The event of one output token (``token`` None: text with no token of its own, a flush)."""
@@ -224,10 +228,11 @@ class Chunks:
             return []
         at = self._offsets.get(index, 0)
         self._offsets[index] = at + len(piece)
+        logprobs: dict[str, Any] | None = None
         if self.kind == "chat":
-            logprobs = {"content": [chat_logprob(self.render, token, logprob)], "refusal": None} if with_logprob else None
+            if with_logprob:
+                logprobs = {"content": [chat_logprob(self.render, token, logprob)], "refusal": None}
             return [self._event({"index": index, "delta": {"content": piece}, "logprobs": logprobs, "finish_reason": None})]
-        logprobs = None
         if with_logprob:
             text = self.render.token_text(token)
             logprobs = {"tokens": [text], "token_logprobs": [logprob], "top_logprobs": None, "text_offset": [at]}

@@ -129,7 +129,7 @@ class HFRenderer:
         self.path = str(path)
         self.vocab_size = self.tokenizer.vocab_size
         self.eos_token_id = self.tokenizer.eos_token_id
-        self.tool_parser = TOOL_PARSERS[tool_parser]() if tool_parser else None
+        self.tool_parser: ToolParser | None = TOOL_PARSERS[tool_parser]() if tool_parser else None
 
     def render(self, messages: Sequence[Message], tools: list[dict] | None, generation_prompt: bool) -> list[int]:
         if not getattr(self.hf, "chat_template", None):
@@ -207,7 +207,7 @@ class HermesToolParser:
         return (content if content.strip() else ""), calls
 
 
-TOOL_PARSERS = {"hermes": HermesToolParser}
+TOOL_PARSERS: dict[str, type[ToolParser]] = {"hermes": HermesToolParser}
 
 
 def openai_tool_calls(calls: list[dict], completion_id: str, choice: int) -> list[dict]:

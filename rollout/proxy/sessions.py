@@ -220,7 +220,8 @@ class Sessions:
             idle = [
                 s
                 for s in self._by_id.values()
-                if s.ended_at is None and now - s.last_active > self.idle_ttl_s
+                if s.ended_at is None
+                and now - s.last_active > self.idle_ttl_s
                 and not any(a.delivered is None for c in s.calls for a in c.attempts)
             ]
             for s in idle:
@@ -256,6 +257,8 @@ class Sessions:
                     "group_id": f"{session.group_id}/turn-{call.turn}" if session.group_id else "",
                     "group_size": session.group_size * len(results) if session.group_id else 0,
                     "request_id": request_id,
+                    "parent_request_id": call.turn_plan.parent_request_id if call.turn_plan else "",
+                    "branched": call.turn_plan.branched if call.turn_plan else False,
                     "attempt": attempt.number,
                     "consumed": delivered,
                     "task_id": session.task_id,

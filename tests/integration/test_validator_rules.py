@@ -67,6 +67,7 @@ INGEST_CASES: dict[Reason, list[tuple[str, dict]]] = {
     Reason.REWARD_OUT_OF_RANGE: [("1e200", {"reward": 1e200})],
     Reason.NONFINITE_CREATED_AT: [("nan", {"created_at": math.nan})],
     Reason.INVALID_GROUP_SIZE: [("2^32 - 1", {"group_size": 2**32 - 1})],
+    Reason.BRANCH_WITHOUT_PARENT: [("branched, no parent", {"request_id": "turn-2.0", "branched": True})],
     Reason.UNREGISTERED_MODEL: [("unknown model", {"model_id": "never-registered"})],
     Reason.TOKEN_OUT_OF_VOCAB: [
         ("output token = vocab", {"output_token_ids": [5, VOCAB, 6, 7]}),

@@ -50,3 +50,16 @@ def test_the_installed_package_serves_the_committed_stubs():
         "RegisterModel",
         "GetStats",
     }
+
+
+def test_the_call_tree_fields_keep_their_numbers_and_types():
+    """Fields 22 and 23 of ``Trajectory`` are on the wire: renumbering them would misread every
+    stored client's messages."""
+    from rollbook.v1 import rollbook_pb2
+
+    fields = rollbook_pb2.Trajectory.DESCRIPTOR.fields_by_name
+    got = {
+        name: (fields[name].number, fields[name].type, fields[name].has_presence) for name in ("parent_request_id", "branched")
+    }
+    string, boolean = fields["request_id"].type, fields["consumed"].type
+    assert got == {"parent_request_id": (22, string, False), "branched": (23, boolean, False)}

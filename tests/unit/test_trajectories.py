@@ -77,6 +77,16 @@ def test_a_dataclass_goes_through_asdict():
     assert msg.trajectory_id == "d" and not msg.HasField("reward")
 
 
+def test_the_call_tree_fields_default_to_no_parent_and_not_branched():
+    first = trajectory_from_dict(_dict(request_id="turn-0.0"))
+    edited = trajectory_from_dict(_dict(request_id="turn-2.1", parent_request_id="turn-1.0", branched=np.bool_(True)))
+    assert (first.parent_request_id, first.branched) == ("", False)
+    assert (edited.parent_request_id, edited.branched) == ("turn-1.0", True)
+    assert trajectory_from_dict(_dict(parent_request_id=None, branched=None)) == trajectory_from_dict(_dict())
+    batch = decode_messages([first, edited])
+    assert batch.column("parent_request_id") == ["", "turn-1.0"] and batch.column("branched") == [False, True]
+
+
 def test_decode_exposes_the_token_arrays_with_the_schema_dtypes():
     row = decode(trajectory_from_dict(_dict()))
     assert row.trajectory_id == "t"

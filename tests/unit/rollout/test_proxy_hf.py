@@ -21,7 +21,7 @@ import pytest
 from rollbook.config import ProxyConfig
 from rollbook.rollout.engine import GenerationResult
 from rollbook.rollout.proxy.core import Proxy
-from rollbook.rollout.proxy.render import HFRenderer, HermesToolParser
+from rollbook.rollout.proxy.render import HermesToolParser, HFRenderer
 from rollbook.rollout.proxy.schemas import ApiError
 from rollbook.rollout.proxy.streaming import TokenStream
 from tests.hf_fixtures import USER, save_bpe_tokenizer
@@ -58,7 +58,7 @@ class ScriptedEngine:
         out = []
         for r in requests:
             reply = self.replies.pop(0)
-            ids = (self.render.hf.encode(reply, add_special_tokens=False) if isinstance(reply, str) else list(reply))
+            ids = self.render.hf.encode(reply, add_special_tokens=False) if isinstance(reply, str) else list(reply)
             ids = ids[: r.max_new_tokens - 1] + [self.render.eos_token_id]
             self.prompts.append(list(r.prompt_token_ids))
             out.append(
@@ -96,7 +96,10 @@ def test_a_three_turn_tool_session_extends_the_sampled_ids_and_an_edited_history
         [
             '<tool_call>{"name": "mul", "arguments": {"a": 3, "b": 7}}</tool_call>',
             # a special token inside the reply: the text leaves it out, re-rendering would lose it
-            render.hf.encode("It", add_special_tokens=False) + [special] + answer + render.hf.encode("21", add_special_tokens=False),
+            render.hf.encode("It", add_special_tokens=False)
+            + [special]
+            + answer
+            + render.hf.encode("21", add_special_tokens=False),
             "Yes.",
             "It is 20",
         ],
@@ -114,7 +117,11 @@ def test_a_three_turn_tool_session_extends_the_sampled_ids_and_an_edited_history
         history += [second["choices"][0]["message"], {"role": "user", "content": "Sure?"}]
         third = await _call(proxy, key, {"messages": history, "tools": TOOLS})
         # the agent rewrites its history: the tool call is gone, the first answer edited
-        edited = [{"role": "user", "content": "What is 3 times 7?"}, {"role": "assistant", "content": "21"}, {"role": "user", "content": "Sure?"}]
+        edited = [
+            {"role": "user", "content": "What is 3 times 7?"},
+            {"role": "assistant", "content": "21"},
+            {"role": "user", "content": "Sure?"},
+        ]
         await _call(proxy, key, {"messages": edited, "tools": TOOLS})
         await proxy.end(session)
         proxy.submitter.close()
@@ -144,7 +151,11 @@ def test_a_three_turn_tool_session_extends_the_sampled_ids_and_an_edited_history
     assert links == [(0, "", False), (1, "turn-0.0", False), (2, "turn-1.0", False), (3, "turn-0.0", True)]
     # the branch is rendered afresh from its messages
     assert engine.prompts[3] == render.render(
-        [{"role": "user", "content": "What is 3 times 7?"}, {"role": "assistant", "content": "21"}, {"role": "user", "content": "Sure?"}],
+        [
+            {"role": "user", "content": "What is 3 times 7?"},
+            {"role": "assistant", "content": "21"},
+            {"role": "user", "content": "Sure?"},
+        ],
         TOOLS,
         True,
     )
@@ -179,15 +190,15 @@ def test_a_streamed_tool_call_sends_the_content_then_the_parsed_calls(render):
     [calls] = [d["tool_calls"] for d in deltas if "tool_calls" in d]
     assert content == whole["choices"][0]["message"]["content"] == "Let me compute. "
     assert "<tool_call>" not in content
-    assert [(c["index"], c["function"]) for c in calls] == [
-        (0, {"name": "mul", "arguments": json.dumps({"a": 2, "b": 5})})
-    ]
+    assert [(c["index"], c["function"]) for c in calls] == [(0, {"name": "mul", "arguments": json.dumps({"a": 2, "b": 5})})]
     assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
 
 
 def test_fields_the_proxy_does_not_honour_are_refused_and_neutral_values_pass(render):
     async def scenario():
-        proxy = Proxy(ProxyConfig(), ScriptedEngine(render, ["ok", "ok"]), _FakeStore(), admin_key=None, worker_key=None, render=render)
+        proxy = Proxy(
+            ProxyConfig(), ScriptedEngine(render, ["ok", "ok"]), _FakeStore(), admin_key=None, worker_key=None, render=render
+        )
         _, key = proxy.sessions.start(task_id="t", domain="d", group_id="", group_size=1)
         base = {"messages": [{"role": "user", "content": "hi"}]}
         errors = {}
@@ -215,7 +226,10 @@ def test_fields_the_proxy_does_not_honour_are_refused_and_neutral_values_pass(re
 
 def test_the_hermes_parser_keeps_a_malformed_block_as_content():
     parser = HermesToolParser()
-    assert parser.parse('<tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call>') == ("", [{"name": "f", "arguments": {"x": 1}}])
+    assert parser.parse('<tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call>') == (
+        "",
+        [{"name": "f", "arguments": {"x": 1}}],
+    )
     text = "<tool_call>not json</tool_call> and <tool_call>[1, 2]</tool_call>"
     assert parser.parse(text) == (text, [])
     assert parser.parse('a <tool_call>{"name": "g", "arguments": {}}</tool_call> b') == ("a  b", [{"name": "g", "arguments": {}}])

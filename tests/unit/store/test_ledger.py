@@ -106,9 +106,9 @@ def test_a_reward_beyond_max_abs_reward_is_refused_with_its_code(ledger):
 def test_recovery_reads_a_log_segment_written_before_rejections_had_consumed(tmp_path):
     """A segment from before the column existed replays with consumed NULL instead of being
     mistaken for a torn tail (which would drop acknowledged rejections)."""
-    from rollbook.store.schema import REJECTION_SCHEMA
+    from rollbook.store.schema import ADDED_COLUMNS, REJECTION_SCHEMA
 
-    old_schema = pa.schema([f for f in REJECTION_SCHEMA if f.name != "consumed"])
+    old_schema = pa.schema([f for f in REJECTION_SCHEMA if f.name != "consumed" and f.name not in ADDED_COLUMNS])
     old = pa.table(
         {
             f.name: pa.array(["x"] if f.type == pa.string() else [1] if f.type == pa.int64() else [1.0], f.type)
@@ -119,6 +119,7 @@ def test_recovery_reads_a_log_segment_written_before_rejections_had_consumed(tmp
     conformed = wal._conform(old.to_batches(), REJECTION_SCHEMA)
     assert conformed.schema == REJECTION_SCHEMA and conformed.column("consumed").to_pylist() == [None]
     assert conformed.column("trajectory_id").to_pylist() == ["x"]
+    assert (conformed.column("parent_request_id").to_pylist(), conformed.column("branched").to_pylist()) == ([""], [False])
 
 
 def test_a_file_made_before_groups_were_per_model_opens_with_its_groups_keyed_by_model(tmp_path):
@@ -147,6 +148,79 @@ def test_a_file_made_before_groups_were_per_model_opens_with_its_groups_keyed_by
         assert got == [("", "g-old", 2), (MODEL, "g-old", 2)]
         assert ledger.con.execute("SELECT trajectory_id, created_at FROM rejections").fetchall() == [("rej-old", None)]
     finally:
+        ledger.close()
+
+
+def test_the_call_tree_is_stored_and_goes_with_a_row_into_rejections(ledger):
+    call = dict(session_id="s", request_id="turn-1.0", parent_request_id="turn-0.0", branched=True)
+    out = ledger.submit(
+        [
+            row("turn-0", session_id="s", request_id="turn-0.0", consumed=True, created_at=1.0),
+            row("turn-1-a0", **call, attempt=0, consumed=False, created_at=2.0),  # an orphaned retry
+            row("turn-1-a1", **call, attempt=1, consumed=True, created_at=3.0),
+            row("orphan-branch", session_id="s", request_id="turn-2.0", branched=True, consumed=True, created_at=4.0),
+        ]
+    )
+    assert [(o.status, o.reason) for o in out][3] == (REJECTED, "BRANCH_WITHOUT_PARENT")
+    ledger.flush()
+    cur = ledger.cursor()
+    try:
+        kept = cur.execute("SELECT trajectory_id, parent_request_id, branched FROM trajectories ORDER BY 1").fetchall()
+        rejected = cur.execute("SELECT trajectory_id, reason, parent_request_id, branched FROM rejections ORDER BY 1").fetchall()
+    finally:
+        cur.close()
+    assert kept == [("turn-0", "", False), ("turn-1-a1", "turn-0.0", True)]
+    assert rejected == [("orphan-branch", "BRANCH_WITHOUT_PARENT", "", True), ("turn-1-a0", "RETRY_ORPHAN", "turn-0.0", True)]
+
+
+def test_a_file_and_a_log_made_before_the_call_tree_columns_open_with_no_parent_and_not_branched(tmp_path):
+    """An older file's ``trajectories`` and ``rejections`` get ``parent_request_id`` and ``branched``
+    (its rows read '' and false, as a trajectory that does not set them), in the same column order
+    as a new file; acknowledged rows of an older log segment replay with the same values."""
+    import duckdb
+
+    from rollbook.store.schema import ADDED_COLUMNS, DDL
+    from rollbook.store.tables import rejections_table, trajectories_table
+    from rollbook.trajectories import decode_messages
+
+    db = tmp_path / "old.duckdb"
+    con = duckdb.connect(str(db))
+    for ddl in DDL:  # the DDL without the statements that add the call tree's columns
+        if not any(f"ADD COLUMN IF NOT EXISTS {name} " in ddl for name in ADDED_COLUMNS):
+            con.execute(ddl)
+    assert "parent_request_id" not in [c for (c,) in con.execute("SELECT column_name FROM duckdb_columns()").fetchall()]
+    con.execute("INSERT INTO trajectories (trajectory_id, model_id, status) VALUES ('folded-old', 'm', 'trained')")
+    con.execute("INSERT INTO rejections (trajectory_id, reason) VALUES ('rej-old', 'STALE')")
+    con.close()
+    halves = {
+        "traj": trajectories_table(decode_messages([row("logged-old")]), 5.0),
+        "rej": rejections_table(decode_messages([row("logged-bad")]), [(0, "NONFINITE_LOGPROB", "x")], "ingest", 5.0),
+    }
+    wal.log_root(db).mkdir()
+    for kind, table in halves.items():
+        old = table.drop_columns(list(ADDED_COLUMNS))
+        segment = wal._SegmentFile(wal.log_root(db) / f"00000001.{kind}.arrow", old.schema)
+        segment.append([old])
+        segment.close()
+
+    def columns(ledger: Ledger) -> list[tuple]:
+        return ledger.con.execute(
+            "SELECT table_name, column_name, data_type FROM duckdb_columns() "
+            "WHERE table_name IN ('trajectories', 'rejections') ORDER BY table_name, column_index"
+        ).fetchall()
+
+    ledger = open_ledger(db)
+    fresh = open_ledger(tmp_path / "new.duckdb")
+    try:
+        assert columns(ledger) == columns(fresh)
+        ledger.submit([row("new", request_id="turn-1.0", parent_request_id="turn-0.0", branched=True)])
+        ledger.flush()
+        got = ledger.con.execute("SELECT trajectory_id, parent_request_id, branched FROM trajectories ORDER BY 1").fetchall()
+        assert got == [("folded-old", "", False), ("logged-old", "", False), ("new", "turn-0.0", True)]
+        got = ledger.con.execute("SELECT trajectory_id, parent_request_id, branched FROM rejections ORDER BY 1").fetchall()
+        assert got == [("logged-bad", "", False), ("rej-old", "", False)]
+    finally:
+        fresh.close()
         ledger.close()
 
 
@@ -300,7 +374,9 @@ def test_a_later_reward_replaces_the_earlier_one_until_a_trainer_leases_the_row(
     assert ledger.set_reward(1.0, trajectory_id="t") == "t"  # ready, not leased: replaced
     assert cur.execute("SELECT status, reward, original_reward FROM trajectories").fetchall() == [("ready", 1.0, 1.0)]
     assert [r for (r,) in cur.execute("SELECT reward FROM rewards ORDER BY set_at").fetchall()] == [0.25, 1.0]
-    leased = ledger.pull_batch(pb.PullBatchRequest(model_id=MODEL, trainer_id="tr", num_samples=1, trainer_version=0, max_staleness=4))
+    leased = ledger.pull_batch(
+        pb.PullBatchRequest(model_id=MODEL, trainer_id="tr", num_samples=1, trainer_version=0, max_staleness=4)
+    )
     assert leased.lease_id
     with pytest.raises(NotRewardable, match="already leased to a trainer"):
         ledger.set_reward(0.0, trajectory_id="t")

@@ -44,6 +44,20 @@ def test_trajectories_table_fills_every_column_of_the_one_schema():
     assert got[1]["prompt_token_ids"] == [] and got[1]["num_prompt_tokens"] == 0
     assert got[0]["top_k"] is None  # unset optional -> NULL, not 0
     assert {r["received_at"] for r in got} == {99.0}
+    assert [(r["parent_request_id"], r["branched"]) for r in got] == [("", False)] * 2  # unset: no parent, not branched
+
+
+def test_both_tables_carry_the_call_tree():
+    batch = decode_messages(
+        [
+            trajectory_from_dict(_dict(trajectory_id="a", request_id="turn-1.0", parent_request_id="turn-0.1")),
+            trajectory_from_dict(_dict(trajectory_id="b", request_id="turn-2.0", parent_request_id="turn-1.0", branched=True)),
+        ]
+    )
+    kept = trajectories_table(batch, 1.0).to_pylist()
+    assert [(r["parent_request_id"], r["branched"]) for r in kept] == [("turn-0.1", False), ("turn-1.0", True)]
+    [r] = rejections_table(batch, [(1, "OVERSIZED", "x")], "ingest", 2.0).to_pylist()
+    assert (r["trajectory_id"], r["request_id"], r["parent_request_id"], r["branched"]) == ("b", "turn-2.0", "turn-1.0", True)
 
 
 def test_trajectories_table_keeps_only_the_rows_asked_for():

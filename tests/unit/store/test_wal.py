@@ -105,3 +105,23 @@ def test_rotation_starts_a_new_segment_and_reports_the_closed_ones(tmp_path):
     assert wal.read_segment(tmp_path, 8) == []
     wal.remove_segment(tmp_path, 5)
     assert wal.list_segments(tmp_path) == [6, 7, 8]
+
+
+def test_a_segment_written_before_the_call_tree_columns_reads_back_with_their_defaults(tmp_path):
+    """Acknowledged rows logged by an older store replay with no parent and not branched (the values
+    of a trajectory that does not set the fields), not as a torn tail."""
+    from rollbook.store.schema import ADDED_COLUMNS
+
+    old = {kind: pa.schema([f for f in schema if f.name not in ADDED_COLUMNS]) for kind, schema in wal.KINDS.items()}
+    tables = {"traj": _traj_table(["old-a", "old-b"]), "rej": _rej_table(["old-r"])}
+    for kind, schema in old.items():
+        segment = wal._SegmentFile(tmp_path / f"00000001.{kind}.arrow", schema)
+        segment.append([tables[kind].select(schema.names)])
+        segment.close()
+    [batch] = wal.read_segment(tmp_path, 1)
+    assert batch.trajectories.schema == TRAJECTORY_SCHEMA and batch.rejections.schema == REJECTION_SCHEMA
+    for table, ids in ((batch.trajectories, ["old-a", "old-b"]), (batch.rejections, ["old-r"])):
+        assert _ids(table) == ids
+        assert table.column("parent_request_id").to_pylist() == [""] * len(ids)
+        assert table.column("branched").to_pylist() == [False] * len(ids)
+    assert batch.trajectories.column("output_token_ids").to_pylist() == [[1, 2, 3]] * 2

@@ -131,6 +131,7 @@ def test_the_view_is_the_trajectory_field_for_field_with_the_packed_arrays_as_by
         dict(output_token_ids=[0, 1, 127], prompt_token_ids=[127]),  # every byte < 128: the one-byte path
         dict(output_logprobs=[float("nan"), float("-inf"), -0.0, 3.5e38]),
         dict(reward=float("nan"), top_k=-1, attempt=7, group_size=4, consumed=True, created_at=1.5e9),
+        dict(request_id="turn-2.1", parent_request_id="turn-1.0", branched=True),
     ],
 )
 def test_one_packed_trajectory_decodes_like_the_ordinary_parse(fields):
@@ -316,6 +317,8 @@ trajectories = st.builds(
     output_versions=int64s | st.lists(st.integers(0, 9), max_size=20),
     reward=st.none() | st.floats(allow_nan=True),
     top_k=st.none() | st.integers(-(2**31), 2**31 - 1),
+    parent_request_id=st.text(max_size=5),
+    branched=st.booleans(),
 )
 
 

@@ -95,6 +95,8 @@ def trajectories(draw) -> pb.Trajectory:
         finish_reason=draw(ids),
         worker_id=draw(ids),
         created_at=draw(st.floats(allow_nan=True, allow_infinity=True)),
+        parent_request_id=draw(ids),
+        branched=draw(st.booleans()),
     )
     for name, strategy in (
         ("temperature", float32s),
@@ -148,6 +150,8 @@ def near_valid_for(draw, registry: FakeRegistry) -> pb.Trajectory:
         "group_size": st.integers(*UINT32),
         "finish_reason": ids,
         "task_id": ids,
+        "parent_request_id": ids,
+        "branched": st.booleans(),
     }
     for name in draw(st.lists(st.sampled_from(sorted(wild)), max_size=3, unique=True)):
         value = draw(wild[name])
@@ -229,6 +233,7 @@ def test_what_check_accepts_meets_every_stored_invariant(case, config):
     assert not msg.HasField("top_p") or 0 < msg.top_p <= 1
     assert not msg.HasField("top_k") or msg.top_k >= -1
     assert math.isfinite(msg.created_at) and msg.group_size <= config.max_group_size
+    assert not msg.branched or msg.parent_request_id
 
 
 @PROPERTY
@@ -310,6 +315,7 @@ BREAKS = {
     Reason.REWARD_OUT_OF_RANGE: _set("reward", -1e200),
     Reason.NONFINITE_CREATED_AT: _set("created_at", math.nan),
     Reason.INVALID_GROUP_SIZE: _set("group_size", 2**32 - 1),
+    Reason.BRANCH_WITHOUT_PARENT: _set("branched", True),
     Reason.UNREGISTERED_MODEL: _set("model_id", "unknown"),
     Reason.TOKEN_OUT_OF_VOCAB: _put("output_token_ids", 64),
     Reason.FUTURE_VERSION: _versions_from(7),

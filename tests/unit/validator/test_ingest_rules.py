@@ -104,6 +104,8 @@ CASES = {
     "nan-created-at": (Reason.NONFINITE_CREATED_AT, dict(created_at=NAN)),
     "inf-created-at": (Reason.NONFINITE_CREATED_AT, dict(created_at=INF)),
     "huge-group-size": (Reason.INVALID_GROUP_SIZE, dict(group_size=2**32 - 1)),
+    "oversized-parent-request-id": (Reason.OVERSIZED, dict(parent_request_id="p" * 17)),
+    "branch-without-parent": (Reason.BRANCH_WITHOUT_PARENT, dict(branched=True)),
     "inf-reward": (Reason.NONFINITE_REWARD, dict(reward=-INF)),
     "unregistered-model": (Reason.UNREGISTERED_MODEL, dict(model_id="nobody")),
     "output-token-out-of-vocab": (Reason.TOKEN_OUT_OF_VOCAB, dict(output_token_ids=[3, VOCAB, 5])),
@@ -144,6 +146,8 @@ def test_breaking_one_rule_gets_exactly_its_code(code, overrides):
         dict(temperature=0.0, top_p=1.0, top_k=-1),  # greedy
         dict(top_k=0, reward=1e6, created_at=1.7e9, group_size=65_536),
         dict(output_token_ids=[3] * 8, output_logprobs=[-0.1] * 8, output_versions=[0] * 8),  # at the token limit
+        dict(request_id="turn-1.0", parent_request_id="turn-0.0"),  # extends its parent
+        dict(request_id="turn-2.0", parent_request_id="p" * 16, branched=True),  # branched from its parent
     ],
     ids=[
         "tiny-positive",
@@ -158,10 +162,19 @@ def test_breaking_one_rule_gets_exactly_its_code(code, overrides):
         "greedy",
         "scalars-at-limit",
         "output-at-limit",
+        "child-call",
+        "branched-call",
     ],
 )
 def test_edges_that_stay_legal(overrides):
     assert verdict(minimal(**overrides)) is None
+
+
+def test_a_branch_without_a_parent_is_rejected_after_the_evidence_rules():
+    """Its detail names both fields; a trajectory that also breaks an evidence rule gets that code."""
+    code, detail = verdict(minimal(request_id="turn-3.0", branched=True))
+    assert code == Reason.BRANCH_WITHOUT_PARENT and "branched" in detail and "parent_request_id" in detail
+    assert verdict(minimal(branched=True, created_at=NAN))[0] == Reason.NONFINITE_CREATED_AT
 
 
 def test_sampling_params_are_optional_when_configured_so():

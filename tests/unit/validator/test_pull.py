@@ -105,3 +105,21 @@ def test_served_rows_carry_normalized_reward_and_keep_original_reward(con):
     stored = dict(con.execute("SELECT trajectory_id, reward FROM trajectories").fetchall())
     assert stored == {k: v[1] for k, v in got.items()}
     assert isinstance(batch.table, pa.Table)
+
+
+def test_served_rows_carry_the_session_call_tree(con):
+    insert(
+        con,
+        traj("first", request_id="turn-0.0"),
+        traj("next", request_id="turn-1.0", parent_request_id="turn-0.0"),
+        traj("edited", request_id="turn-2.0", parent_request_id="turn-1.0", branched=True),
+    )
+    got = {
+        r["trajectory_id"]: (r["session_id"], r["request_id"], r["parent_request_id"], r["branched"])
+        for r in pull(con, now=T0).table.to_pylist()
+    }
+    assert got == {
+        "first": ("s", "turn-0.0", "", False),
+        "next": ("s", "turn-1.0", "turn-0.0", False),
+        "edited": ("s", "turn-2.0", "turn-1.0", True),
+    }
