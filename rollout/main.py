@@ -2,8 +2,8 @@
 
     rollbook rollout --config runs/x/worker.json            # or TOML; dotted overrides work too
 
-It maps the trainer's weights from a weight channel (``shm:NAME`` on one host, ``grpc:HOST:PORT``
-across hosts), generates task groups with the engine ``rollout.engine`` names (native, or vLLM on
+It maps the trainer's weights from a weight channel (``shm:NAME`` on one host, ``cuda-ipc:NAME`` on one
+GPU host, ``grpc:HOST:PORT`` across hosts), generates task groups with the engine ``rollout.engine`` names (native, or vLLM on
 ``model.path``: rollout/engines.py) under the staleness gate (admission
 capacity ``(eta + version + 1) * batch_size - (accepted + running)``), and hands every trajectory to
 the spooling ``Submitter``, so a store outage pauses nothing until the spool fills. New weights are
@@ -51,9 +51,13 @@ def open_channel(spec: str):
         from rollbook.weights.ray_objects import RayObjectReceiver
 
         return RayObjectReceiver(where)
+    if kind == "cuda-ipc":
+        from rollbook.weights.cuda_ipc import CudaIpcReceiver
+
+        return CudaIpcReceiver(where)
     from rollbook.errors import ConfigError
 
-    raise ConfigError(f"weights must be 'shm:NAME', 'grpc:HOST:PORT' or 'ray:BOARD', got {spec!r}")
+    raise ConfigError(f"weights must be 'shm:NAME', 'grpc:HOST:PORT', 'ray:BOARD' or 'cuda-ipc:NAME', got {spec!r}")
 
 
 def run_worker(

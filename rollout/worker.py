@@ -17,8 +17,10 @@ Your own data (``dataset`` set): the tasks are the dataset's rows (``rollbook/da
 are encoded with ``tokenizer`` (a local Hugging Face directory; chat rows through its chat template),
 completions stop on its eos, ``stop_token_ids`` and ``stop_strings``, and each domain's reward (``rewards``,
 ``rollbook/rewards.py``) scores them in a process pool, so generation of the next chunk of prompts
-(``chunk_prompts``) goes on while the previous one is scored. Without ``dataset`` the built-in toy
-domains run exactly as before, with the character tokenizer.
+(``chunk_prompts``) goes on while the previous one is scored. A row whose prompt is longer than
+``max_prompt_tokens`` is a bad row (the engine is sized for that prompt plus ``max_new_tokens``:
+rollout/engines.py). Without ``dataset`` the built-in toy domains run exactly as before, with the
+character tokenizer (a toy prompt longer than ``max_prompt_tokens`` is a ``ConfigError``).
 
 Stops: every request, for rollouts and for evaluation, stops on the tokenizer's eos and on
 ``stop_token_ids``, to which ``use_model_stops`` adds the model's own eos ids (its generation config's,
@@ -39,6 +41,7 @@ from rollbook.errors import ConfigError
 from rollbook.language_models import stop_token_ids, student_vocab_size
 from rollbook.rewards import RewardPool, Scored
 from rollbook.rollout.engine import GenerationEngine, GenerationRequest
+from rollbook.rollout.engines import rollout_prompt_tokens
 from rollbook.tasks import TOKENIZER, RewardOutcome, RewardTally, Task, build_domains, make_tasks, score
 from rollbook.tokenizers import StopStrings, Tokenizer, load_tokenizer
 from rollbook.v1 import rollbook_pb2 as pb
@@ -62,6 +65,21 @@ def tokenizer_for(config: RolloutConfig) -> Tokenizer:
         )
     except (OSError, ValueError) as exc:  # a missing directory, files transformers cannot read, no eos
         raise ConfigError(f"rollout.tokenizer: {exc}") from None
+
+
+def encode_row(tokenizer: Tokenizer, row: Row, max_prompt_tokens: int) -> tuple[list[int], str | None]:
+    """A dataset row's prompt ids, and why the row is bad (None: it is not): a prompt the tokenizer
+    refuses or encodes to nothing, or one longer than ``max_prompt_tokens`` (``rollout.max_prompt_tokens``:
+    the engine holds no longer request)."""
+    try:
+        ids = tokenizer.encode_prompt(prompt=row.prompt, messages=row.messages)
+        if not ids:
+            raise ValueError("the prompt encodes to no tokens")
+    except Exception as exc:  # noqa: BLE001 - whatever the tokenizer refuses is a bad row, never a crash mid-run
+        return [], f"prompt does not encode: {type(exc).__name__}: {exc}"
+    if len(ids) > max_prompt_tokens:
+        return ids, f"prompt of {len(ids)} tokens is longer than rollout.max_prompt_tokens ({max_prompt_tokens})"
+    return ids, None
 
 
 @dataclass
@@ -109,6 +127,13 @@ class RolloutWorker:
             for d in self.domains.values()
             for t in make_tasks(d, "heldout", config.num_eval_tasks, config.seed, allow_fewer=True)
         ]
+        tasks = [*self.train_tasks, *self.eval_tasks]
+        longest = max((len(TOKENIZER.encode(t.prompt, add_bos=True)) for t in tasks), default=0)
+        if longest > rollout_prompt_tokens(config):
+            raise ConfigError(
+                f"rollout.max_prompt_tokens ({rollout_prompt_tokens(config)}) is shorter than the longest toy task "
+                f"prompt ({longest} tokens): raise it"
+            )
 
     # -- your own data ---------------------------------------------------------------------------
 
@@ -140,16 +165,14 @@ class RolloutWorker:
         )
 
     def _encodable(self, rows: list[Row]) -> list[Row]:
-        """The rows whose prompt the tokenizer encodes (ids cached); the others are bad rows, reported now."""
+        """The rows whose prompt the tokenizer encodes within ``max_prompt_tokens`` (ids cached); the others
+        are bad rows, reported now."""
         kept = []
         for row in rows:
-            try:
-                ids = self.tokenizer.encode_prompt(prompt=row.prompt, messages=row.messages)
-                if not ids:
-                    raise ValueError("the prompt encodes to no tokens")
-            except Exception as exc:  # a row the tokenizer refuses: reported, never a crash mid-run
+            ids, problem = encode_row(self.tokenizer, row, rollout_prompt_tokens(self.config))
+            if problem is not None:  # reported, never a crash mid-run
                 path, _, line = row.source.rpartition(":")
-                bad = BadRow(path, int(line) if line.isdigit() else 0, f"prompt does not encode: {type(exc).__name__}: {exc}")
+                bad = BadRow(path, int(line) if line.isdigit() else 0, problem)
                 self.bad_rows.append(bad)
                 log.warning("bad row %s (skipped)", bad)
                 continue

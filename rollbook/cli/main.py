@@ -191,6 +191,9 @@ def _rollout(args: argparse.Namespace, overrides: list[str]) -> int:
         raise ConfigError("rollbook rollout needs a worker config: --config configs/worker.toml (or --weights shm:NAME ...)")
     config = load_config(WorkerConfig, args.config, overrides)
     _check_engine(config.rollout.engine, config.model.path, device=config.rollout.device)
+    from rollbook.rollout.engines import check_fits
+
+    check_fits(config.model, config.rollout)  # the longest request fits the model: one line, exit 2
     if config.rollout.engine == "native":  # vLLM places its model itself
         _check_device(config.rollout.device, config.rollout.dtype)
     setup_logging(args.log_level)
@@ -215,6 +218,9 @@ def _proxy(args: argparse.Namespace, overrides: list[str]) -> int:
 
     config = load_config(ProxyConfig, args.config, overrides)
     _check_engine(config.engine, config.model.path, field="engine", device=config.device)
+    from rollbook.rollout.engines import check_proxy_fits
+
+    check_proxy_fits(config)  # max_context_tokens fits the model: one line, exit 2
     if config.engine == "native":  # vLLM places its model itself
         _check_device(config.device, config.dtype)
     setup_logging(args.log_level)

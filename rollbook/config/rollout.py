@@ -151,7 +151,28 @@ class RolloutConfig(BaseModel):
     )
     group_size: int = Field(8, ge=1, description="Samples per prompt (one normalization group).")
     num_prompts: int = Field(8, ge=1, description="Prompts per rollout round.")
-    max_new_tokens: int = Field(6, ge=1, description="Longest completion.")
+    max_new_tokens: int = Field(
+        6,
+        ge=1,
+        description="Longest completion. With max_prompt_tokens it makes the longest request, which must fit the "
+        "model's max_position_embeddings (checked before anything starts, one line, exit 2).",
+    )
+    max_prompt_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="Longest prompt in tokens (a dataset row's with its chat template and bos): a longer dataset "
+        "row is a bad row (skipped, or refused under on_bad_row = 'fail'), a longer toy task is refused. "
+        "max_prompt_tokens + max_new_tokens is each sequence's length in the native engine's KV cache "
+        "(max_batch_size x that many positions per layer) and vLLM's max_model_len; it must fit the model's "
+        "max_position_embeddings. None: 64 for the toy tasks (their longest prompt is 21 tokens), 256 with a dataset.",
+    )
+    max_batch_size: int | None = Field(
+        None,
+        ge=1,
+        description="Sequences the native engine decodes at once (its KV cache's slots; more requests wait for "
+        "a free one). None: one generate call of a round, group_size x num_prompts (x chunk_prompts instead "
+        "of num_prompts when a dataset generates in chunks).",
+    )
     temperature: float = Field(1.0, gt=0, description="Sampling temperature (the trainer recomputes log-probs at the same one).")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass (1 = off).")
     top_k: int = Field(0, ge=-1, description="Top-k (0 or -1 = off).")
@@ -253,8 +274,9 @@ class WorkerConfig(BaseModel):
 
     server: str = Field("127.0.0.1:50551", description="Store address HOST:PORT.")
     weights: str = Field(
-        description="Weight channel: 'shm:NAME' (shared memory, one host), 'grpc:HOST:PORT' (network) or "
-        "'ray:BOARD' (Ray's object store, inside a Ray job: the ray placement)."
+        description="Weight channel: 'shm:NAME' (shared memory, one host), 'grpc:HOST:PORT' (network), "
+        "'ray:BOARD' (Ray's object store, inside a Ray job: the ray placement) or 'cuda-ipc:NAME' (the "
+        "trainer's GPU buffer through CUDA IPC, one GPU host: copied device to device)."
     )
     model_id: str = Field("tiny", description="Model id the trajectories are recorded under.")
     model: ModelConfig = Field(default_factory=ModelConfig, description="Architecture to build before the first weights arrive.")
@@ -323,7 +345,7 @@ class ProxyConfig(BaseModel):
     version: int = Field(0, ge=0, description="The policy version of the starting weights (without a weight channel).")
     weights: str | None = Field(
         None,
-        description="Follow a trainer's weight channel: 'shm:NAME' (one host) or 'grpc:HOST:PORT'. "
+        description="Follow a trainer's weight channel: 'shm:NAME' (one host), 'cuda-ipc:NAME' (one GPU host) or 'grpc:HOST:PORT'. "
         "Completions wait for its first version (the built weights are never served), and each newer "
         "version is installed as load_weights does.",
     )
@@ -331,9 +353,18 @@ class ProxyConfig(BaseModel):
     seed: int = Field(0, description="Sampling seed of the engine.")
     device: str = device_field("the served model")
     dtype: Dtype = dtype_field("the served model", "The model is held in it; recorded log-probs are float32 from its logits.")
-    max_batch_size: int = Field(64, ge=1, description="Engine batch size.")
+    max_batch_size: int = Field(
+        64,
+        ge=1,
+        description="Sequences the native engine decodes at once (its KV cache's slots), at most max_concurrent x "
+        "max_n (the most that can be in flight).",
+    )
     max_context_tokens: int = Field(
-        512, ge=2, description="Prompt plus max_tokens may not exceed this (400 context_length_exceeded)."
+        512,
+        ge=2,
+        description="Prompt plus max_tokens may not exceed this (400 context_length_exceeded). Each sequence's "
+        "length in the native engine's KV cache and vLLM's max_model_len; it must fit the model's "
+        "max_position_embeddings (checked at start, one line, exit 2).",
     )
     default_max_tokens: int = Field(16, ge=1, description="max_tokens when a request gives none.")
     max_tokens_limit: int = Field(256, ge=1, description="The largest max_tokens a request may ask for.")
@@ -377,6 +408,6 @@ class ProxyConfig(BaseModel):
     @field_validator("weights")
     @classmethod
     def _channel(cls, v: str | None) -> str | None:
-        if v is not None and not (v.startswith("shm:") or v.startswith("grpc:")):
-            raise ValueError(f"must be 'shm:NAME' or 'grpc:HOST:PORT', got {v!r}")
+        if v is not None and not v.startswith(("shm:", "grpc:", "cuda-ipc:")):
+            raise ValueError(f"must be 'shm:NAME', 'cuda-ipc:NAME' or 'grpc:HOST:PORT', got {v!r}")
         return v

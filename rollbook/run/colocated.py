@@ -2,7 +2,8 @@
 model's two copies (the native engine and the trainer's student). Each new version is copied from the
 student into the engine's model tensor by tensor on the device (``EngineHandoff``: no state dict, no
 host copy). With ``trainer.offload_optimizer`` the two phases take turns with the device's memory: the
-trainer's AdamW state leaves it after each step and the engine frees its KV cache after each round."""
+trainer's AdamW state leaves it after each step and the engine frees its KV cache after each round
+(vLLM sleeps: its KV cache discarded, its weights in host memory until the next round)."""
 
 from __future__ import annotations
 
@@ -22,18 +23,21 @@ def run_colocated(config: RunConfig, client) -> dict:
     from rollbook.trainer.model_builders import build_models
 
     student, teacher = build_models(config)
-    engine = build_engine(config.trainer.model, config.rollout, version=0, weights=student)
+    release_kv = config.trainer.offload_optimizer
+    engine = build_engine(config.trainer.model, config.rollout, version=0, weights=student, releases_memory=release_kv)
     worker = RolloutWorker(engine, config.rollout, model_id=config.trainer.model_id)
     trainer = Trainer(config.trainer, client, model=student, teacher=teacher, publishers=[EngineHandoff(engine)])
     trainer.start()
-    return drive_run(config, trainer, Colocated(worker, client, trainer=trainer, release_kv=config.trainer.offload_optimizer))
+    return drive_run(config, trainer, Colocated(worker, client, trainer=trainer, release_kv=release_kv))
 
 
 class Colocated(Placement):
     """Rollout in the trainer's process: before each step a round is sampled on the engine that holds
     the trainer's latest version, rewarded and submitted; held-out reward on that engine. With
-    ``release_kv`` the engine frees its KV cache once the round is done (allocated again by the next
-    one), its size reported with the step (``rollout/kv_released_bytes``)."""
+    ``release_kv`` the engine frees its KV cache once the round is done (``release_memory``: the native
+    engine drops its slab, allocated again by the next round; vLLM, built with its sleep mode, sleeps
+    until the next generate or weight update), what it freed reported with the step
+    (``rollout/kv_released_bytes``; vLLM's is the GPU's free memory gained, weights included)."""
 
     poll_interval_s = 0.0  # the next try produces its own round: nothing to wait for
 
@@ -45,9 +49,8 @@ class Colocated(Placement):
         if self.worker.exhausted:
             return False
         self.result = self.client.submit(self.worker.produce())
-        release = getattr(self.worker.engine, "release_memory", None)  # the native engine's
-        if self.release_kv and release is not None:  # the round is done: nothing in flight
-            freed = release()
+        if self.release_kv:  # the round is done: nothing in flight
+            freed = self.worker.engine.release_memory()
             self.trainer.report_with_next_step({"rollout/kv_released_bytes": freed})
         return True
 

@@ -9,7 +9,9 @@ import pathlib
 def check_inputs(config) -> int:
     """The local files a ``RunConfig`` names, checked before the store process starts (so a typo is one
     line and no ledger is created): the experiment trackers turned on (installed?), the devices and
-    dtypes (there? able?), the student, teacher and reference model directories, the dataset
+    dtypes (there? able?), the student, teacher and reference model directories, the rollout's
+    longest request against the student's positions (``rollout.max_prompt_tokens +
+    rollout.max_new_tokens``, rollout/engines.py ``check_fits``), the dataset
     files (every row too, under ``on_bad_row = "fail"``) and the tokenizer directory (loaded: it is small). Returns the vocabulary size to register
     (``rollout/worker.py`` ``registered_vocab_size``; a tiny model of unset size trained on a dataset
     takes its tokenizer's, which is then written into ``trainer.model.vocab_size`` so that the student
@@ -28,6 +30,10 @@ def check_inputs(config) -> int:
     trainer, rollout = config.trainer, config.rollout
     if trainer.model.path:
         check_model_dir(trainer.model.path, "model.path")
+    if config.online is None:  # the rollout's longest request fits the model (the online proxy sizes itself)
+        from rollbook.rollout.engines import check_fits
+
+        check_fits(trainer.model, rollout, field="trainer.model.path")
     for teacher in trainer.teachers:
         check_model_dir(teacher.path, "teacher")
     if trainer.loss.kl_coef > 0 and trainer.reference != "initial":
@@ -66,22 +72,22 @@ def check_inputs(config) -> int:
 
 def _refuse_bad_rows(rollout, tokenizer) -> None:
     """``on_bad_row = "fail"``: every row read and checked now as the rollout will check it (the
-    fields its domain's reward needs, a domain with a reward, a prompt the tokenizer encodes), so a bad
-    row refuses the run in one line (``DatasetError``) before its store starts."""
+    fields its domain's reward needs, a domain with a reward, a prompt the tokenizer encodes within
+    ``rollout.max_prompt_tokens``), so a bad row refuses the run in one line (``DatasetError``) before
+    its store starts."""
     from rollbook.datasets import BadRow, DatasetError, load_dataset
-    from rollbook.rollout.worker import _NEEDS
+    from rollbook.rollout.engines import rollout_prompt_tokens
+    from rollbook.rollout.worker import _NEEDS, encode_row
 
     dataset = rollout.dataset
     needs = {domain: _NEEDS.get(r.kind, ()) for domain, r in rollout.rewards.items()}
     data = load_dataset(dataset, requirements=needs, known_domains=set(rollout.rewards))  # raises on a bad field
     bad = []
     for row in [*data.train, *data.heldout]:
-        try:
-            if not tokenizer.encode_prompt(prompt=row.prompt, messages=row.messages):
-                raise ValueError("the prompt encodes to no tokens")
-        except Exception as exc:  # noqa: BLE001 - whatever the tokenizer refuses is a bad row
+        _, problem = encode_row(tokenizer, row, rollout_prompt_tokens(rollout))
+        if problem is not None:
             path, _, line = row.source.rpartition(":")
-            bad.append(BadRow(path, int(line) if line.isdigit() else 0, f"prompt does not encode: {type(exc).__name__}: {exc}"))
+            bad.append(BadRow(path, int(line) if line.isdigit() else 0, problem))
     if bad:
         shown = "; ".join(str(b) for b in bad[:20]) + (f"; ... and {len(bad) - 20} more" if len(bad) > 20 else "")
         raise DatasetError(f"{len(bad)} bad rows (on_bad_row = 'fail'): {shown}")

@@ -44,6 +44,10 @@ if TYPE_CHECKING:  # pragma: no cover
     from rollbook.rollout.engine import GenerationEngine
     from rollbook.tasks import Task
 
+# max_context_tokens of the online mode's proxy (and of its held-out games' engine): an agent's whole
+# session (the problem, its answers, the feedback) fits; less when the model has fewer positions
+ONLINE_CONTEXT_TOKENS = 512
+
 
 def online_problems(config: RunConfig, split: Literal["train", "heldout"], num: int) -> list[Task]:
     """The problems of ``split`` the agent plays (train) or is evaluated on (heldout): ``num`` per
@@ -81,13 +85,14 @@ class AgentEvaluation:
 
     def _episodes(self, tasks: list[Task], temperature: float, seed: int | None) -> list[list[float]]:
         from rollbook.rollout.engine import GenerationRequest
+        from rollbook.rollout.proxy.render import chat_prompt
 
         history: list[list[tuple[str, str]]] = [[("user", t.prompt)] for t in tasks]
         rewards: list[list[float]] = [[] for _ in tasks]
         for turn in range(self.online.turns):
             requests = [
                 GenerationRequest(
-                    prompt_token_ids=self.render.chat_prompt(h),
+                    prompt_token_ids=chat_prompt(self.render, [{"role": r, "content": c} for r, c in h]),
                     max_new_tokens=self.online.max_tokens,
                     temperature=temperature,
                     top_p=self.top_p if temperature > 0 else 1.0,
@@ -163,6 +168,7 @@ def run_online(config: RunConfig, client, address: str, keys: dict) -> dict:
     from rollbook.config import ProxyConfig, write_resolved
     from rollbook.devices import cast_floating
     from rollbook.rollout.engine import NativeEngine
+    from rollbook.rollout.engines import model_positions, proxy_batch_size
     from rollbook.trainer.loop import Trainer
     from rollbook.trainer.model_builders import build_models
     from rollbook.weights.shm import SharedMemoryPublisher
@@ -183,16 +189,7 @@ def run_online(config: RunConfig, client, address: str, keys: dict) -> dict:
     student, teacher = build_models(config)
     channel = f"rollbook-{uuid.uuid4().hex[:12]}"
     publisher = SharedMemoryPublisher(channel, cast_floating(student.state_dict(), config.trainer.dtype), checksum=True)
-    evaluator = NativeEngine(engine_copy(student, config.rollout), version=0, seed=config.rollout.seed)
-    judge = AgentEvaluation(evaluator, heldout, online, top_p=config.rollout.top_p, model=config.trainer.model)
-    trainer = Trainer(
-        config.trainer,
-        client,
-        model=student,
-        teacher=teacher,
-        publishers=[publisher.publish, lambda v, sd: install_weights(evaluator, v, sd)],
-    )
-    trainer.start()
+    positions = model_positions(config.trainer.model, field="trainer.model.path") or ONLINE_CONTEXT_TOKENS
     proxy_cfg = ProxyConfig(
         server=address,
         port=0,
@@ -202,11 +199,29 @@ def run_online(config: RunConfig, client, address: str, keys: dict) -> dict:
         seed=config.rollout.seed,
         device=config.rollout.device,
         dtype=config.rollout.dtype,
+        max_context_tokens=min(ONLINE_CONTEXT_TOKENS, positions),
         max_tokens_limit=max(16, online.max_tokens),
         worker_id="proxy",
         max_concurrent=max(4, online.concurrency * online.group_size),
         spool_dir=str(run_dir / "proxy" / "spool"),
     )
+    # the held-out games are the agent's sessions played here: sized as the proxy's engine is
+    evaluator = NativeEngine(
+        engine_copy(student, config.rollout),
+        version=0,
+        seed=config.rollout.seed,
+        max_batch_size=proxy_batch_size(proxy_cfg),
+        max_seq_len=proxy_cfg.max_context_tokens,
+    )
+    judge = AgentEvaluation(evaluator, heldout, online, top_p=config.rollout.top_p, model=config.trainer.model)
+    trainer = Trainer(
+        config.trainer,
+        client,
+        model=student,
+        teacher=teacher,
+        publishers=[publisher.publish, lambda v, sd: install_weights(evaluator, v, sd)],
+    )
+    trainer.start()
     proxy_dir = run_dir / "proxy"
     write_resolved(proxy_cfg, proxy_dir)
     env = rollbook_env.with_keys(dict(os.environ), {"worker_key": keys["worker_key"], "admin_key": keys["admin_key"]})

@@ -166,16 +166,13 @@ class _Judge(Placement):
     rollout actors feed the store; the drive loop waits for their batches)."""
 
     def __init__(self, config: RunConfig):
-        from rollbook.rollout.engine import NativeEngine
+        from rollbook.devices import place
+        from rollbook.rollout.engines import native_engine
         from rollbook.rollout.worker import RolloutWorker
         from rollbook.trainer.model_builders import build_models
 
         student, _ = build_models(config)
-        from rollbook.devices import place
-
-        self.engine = NativeEngine(
-            place(student, config.rollout.device, config.rollout.dtype), version=0, seed=config.rollout.seed
-        )
+        self.engine = native_engine(place(student, config.rollout.device, config.rollout.dtype), config.rollout, version=0)
         self.worker = RolloutWorker(self.engine, config.rollout, model_id=config.trainer.model_id)
 
     def install(self, version: int, state_dict) -> None:

@@ -20,7 +20,7 @@ from rollbook.trainer.drive import Placement
 def run_separated(config: RunConfig, client, address: str, keys: dict) -> dict:
     from rollbook.config import WorkerConfig
     from rollbook.devices import cast_floating
-    from rollbook.rollout.engine import NativeEngine
+    from rollbook.rollout.engines import native_engine
     from rollbook.rollout.main import write_worker_config
     from rollbook.rollout.worker import RolloutWorker
     from rollbook.trainer.loop import Trainer
@@ -31,7 +31,7 @@ def run_separated(config: RunConfig, client, address: str, keys: dict) -> dict:
     student, teacher = build_models(config)
     channel = f"rollbook-{uuid.uuid4().hex[:12]}"
     publisher = SharedMemoryPublisher(channel, cast_floating(student.state_dict(), config.trainer.dtype), checksum=True)
-    evaluator = NativeEngine(engine_copy(student, config.rollout), version=0, seed=config.rollout.seed)
+    evaluator = native_engine(engine_copy(student, config.rollout), config.rollout, version=0)
     judge = RolloutWorker(evaluator, config.rollout, model_id=config.trainer.model_id)
     trainer = Trainer(
         config.trainer,

@@ -112,7 +112,10 @@ def refuse_unsupported(model: Sampling) -> None:
             continue
         hint = " (only its neutral value is accepted)" if name in NEUTRAL else ""
         raise ApiError(
-            400, f"{name}: not supported by this proxy{hint}: refused rather than ignored", code="unsupported_parameter", param=name
+            400,
+            f"{name}: not supported by this proxy{hint}: refused rather than ignored",
+            code="unsupported_parameter",
+            param=name,
         )
 
 

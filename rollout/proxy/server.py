@@ -13,6 +13,10 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 def build_engine(config: ProxyConfig) -> GenerationEngine:
+    """The served engine, sized by the proxy's workload: sequences of ``max_context_tokens`` (refused in
+    one line when the model has fewer positions), ``proxy_batch_size`` of them at once (native)."""
+    from rollbook.rollout.engines import check_proxy_fits, proxy_batch_size
+
     if config.engine == "vllm":
         from rollbook.rollout.vllm_engine import VllmEngine
 
@@ -20,17 +24,25 @@ def build_engine(config: ProxyConfig) -> GenerationEngine:
             from rollbook.errors import ConfigError
 
             raise ConfigError("engine = 'vllm' needs model.path (a local model directory)")
-        return VllmEngine(config.model.path, version=config.version)
+        check_proxy_fits(config)
+        return VllmEngine(config.model.path, version=config.version, max_model_len=config.max_context_tokens)
     from rollbook.devices import place
     from rollbook.language_models import build_student
     from rollbook.rollout.engine import NativeEngine
 
+    check_proxy_fits(config)
     model = place(build_student(config.model), config.device, config.dtype)
     if config.checkpoint:
         model.load_state_dict(read_state_dict(config.checkpoint), strict=True)
     # with a weight channel the built weights are never served: version -1 until the first one arrives
     version = -1 if config.weights else config.version
-    return NativeEngine(model, version=version, seed=config.seed, max_batch_size=config.max_batch_size)
+    return NativeEngine(
+        model,
+        version=version,
+        seed=config.seed,
+        max_batch_size=proxy_batch_size(config),
+        max_seq_len=config.max_context_tokens,
+    )
 
 
 def check_exposure(config: ProxyConfig, admin_key: str | None, worker_key: str | None) -> None:

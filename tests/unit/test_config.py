@@ -232,3 +232,41 @@ def test_the_student_mix_names_only_the_run_s_domains_with_a_positive_total():
         RunConfig, None, ["--rollout.domains", '["addition", "program"]', "--warm_start.student_mix.addition", "0.9"]
     )
     assert over.warm_start.student_mix == {"addition": 0.9}
+
+
+# ---- the workload against the model ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["quickstart", "demo", "online", "smoke", "byod"])
+def test_every_shipped_run_config_asks_for_no_longer_requests_than_its_model_holds(name):
+    """rollout.max_prompt_tokens + rollout.max_new_tokens against the model the config builds (no
+    model.path in any of them: the tiny model's 512 positions), as `rollbook run` checks before it
+    starts anything (rollout/engines.py ``check_fits``; no torch is imported for it)."""
+    from rollbook.rollout.engines import check_fits, model_positions, rollout_seq_len
+
+    config = load_config(RunConfig, str(pathlib.Path(QUICKSTART).parent / f"{name}.toml"), [])
+    assert config.trainer.model.path is None
+    assert rollout_seq_len(config.rollout) <= model_positions(config.trainer.model) == 512  # type: ignore[operator]
+    check_fits(config.trainer.model, config.rollout, field="trainer.model.path")
+
+
+def test_byod_asking_for_more_than_its_model_holds_is_refused_naming_the_fields():
+    from rollbook.rollout.engines import check_fits
+
+    byod = str(pathlib.Path(QUICKSTART).parent / "byod.toml")
+    config = load_config(RunConfig, byod, ["--rollout.max_new_tokens", "512"])
+    with pytest.raises(
+        _error_type(),
+        match=r"^rollout.max_prompt_tokens \(256\) \+ rollout.max_new_tokens \(512\) = 768 is longer than the model's "
+        r"max_position_embeddings \(512, the tiny model built when trainer.model.path is unset\): lower them to fit$",
+    ):
+        check_fits(config.trainer.model, config.rollout, field="trainer.model.path")
+
+
+def test_the_sizing_fields_are_validated():
+    from pydantic import ValidationError
+
+    for bad in ({"max_prompt_tokens": 0}, {"max_batch_size": 0}):
+        with pytest.raises(ValidationError):
+            RunConfig.model_validate({"rollout": bad})
+    assert RunConfig().rollout.max_prompt_tokens is None and RunConfig().rollout.max_batch_size is None  # by the workload

@@ -49,3 +49,35 @@ def test_build_engine_vllm_takes_weights_by_version_and_records_the_sampled_dist
     [result] = engine.generate([GenerationRequest(prompt_token_ids=[1, 5, 7], max_new_tokens=4, temperature=1.0)], seed=0)
     assert set(result.output_versions) == {1}
     assert result.output_logprobs == pytest.approx([-math.log(64)] * len(result.output_logprobs), abs=1e-3)
+
+
+def test_vllm_engine_releases_its_memory_and_wakes_to_generate_and_take_weights(tmp_path):
+    """Sleep mode (colocated with trainer.offload_optimizer): ``release_memory`` puts vLLM to sleep and
+    reports the GPU memory it gave back; the next generate wakes it with the same weights (the same
+    greedy tokens), and weights installed after a release are the ones the next generate samples from."""
+    pytest.importorskip("vllm")
+    from rollbook.language_models import TinyModelSpec, build_tiny_model
+    from rollbook.rollout.vllm_engine import VllmEngine
+
+    model = build_tiny_model(TinyModelSpec(vocab_size=64))
+    model.save_pretrained(tmp_path)
+    engine = VllmEngine(
+        str(tmp_path),
+        version=0,
+        sleep_mode=True,
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        gpu_memory_utilization=0.3,
+        max_model_len=64,
+    )
+    request = GenerationRequest(prompt_token_ids=[1, 5, 7], max_new_tokens=8, temperature=0.0)
+    [before] = engine.generate([request])
+    assert engine.release_memory() > 0  # the KV cache (and the weights, to host memory) left the GPU
+    assert engine.release_memory() == 0  # asleep already
+    [after] = engine.generate([request])  # woken first
+    assert after.output_token_ids == before.output_token_ids and set(after.output_versions) == {0}
+
+    assert engine.release_memory() > 0
+    engine.update_weights(dict(model.state_dict()), 1)  # woken before the load
+    [loaded] = engine.generate([request])
+    assert loaded.output_token_ids == before.output_token_ids and set(loaded.output_versions) == {1}
