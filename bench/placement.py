@@ -28,8 +28,11 @@ placement named with ``-offload`` (``colocated-offload``) is that placement with
   channel, and the held-out engine's load), ``offload_s_per_step`` and ``onload_s_per_step``
   (``perf/offload_s``, ``perf/onload_s``: the AdamW state to host memory and back, with
   ``trainer.offload_optimizer``; null without it) and ``kv_released_mib_per_step`` (the colocated
-  engine's KV cache freed for the training phase, with offload); and ``publish_s_per_step``, the mean
-  of ``perf/publish_s`` in metrics.jsonl (the publishers plus the checksum and ``PublishVersion``).
+  engine's KV cache freed for the training phase, with offload); ``peak_device_mib``, the largest
+  ``perf/peak_device_mib`` of a step (on CUDA: the trainer process's peak allocated device memory
+  during the step, a colocated engine's resident weights and KV cache included; null on the CPU); and
+  ``publish_s_per_step``, the mean of ``perf/publish_s`` in metrics.jsonl (the publishers plus the
+  checksum and ``PublishVersion``).
   What the rollout side spends fetching and loading runs beside training and is not in them;
 - ``stale``, ``rejected``: rejections in the ledger; ``heldout_first`` / ``heldout_final``: greedy
   held-out reward before the first step and after the last;
@@ -52,7 +55,8 @@ the channels into a Ray actor; the ray placement publishes through Ray's object 
 A loaded machine moves every timing; compare placements within one run, and read ``load_avg``.
 A local Ray instance that timed out starting is started again by the launcher itself (up to three
 starts; ``ray_start_failures`` counts them from the run's log). A run that fails is reported with its ``error`` in the JSON and the
-table, the others are still measured, and the script exits non-zero.
+table, the others are still measured, and the script exits non-zero. SIGTERM (a time limit around
+the script) kills the run under way and reports what was measured before it (``terminated``).
 """
 
 from __future__ import annotations
@@ -99,10 +103,12 @@ SELECT (SELECT count(*) - count(DISTINCT trajectory_id) FROM trajectories) AS st
 
 OFFLOAD = "-offload"  # a placement name ending in it: that placement with trainer.offload_optimizer on
 
-# the per-step figures of train_steps.stats, averaged over the run's steps (NULL when no step has one)
+# the per-step figures of train_steps.stats, averaged over the run's steps (the peak: the largest), NULL
+# when no step has one
 PER_STEP_SQL = """
 SELECT avg((stats->>'$."perf/weight_sync_s"')::DOUBLE), avg((stats->>'$."perf/offload_s"')::DOUBLE),
-       avg((stats->>'$."perf/onload_s"')::DOUBLE), avg((stats->>'$."rollout/kv_released_bytes"')::DOUBLE)
+       avg((stats->>'$."perf/onload_s"')::DOUBLE), avg((stats->>'$."rollout/kv_released_bytes"')::DOUBLE),
+       max((stats->>'$."perf/peak_device_mib"')::DOUBLE)
 FROM train_steps
 """
 
@@ -170,10 +176,28 @@ def fresh_run_dir(work: pathlib.Path, name: str, student: pathlib.Path) -> pathl
     return run_dir
 
 
+_STARTED: list[subprocess.Popen] = []  # every run this process started, for _on_terminate
+_TERMINATED: list[int] = []  # the signal that asked this process to end, once it came
+
+
 def start(cmd: list[str], log: pathlib.Path) -> subprocess.Popen:
     """In a process group of its own, so the whole run can be killed at once."""
+    if _TERMINATED:
+        raise SystemExit(f"terminated (signal {_TERMINATED[0]}) before starting; log {log}")
     with open(log, "ab") as out:
-        return subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    _STARTED.append(proc)
+    return proc
+
+
+def _on_terminate(signum: int, frame) -> None:
+    """SIGTERM (a time limit, such as scripts/gpu_check.sh's ``timeout``): kill the run under way, so its
+    measurement fails at once, and let ``main`` report the placements measured before it."""
+    _TERMINATED.append(signum)
+    for proc in _STARTED:
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
 
 
 def finish(proc: subprocess.Popen, log: pathlib.Path, what: str, timeout: float) -> None:
@@ -233,7 +257,7 @@ def measure(placement: str, work: pathlib.Path, student: pathlib.Path, args: arg
     ).fetchone()
     rejected = dict(con.execute("SELECT reason, count(*) FROM rejections GROUP BY reason").fetchall())
     workers = dict(con.execute("SELECT worker_id, count(*) FROM trajectories GROUP BY worker_id").fetchall())
-    weight_sync, offload, onload, kv_released = con.execute(PER_STEP_SQL).fetchone()
+    weight_sync, offload, onload, kv_released, peak_device = con.execute(PER_STEP_SQL).fetchone()
     con.close()
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     evals = [m for m in metrics if "eval/reward" in m]
@@ -250,6 +274,7 @@ def measure(placement: str, work: pathlib.Path, student: pathlib.Path, args: arg
         "offload_s_per_step": _round(offload, 6),
         "onload_s_per_step": _round(onload, 6),
         "kv_released_mib_per_step": _round(kv_released, 2, 1 / 2**20),
+        "peak_device_mib": _round(peak_device, 1),
         "publish_s_per_step": round(sum(publish) / len(publish), 4) if publish else None,
         "stale": rejected.get("STALE", 0),
         "rejected": sum(rejected.values()),
@@ -344,6 +369,7 @@ COLUMNS = [  # (header, how to read it from a row)
     ("offload ms/step", lambda r: _round(r["offload_s_per_step"], 2, 1000)),
     ("onload ms/step", lambda r: _round(r["onload_s_per_step"], 2, 1000)),
     ("KV freed MiB/step", lambda r: r["kv_released_mib_per_step"]),
+    ("peak device MiB", lambda r: r["peak_device_mib"]),
     ("publish ms/step", lambda r: _round(r["publish_s_per_step"], 1, 1000)),
     ("stale", lambda r: r["stale"]),
     ("rejected", lambda r: r["rejected"]),
@@ -393,6 +419,8 @@ def write_png(rows: list[dict], path: pathlib.Path) -> None:
         ),
         ("greedy held-out reward", [[r["heldout_first"] for r in rows], [r["heldout_final"] for r in rows]], ["before", "final"]),
     ]
+    if any(r.get("peak_device_mib") for r in rows):
+        panels.append(("peak device memory in a train step (MiB)", [[r.get("peak_device_mib") or 0 for r in rows]], [None]))
     if any(r.get("restart_recovery_s") for r in rows):
         panels.append(("restart recovery (s)", [[r.get("restart_recovery_s") or 0 for r in rows]], [None]))
     fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.4))
@@ -440,28 +468,38 @@ def main() -> None:
     online = args.json if args.online is None else args.online
     work = pathlib.Path(args.work_dir or tempfile.mkdtemp(prefix="rollbook-placement-"))
     work.mkdir(parents=True, exist_ok=True)
+    signal.signal(signal.SIGTERM, _on_terminate)
     load = [round(os.getloadavg()[0], 2)]
     student = warm_start(work, args)
     rows, failed = [], []
     for name in args.placements.split(","):
+        if _TERMINATED:
+            break
         print(f"[placement bench] {name}: {args.steps} steps", file=sys.stderr, flush=True)
         row = _or_error(measure, (name, work, student, args), {"placement": name, "steps": args.steps}, failed)
         row["recovery"] = row["restart_recovery_s"] = None
-        if recovery:
+        if recovery and not _TERMINATED:
             print(f"[placement bench] {name}: kill and restart", file=sys.stderr, flush=True)
             row["recovery"] = _or_error(recover, (name, work, student, args), {}, failed)
             row["restart_recovery_s"] = row["recovery"].get("restart_recovery_s")
         rows.append(row)
     report: dict = {"placements": rows}
-    if online:
+    if _TERMINATED:
+        report["terminated"] = f"signal {_TERMINATED[0]}: placements not listed were not measured"
+        failed.append(f"terminated by signal {_TERMINATED[0]}")
+    elif online:
         from bench.online_retries import run_scenario
 
         print("[placement bench] online: retries and late rewards", file=sys.stderr, flush=True)
         report["online"] = run_scenario(work / "online")
     load.append(round(os.getloadavg()[0], 2))
     report["machine"] = {"cpus": os.cpu_count(), "load_avg_1m_start_end": load}
-    if args.png:
-        write_png([r for r in rows if "error" not in r], pathlib.Path(args.png))
+    if args.png and any("error" not in r for r in rows):
+        try:
+            write_png([r for r in rows if "error" not in r], pathlib.Path(args.png))
+        except ImportError as exc:  # matplotlib: not every machine that runs the bench has it
+            report["png"] = f"not written: {exc}"
+            print(f"[placement bench] no PNG: {exc}", file=sys.stderr, flush=True)
     table = markdown(rows, report.get("online"))
     if args.json:
         print(json.dumps(report))

@@ -21,7 +21,10 @@ A kill -9 anywhere in between neither loses nor repeats a batch (see ``trainer.c
 
 With ``trainer.offload_optimizer`` the AdamW state leaves the device after the step's last optimizer
 update and comes back before the next step's first (trainer/offload.py; ``perf/offload_s`` and
-``perf/onload_s`` in ``train_steps``). A publisher in this process that reads the model itself
+``perf/onload_s`` in ``train_steps``). On CUDA ``perf/peak_device_mib`` in ``train_steps`` is the
+most device memory this process had allocated during the step (``torch.cuda.max_memory_allocated``,
+reset when the step's batch arrives; a colocated engine's weights and KV cache count while they are
+resident); absent on other devices. A publisher in this process that reads the model itself
 (``ModelPublisher``: the colocated engine's, rollbook/run/driving.py ``EngineHandoff``) gets no state dict.
 """
 
@@ -213,9 +216,14 @@ class Trainer:
         )
         if batch.num_rows == 0:
             return None
+        on_cuda = self.device.type == "cuda"
+        if on_cuda:  # perf/peak_device_mib: the step's own peak, from here to its report
+            torch.cuda.reset_peak_memory_stats(self.device)
         rows = _Rows.from_table(batch.table)
         stats = self.update(rows)
         stats.update(_batch_stats(batch, rows, self.state.version))
+        if on_cuda:
+            stats["perf/peak_device_mib"] = torch.cuda.max_memory_allocated(self.device) / 2**20
         stats.update(self._carried)  # e.g. perf/weight_sync_s: the handoff of the weights this step trained from
         self._carried = {}
         stats["time/step_s"] = time.time() - started

@@ -2,6 +2,8 @@
 
 - ``shm``: one host; the trainer writes a double-buffered file in /dev/shm, workers map it (zero copy).
 - ``network``: any hosts; a gRPC stream of full copies or deltas against the previous version.
+- ``cuda_ipc``: one GPU host; the trainer shares a double-buffered device buffer once through CUDA IPC,
+  workers copy from it device to device (no host copy).
 
 Both ends are protocols in ``base`` (``WeightPublisher``, ``WeightChannel``); see docs/design.md,
 "Rollout, weights and placement". Benchmark: ``python bench/weights.py --json``.
@@ -17,11 +19,14 @@ from rollbook.weights.base import (
     checksum,
     load_into,
 )
+from rollbook.weights.cuda_ipc import CudaIpcPublisher, CudaIpcReceiver
 from rollbook.weights.network import NetworkPublisher, NetworkReceiver, create_weight_server
 from rollbook.weights.shm import SharedMemoryPublisher, SharedMemoryReceiver
 
 __all__ = [
     "ChecksumMismatch",
+    "CudaIpcPublisher",
+    "CudaIpcReceiver",
     "Layout",
     "NetworkPublisher",
     "NetworkReceiver",

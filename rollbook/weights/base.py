@@ -210,7 +210,7 @@ def pack_into(layout: Layout, state_dict: Mapping[str, "torch.Tensor"], views: M
 def _same_bits(a: "torch.Tensor", b: "torch.Tensor") -> bool:
     import torch
 
-    return torch.equal(a.reshape(-1).view(torch.uint8), b.cpu().contiguous().reshape(-1).view(torch.uint8))
+    return torch.equal(a.reshape(-1).view(torch.uint8), b.to(a.device).contiguous().reshape(-1).view(torch.uint8))
 
 
 def _round_up(n: int, align: int) -> int:
