@@ -103,7 +103,7 @@ from concurrent.futures import wait as wait_for_futures
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
-from rollbook.rollout.sampling import gumbel_noise, request_key, vocab_mix
+from rollbook.rollout.sampling import gumbel_max, request_key, row_hashes, vocab_mix
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -262,7 +262,9 @@ class NativeEngine:
 
     ``max_batch_size`` sequences decode together (the KV cache's slots); ``max_seq_len`` bounds
     prompt plus output tokens of one request (default: the model's ``max_position_embeddings``, at
-    most ``DEFAULT_MAX_SEQ_LEN``). Together they size the KV cache. ``pad_token_id`` is accepted for
+    most ``DEFAULT_MAX_SEQ_LEN``; a longer one than the model's positions is a ``ValueError``). Together
+    they size the KV cache: callers that know their workload pass both (rollout/engines.py
+    ``native_engine``: the longest prompt plus ``max_new_tokens``). ``pad_token_id`` is accepted for
     older callers and unused: nothing is padded. The engine owns ``model`` (it is put in eval mode;
     run nothing else on it while a generation is in flight).
     """
@@ -281,9 +283,13 @@ class NativeEngine:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         config: Any = model.config
-        max_seq_len = max_seq_len or min(
-            getattr(config, "max_position_embeddings", None) or DEFAULT_MAX_SEQ_LEN, DEFAULT_MAX_SEQ_LEN
-        )
+        positions = getattr(config, "max_position_embeddings", None)
+        if max_seq_len is not None and isinstance(positions, int) and max_seq_len > positions:
+            raise ValueError(
+                f"max_seq_len {max_seq_len} is longer than the model's max_position_embeddings {positions}: "
+                "the model has no positions past them"
+            )
+        max_seq_len = max_seq_len or min(positions or DEFAULT_MAX_SEQ_LEN, DEFAULT_MAX_SEQ_LEN)
         if max_seq_len < 2:
             raise ValueError(f"max_seq_len must be >= 2 (one prompt token and one output token), got {max_seq_len}")
         self._model = model.eval()
@@ -308,6 +314,7 @@ class NativeEngine:
         # only the scheduler thread touches these while something is in flight
         self._slab: KVSlab | None = None
         self._vocab_mix: torch.Tensor | None = None
+        self._sampling: _SamplingParams | None = None  # those of the last step's rows
 
     @property
     def version(self) -> int:
@@ -534,10 +541,12 @@ class NativeEngine:
                 self._fail_all(RuntimeError("the engine was closed"))
             self._admit_held()
             new = self._admit_queued()
-            reached = max([s.num_tokens for s in self._live.values()], default=None)
+            # the highest output index the coming step computes (only scheduled updates ask)
+            reached = max([s.num_tokens for s in self._live.values()], default=None) if self._scheduled else None
             updated = self._apply_due(reached) or updated
             if not self._live:  # nothing admitted, or an update failed and failed everything
                 self._thread = None
+                self._sampling = None
                 self._cond.notify_all()
                 return None
             refresh = updated and self._refresh_cache_on_update
@@ -599,6 +608,8 @@ class NativeEngine:
         )
         rows = step.prefill + step.decode
         chosen, logprob = self._sample(logits, rows)
+        if chosen.device.type == "cpu":  # nothing to wait for: read both as they are
+            return chosen.tolist(), logprob.tolist()
         host = torch.stack([chosen.double(), logprob.double()]).tolist()  # the step's one host synchronization
         return host[0], host[1]
 
@@ -606,30 +617,24 @@ class NativeEngine:
         """Tokens ``[N]`` and their recorded log-probabilities ``[N]`` (see the module docstring)."""
         import torch
 
-        from rollbook.rollout.kv_slab import to_device
-
-        requests = [s.request for s in rows]
         device = logits.device
-        temperatures = [r.temperature for r in requests]
-        temperature = to_device(temperatures, device, torch.float32)
-        if any(r.top_p < 1 or r.top_k > 0 for r in requests):
-            top_p = to_device([r.top_p for r in requests], device, torch.float32)
-            top_k = to_device([r.top_k for r in requests], device)
-            logp = sampling_logprobs(logits, temperature, top_p, top_k)
-        elif all(t in (0.0, 1.0) for t in temperatures):  # the same values as sampling_logprobs, fewer passes
-            logp = logits.float().log_softmax(dim=-1)
+        params = self._sampling
+        if params is None or params.rows != rows:  # the same rows as the last step: their tensors are reused
+            params = self._sampling = _SamplingParams.of(rows, device)
+        if params.top_p is not None:
+            logp = sampling_logprobs(logits, params.temperature, params.top_p, params.top_k)  # type: ignore[arg-type]  # set with top_p
+        elif params.divisor is None:  # every temperature 0 or 1: the same values as sampling_logprobs, fewer passes
+            logp = logits.log_softmax(dim=-1, dtype=torch.float32)
         else:
-            logp = (logits.float() / torch.where(temperature > 0, temperature, 1.0)[:, None]).log_softmax(dim=-1)
-        sampled = [t > 0 for t in temperatures]
-        if any(sampled):
+            logp = (logits.float() / params.divisor[:, None]).log_softmax(dim=-1)
+        if params.keys is None:  # all greedy
+            chosen = logp.argmax(dim=-1)
+        else:
             if self._vocab_mix is None or self._vocab_mix.numel() != logp.shape[-1]:
                 self._vocab_mix = vocab_mix(logp.shape[-1], device)
-            keys, index = to_device([s.key for s in rows] + [s.num_tokens for s in rows], device).view(2, -1)
-            chosen = (logp + gumbel_noise(keys, index, self._vocab_mix)).argmax(dim=-1)
-            if not all(sampled):
-                chosen = torch.where(temperature > 0, chosen, logp.argmax(dim=-1))
-        else:
-            chosen = logp.argmax(dim=-1)
+            chosen = gumbel_max(logp, params.next_row_hashes(), self._vocab_mix)
+            if params.greedy is not None:
+                chosen = torch.where(params.greedy, logp.argmax(dim=-1), chosen)
         return chosen, logp.gather(-1, chosen[:, None])[:, 0]
 
     def _finish(self, done: list[tuple[_Sequence, BaseException | None]]) -> None:
@@ -716,6 +721,65 @@ class _Sequence:
             top_p=r.top_p,
             top_k=r.top_k,
         )
+
+
+_HASHES_AHEAD = 16  # sampling row hashes computed per row at once (_SamplingParams.next_row_hashes)
+
+
+@dataclass(eq=False)
+class _SamplingParams:
+    """The sampling parameters of a list of rows as tensors, built when the rows change (a decode
+    step usually samples the rows of the step before)."""
+
+    rows: list[_Sequence]
+    temperature: torch.Tensor  # [N] float32, as the requests give it
+    divisor: torch.Tensor | None  # [N]: what the logits are divided by (1 for greedy); None: no division
+    top_p: torch.Tensor | None  # [N] float32, with top_k [N] int64; None: no row truncates
+    top_k: torch.Tensor | None
+    keys: torch.Tensor | None  # [N] int64 sampling keys; None: every row is greedy
+    greedy: torch.Tensor | None  # [N] bool, where greedy and sampled rows mix
+    # row_hashes (rollout/sampling.py) of the next output indices, [N, W], computed W steps at a time
+    ahead: torch.Tensor | None = None
+    ahead_from: int = 0  # the rows' output tokens in all when ``ahead`` was computed
+    ahead_used: int = 0  # its columns used since
+
+    def next_row_hashes(self) -> torch.Tensor:
+        """``[N]``: the row hashes of each row's next output index. Every row of a step gains one
+        token per step, so column ``i`` of ``ahead`` serves the ``i``-th step after it was computed
+        (checked against the rows' token counts; computed again when they disagree)."""
+        used = self.ahead_used
+        counts = [len(s.tokens) for s in self.rows]
+        done = sum(counts)
+        if self.ahead is None or used == self.ahead.shape[1] or done != self.ahead_from + used * len(counts):
+            import torch
+
+            from rollbook.rollout.kv_slab import to_device
+
+            first = to_device(counts, self.keys.device)  # type: ignore[union-attr]  # only called with keys
+            steps = torch.arange(_HASHES_AHEAD, device=first.device)
+            self.ahead, self.ahead_from, used = row_hashes(self.keys, first[:, None] + steps), done, 0  # type: ignore[arg-type]
+        self.ahead_used = used + 1
+        return self.ahead[:, used]
+
+    @classmethod
+    def of(cls, rows: list[_Sequence], device: torch.device) -> _SamplingParams:
+        import torch
+
+        from rollbook.rollout.kv_slab import to_device
+
+        requests = [s.request for s in rows]
+        temperatures = [r.temperature for r in requests]
+        temperature = to_device(temperatures, device, torch.float32)
+        top_p = top_k = divisor = None
+        if any(r.top_p < 1 or r.top_k > 0 for r in requests):
+            top_p = to_device([r.top_p for r in requests], device, torch.float32)
+            top_k = to_device([r.top_k for r in requests], device)
+        elif not all(t in (0.0, 1.0) for t in temperatures):
+            divisor = torch.where(temperature > 0, temperature, 1.0)
+        sampled = [t > 0 for t in temperatures]
+        keys = to_device([s.key for s in rows], device) if any(sampled) else None
+        greedy = temperature == 0 if any(sampled) and not all(sampled) else None
+        return cls(list(rows), temperature, divisor, top_p, top_k, keys, greedy)
 
 
 @dataclass

@@ -9,7 +9,10 @@ step is ONE forward pass of one packed row ``[1, T]``: the prompts being prefill
 one token per decoding slot. The model runs with ``use_cache=False`` and explicit ``position_ids``
 (the model applies RoPE itself) while its attention is ``SLAB_ATTENTION``, a function registered
 with transformers' ``AttentionInterface`` (and, as a mask function that builds no mask, with its
-``AttentionMaskInterface``), as trainer/packing.py does for packed training. The forward's
+``AttentionMaskInterface``), as trainer/packing.py does for packed training. It is also handed a
+placeholder 4D ``attention_mask``, which transformers' mask preparation passes through as already
+built, so no step pays for building one (transformers would otherwise scan the positions for
+packed sequences, which on CUDA waits for the device); the attention ignores it. The forward's
 ``rollbook_kv`` keyword reaches that function, which writes every token's keys and values at its
 slot and position, then attends:
 
@@ -26,8 +29,10 @@ refused, not dropped. Tests: ``python -m pytest tests/unit/rollout/test_engine.p
 
 from __future__ import annotations
 
+import array
 import contextlib
 import inspect
+import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -80,9 +85,11 @@ class KVSlab:
         return ((slots[:, None] * kv_heads + heads[None, :]) * max_len + positions[:, None]).reshape(-1)
 
     def write(self, layer: int, rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Store ``keys``/``values`` ``[n, kv_heads, head_dim]`` at ``rows`` (``rows()``)."""
+        """Store ``keys``/``values`` ``[n, kv_heads, head_dim]`` at ``rows`` (``rows()``), whole rows
+        at a time (cheaper than indexing by slot and position)."""
         for cache, new in ((self.keys[layer], keys), (self.values[layer], values)):
-            cache.view(-1, cache.shape[-1]).index_copy_(0, rows, new.reshape(-1, new.shape[-1]).to(cache.dtype))
+            new = new.reshape(-1, new.shape[-1])
+            cache.view(-1, cache.shape[-1]).index_copy_(0, rows, new if new.dtype == cache.dtype else new.to(cache.dtype))
 
 
 def forward(
@@ -100,38 +107,43 @@ def forward(
     lengths = [len(ids) for _, ids in prefill]
     num_prefill = sum(lengths)
     num_tokens = num_prefill + len(decode)
-    keep, end = [], -1
-    for n in lengths:
-        end += n
-        keep.append(end)
-    keep += range(num_prefill, num_tokens)
-    packed = to_device(
-        [t for _, ids in prefill for t in ids]
-        + [t for _, t, _ in decode]
-        + [p for n in lengths for p in range(n)]
-        + [p for _, _, p in decode]
-        + [slot for (slot, _), n in zip(prefill, lengths) for _ in range(n)]
-        + [slot for slot, _, _ in decode]
-        + keep,
-        device,
-    )
+    decode_slots = [slot for slot, _, _ in decode]
+    decode_positions = [p for _, _, p in decode]
+    values = [t for _, ids in prefill for t in ids]
+    values += [t for _, t, _ in decode]
+    values += [p for n in lengths for p in range(n)]
+    values += decode_positions
+    values += [slot for (slot, _), n in zip(prefill, lengths) for _ in range(n)]
+    values += decode_slots
+    # the rows whose logits are kept: each prefilled sequence's last token, then every decoded token
+    # (all of them when nothing is prefilled)
+    keep = [end - 1 for end in itertools.accumulate(lengths)] + list(range(num_prefill, num_tokens)) if prefill else []
+    packed = to_device(values + keep, device)
     ids, positions, slots, keep_t = packed.split([num_tokens, num_tokens, num_tokens, len(keep)])
     step = _Packed(slab, slab.rows(slots, positions), num_prefill, _groups(lengths, device) if prefill else [])
     if decode:
-        first = decode[0][0]
+        first = decode_slots[0]
         # slots first..first+N-1 in order: the keys are a view of the slab, no gather
-        block = first if [slot for slot, _, _ in decode] == list(range(first, first + len(decode))) else None
-        step.decode = _Decode(slots[num_prefill:], positions[num_prefill:], max(p for _, _, p in decode) + 1, block)
-    return _forward(model, ids[None], positions[None], step, keep_t)[0]
+        block = first if decode_slots == list(range(first, first + len(decode))) else None
+        step.decode = _Decode(slots[num_prefill:], positions[num_prefill:], max(decode_positions) + 1, block)
+    return _forward(model, ids[None], positions[None], step, keep_t if prefill else None)[0]
 
 
 def to_device(values: Sequence[float], device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
     """Numbers as one tensor on ``device``: one copy, asynchronous from pinned memory on CUDA (no wait
-    for the GPU's queued work)."""
-    host = torch.tensor(values, dtype=dtype)
+    for the GPU's queued work). Built through an ``array`` for the usual dtypes (several times faster
+    than ``torch.tensor`` on a list; it is on every step's path)."""
+    typecode = _TYPECODES.get(dtype)
+    if typecode is None or not values:
+        host = torch.tensor(values, dtype=dtype)
+    else:
+        host = torch.frombuffer(array.array(typecode, values), dtype=dtype)
     if device.type == "cuda":
         return host.pin_memory().to(device, non_blocking=True)
     return host.to(device)
+
+
+_TYPECODES = {torch.long: "q", torch.int32: "i", torch.float32: "f", torch.float64: "d"}
 
 
 # --- the forward and its attention ----------------------------------------------------------------
@@ -169,7 +181,7 @@ class _Packed:
         if split:
             pieces.append(self._prefill(q[:, :split], k[:, :split], v[:, :split], scale, window))
         if self.decode is not None:
-            pieces.append(self.decode.attend(self.slab, layer, q[:, split:].transpose(0, 1), scale, window))
+            pieces.append(self.decode.attend(self.slab, layer, (q[:, split:] if split else q).transpose(0, 1), scale, window))
         return (torch.cat(pieces) if len(pieces) > 1 else pieces[0])[None]
 
     def _prefill(self, q, k, v, scale, window: int | None) -> torch.Tensor:
@@ -187,32 +199,38 @@ class _Decode:
     _masks: dict[int | None, torch.Tensor] = field(default_factory=dict)  # per sliding window, built once per step
 
     def attend(self, slab: KVSlab, layer: int, query: torch.Tensor, scale, window: int | None) -> torch.Tensor:
-        """``query`` ``[N, H, D]`` (its keys already written) -> ``[N, H, D]``. Written out (two
-        batched matmuls, a float32 softmax): for one query per slot it beats SDPA's kernels with a
-        mask on the CPU, and each row's result depends neither on the other rows nor on the masked
-        tail of ``kv_len`` (which adds exact zeros)."""
+        """``query`` ``[N, H, D]`` (its keys already written) -> ``[N, H, D]``. Written out as two
+        batched matmuls over the ``N * kv_heads`` (slot, key head) pairs, the scale and the mask
+        folded into the first (``baddbmm``), the softmax in float32: for one query per slot it beats
+        SDPA's kernels with a mask on the CPU, and each row's result depends neither on the other
+        rows nor on the masked tail of ``kv_len`` (which adds exact zeros)."""
         ks, vs = (self._prefixes(t[layer]) for t in (slab.keys, slab.values))  # [N, kv, L, D]
         n, heads, dim = query.shape
-        scaled = query * (dim**-0.5 if scale is None else scale)
-        q = scaled.reshape(n, ks.shape[1], heads // ks.shape[1], dim)  # query head h reads key head h // group
-        scores = torch.matmul(q, ks.transpose(-1, -2)).float()
-        probs = scores.add_(self._mask(window)).softmax(dim=-1).to(vs.dtype)  # [N, kv, group, L]
-        return torch.matmul(probs, vs).reshape(n, heads, dim)
+        pairs = n * ks.shape[1]
+        q = query.reshape(pairs, heads // ks.shape[1], dim)  # query head h reads key head h // group
+        keys = ks.reshape(pairs, self.kv_len, dim).transpose(1, 2)  # views: the slots' prefixes are slab rows
+        mask = self._mask(window, ks.shape[1], q.dtype)
+        scores = torch.baddbmm(mask, q, keys, alpha=dim**-0.5 if scale is None else scale)
+        probs = scores.softmax(dim=-1, dtype=torch.float32)  # [N * kv, group, L]
+        if probs.dtype != vs.dtype:
+            probs = probs.to(vs.dtype)
+        return torch.bmm(probs, vs.reshape(pairs, self.kv_len, dim)).view(n, heads, dim)
 
     def _prefixes(self, cache: torch.Tensor) -> torch.Tensor:
         if self.block is not None:
             return cache[self.block : self.block + self.slots.numel(), :, : self.kv_len]
         return cache[:, :, : self.kv_len].index_select(0, self.slots)
 
-    def _mask(self, window: int | None) -> torch.Tensor:
-        """``[N, 1, 1, kv_len]`` float32: 0 where the slot's query sees the key, -inf elsewhere."""
+    def _mask(self, window: int | None, kv_heads: int, dtype: torch.dtype) -> torch.Tensor:
+        """``[N * kv_heads, 1, kv_len]`` in ``dtype``: 0 where the slot's query sees the key, -inf
+        elsewhere (both exact in any float dtype)."""
         if window not in self._masks:
             key_pos = torch.arange(self.kv_len, device=self.positions.device)[None, :]
             hidden = key_pos > self.positions[:, None]
             if window is not None:
                 hidden |= key_pos <= self.positions[:, None] - window
-            mask = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device).masked_fill_(hidden, float("-inf"))
-            self._masks[window] = mask[:, None, None, :]
+            mask = torch.zeros(hidden.shape, dtype=dtype, device=hidden.device).masked_fill_(hidden, float("-inf"))
+            self._masks[window] = mask[:, None, None, :].expand(-1, kv_heads, 1, -1).reshape(-1, 1, self.kv_len)
         return self._masks[window]
 
 
@@ -231,13 +249,22 @@ def _no_mask(*args, **kwargs) -> None:
     return None
 
 
-def _forward(model, ids: torch.Tensor, positions: torch.Tensor, step: _Packed, keep: torch.Tensor) -> torch.Tensor:
-    """The model's logits ``[1, len(keep), V]`` at the row positions ``keep``, the slab attention on."""
-    keeps = _keeps_logits(type(model))
+def _forward(model, ids: torch.Tensor, positions: torch.Tensor, step: _Packed, keep: torch.Tensor | None) -> torch.Tensor:
+    """The model's logits ``[1, len(keep), V]`` at the row positions ``keep`` (None: at every
+    position), the slab attention on."""
+    keeps = keep is not None and _keeps_logits(type(model))
     kwargs = {"logits_to_keep": keep} if keeps else {}
+    mask = _PLACEHOLDER_MASKS.get(ids.device)
+    if mask is None:
+        mask = _PLACEHOLDER_MASKS[ids.device] = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=ids.device)
     with _slab_attention_on(model):
-        logits = model(input_ids=ids, position_ids=positions, use_cache=False, rollbook_kv=step, **kwargs).logits
-    return logits if keeps else logits[:, keep]
+        logits = model(
+            input_ids=ids, position_ids=positions, attention_mask=mask, use_cache=False, rollbook_kv=step, **kwargs
+        ).logits
+    return logits if keeps or keep is None else logits[:, keep]
+
+
+_PLACEHOLDER_MASKS: dict[torch.device, torch.Tensor] = {}  # per device: the attention_mask the model is handed
 
 
 @contextlib.contextmanager

@@ -112,6 +112,44 @@ def test_gumbel_max_with_hashed_noise_draws_from_the_distribution():
     assert 0.3 < (again == drawn).float().mean() < 0.45  # the next index is a fresh draw: sum p^2 = 0.365
 
 
+def test_the_split_sampling_paths_draw_exactly_what_gumbel_noise_draws():
+    from rollbook.rollout.sampling import gumbel_max, gumbel_noise, gumbel_noise_of_rows, row_hashes, vocab_mix
+
+    generator = torch.Generator().manual_seed(0)
+    logp = torch.randn(32, 300, generator=generator).log_softmax(dim=-1)
+    keys = torch.randint(0, 2**32, (32,), generator=generator)
+    index = torch.randint(0, 5000, (32,), generator=generator)
+    mix = vocab_mix(300, torch.device("cpu"))
+    noise = gumbel_noise(keys, index, mix)
+    assert torch.equal(gumbel_noise_of_rows(row_hashes(keys, index), mix), noise)
+    assert torch.equal(gumbel_max(logp, row_hashes(keys, index), mix), (logp + noise).argmax(dim=-1))
+    ahead = row_hashes(keys, index[:, None] + torch.arange(5))  # [N, 5]: five output indices at once
+    for step in range(5):
+        assert torch.equal(ahead[:, step], row_hashes(keys, index + step))
+
+
+def test_long_outputs_draw_each_token_by_the_hashed_stream_while_the_batch_changes():
+    """Past the row hashes the engine computes ahead (16 steps), with rows leaving mid-way: every
+    token is still the Gumbel-max draw of (its key, its index) from its recorded distribution."""
+    from rollbook.rollout.sampling import gumbel_noise, request_key, vocab_mix
+
+    model = _model()
+    long = GenerationRequest(prompt_token_ids=[1, 5, 9], max_new_tokens=45)
+    others = [GenerationRequest(prompt_token_ids=p, max_new_tokens=n) for p, n in zip(PROMPTS, [3, 25, 30, 33])]
+    engine = NativeEngine(model)
+    crowded = engine.generate([long, *others], seed=4)  # the same rows for 22 steps (3 to 25), then fewer
+    alone = engine.generate([long], seed=4)[0]
+    assert crowded[0].output_token_ids == alone.output_token_ids
+    mix = vocab_mix(VOCAB, torch.device("cpu"))
+    for i, (request, result) in enumerate(zip([long, *others, long], [*crowded, alone], strict=True)):
+        ids = torch.tensor([list(request.prompt_token_ids) + result.output_token_ids[:-1]])
+        with torch.inference_mode():
+            logp = model(input_ids=ids).logits[0, len(request.prompt_token_ids) - 1 :].log_softmax(dim=-1)
+        n = len(result.output_token_ids)
+        noise = gumbel_noise(torch.full((n,), request_key(4, i % 5)), torch.arange(n), mix)
+        assert (logp + noise).argmax(dim=-1).tolist() == result.output_token_ids
+
+
 # -- sampler / trainer agreement -------------------------------------------------------------------
 
 
