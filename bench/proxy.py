@@ -23,6 +23,7 @@ Runs on a loaded machine are noisy: compare the two sides of the same run.
     python bench/proxy.py --json                         # one JSON line on stdout, progress on stderr
     python bench/proxy.py --clients 8 --calls 50 --max-tokens 16
     python bench/proxy.py --json --clients 16 --calls 10 --max-tokens 16   # 16 concurrent sessions
+    python bench/proxy.py --json --clients 16 --calls 10 --max-tokens 16 --hidden-size 256 --num-layers 4   # a wider model
 """
 
 from __future__ import annotations
@@ -141,6 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=8, help="max_tokens of every call (default: %(default)s)")
     p.add_argument("--stream-tokens", type=int, default=64, help="max_tokens of the streamed calls (default: %(default)s)")
     p.add_argument("--ttft-calls", type=int, default=10, help="streamed calls of full length to time (default: %(default)s)")
+    p.add_argument("--hidden-size", type=int, default=None, help="the served tiny model's width (default: ModelConfig's)")
+    p.add_argument("--num-layers", type=int, default=None, help="the served tiny model's depth (default: ModelConfig's)")
     p.add_argument("--work-dir", default=None, help="where the temporary run dir goes")
     args = p.parse_args(argv)
     if min(args.clients, args.calls, args.max_tokens, args.stream_tokens, args.ttft_calls) < 1:
@@ -158,7 +161,9 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(max(1, min(4, torch.get_num_threads())))  # as `rollbook proxy` does
     render = renderer()
     prompt_ids = render.chat_prompt([(m["role"], m["content"]) for m in PROMPT])
-    engine = NativeEngine(build_student(ModelConfig()), version=0, seed=0)
+    shape = {k: v for k, v in (("hidden_size", args.hidden_size), ("num_layers", args.num_layers)) if v is not None}
+    engine_model = build_student(ModelConfig(**shape))
+    engine = NativeEngine(engine_model, version=0, seed=0)
     request = GenerationRequest(prompt_token_ids=prompt_ids, max_new_tokens=args.max_tokens, stop_token_ids=[render.eos_token_id])
     engine.generate([request])  # warm-up (lazy initialisation), not timed
     _progress(f"direct: {args.clients} clients x {args.calls} calls, max_tokens {args.max_tokens}")
@@ -186,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
                     MODEL,
                     "--log-level",
                     "WARNING",
+                    *(f"--model.{k}={v}" for k, v in shape.items()),
                     "--max_tokens_limit",
                     str(max(256, args.max_tokens)),
                 ],
@@ -248,6 +254,7 @@ def main(argv: list[str] | None = None) -> int:
         "calls_per_client": args.calls,
         "max_tokens": args.max_tokens,
         "stored_trajectories": stored,
+        "model": {"hidden_size": engine_model.config.hidden_size, "num_layers": engine_model.config.num_hidden_layers},
         "cpus": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
     }

@@ -114,8 +114,13 @@ if TYPE_CHECKING:  # pragma: no cover
 # the weights into it itself (returning None) or returns a state dict to load.
 Weights = Mapping[str, "torch.Tensor"] | Callable[["torch.nn.Module"], "Mapping[str, torch.Tensor] | None"]
 
-# on_token(token_id, logprob, version), called from the engine's scheduler thread as each token is sampled
-TokenCallback = Callable[[int, float, int], None]
+# on_token(token_id, logprob, version), called from the engine's scheduler thread as each token is sampled;
+# for a request with top_logprobs > 0, on_token(token_id, logprob, version, top) with top its TopLogprobs
+TokenCallback = Callable[..., None]
+# the most likely tokens at one position as (token_id, logprob) pairs, most likely first, of the same
+# distribution the sampled token's recorded log-prob is taken from (tokens it cannot sample left out)
+TopLogprobs = list[tuple[int, float]]
+MAX_TOP_LOGPROBS = 20
 
 DEFAULT_MAX_SEQ_LEN = 4096  # max_seq_len when not given: the model's max_position_embeddings, at most this
 MAX_PREFILL_TOKENS = 8192  # prompt tokens admitted per step (a longer prompt is admitted alone)
@@ -137,6 +142,7 @@ class GenerationRequest:
     # text at the stop string before scoring.
     stop: Callable[[Sequence[int]], bool] | None = field(default=None, compare=False)
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    top_logprobs: int = 0  # 0..MAX_TOP_LOGPROBS: also record that many most likely tokens per position
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
@@ -149,6 +155,10 @@ class GenerationRequest:
             raise ValueError(f"request {self.request_id}: top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < -1:
             raise ValueError(f"request {self.request_id}: top_k must be >= -1 (0 or -1 disable it), got {self.top_k}")
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(
+                f"request {self.request_id}: top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}"
+            )
 
 
 @dataclass
@@ -165,6 +175,7 @@ class GenerationResult:
     temperature: float
     top_p: float
     top_k: int
+    output_top_logprobs: list[TopLogprobs] | None = None  # per output token, with a request's top_logprobs > 0
 
 
 @runtime_checkable
@@ -269,6 +280,8 @@ class NativeEngine:
     run nothing else on it while a generation is in flight).
     """
 
+    max_top_logprobs = MAX_TOP_LOGPROBS  # what GenerationRequest.top_logprobs may ask (the proxy reads it)
+
     def __init__(
         self,
         model: torch.nn.Module,
@@ -362,13 +375,15 @@ class NativeEngine:
             self._enqueue(weights, version, at_step=at_step)
 
     def submit(
-        self, request: GenerationRequest, *, seed: int | None = None, on_token: TokenCallback | None = None
+        self, request: GenerationRequest, *, seed: int | None = None, index: int = 0, on_token: TokenCallback | None = None
     ) -> Future[GenerationResult]:
         """Queue one request; its future resolves to its result. ``seed``: its sampling key is
-        derived from it (``submit(r, seed=s)`` draws what ``generate([r], seed=s)`` does), else from
-        the engine's stream. ``on_token(token_id, logprob, version)`` is called from the scheduler
-        thread as each token is sampled; keep it quick. Returns at once, paused or not."""
-        keys = None if seed is None else [request_key(seed, 0)]
+        derived from ``(seed, index)`` (``submit(r, seed=s, index=i)`` draws what request ``i`` of
+        ``generate(requests, seed=s)`` does), else from the engine's stream. ``on_token(token_id,
+        logprob, version)`` (and the position's ``TopLogprobs`` with ``request.top_logprobs``) is
+        called from the scheduler thread as each token is sampled; keep it quick. Returns at once,
+        paused or not."""
+        keys = None if seed is None else [request_key(seed, index)]
         return self._submit([request], keys, [on_token])[0]
 
     def generate(self, requests: list[GenerationRequest], *, seed: int | None = None) -> list[GenerationResult]:
@@ -574,20 +589,20 @@ class NativeEngine:
     def _run_step(self, step: _Step) -> None:
         rows = step.prefill + step.decode
         try:
-            tokens, logprobs = self._forward_and_sample(step)
+            tokens, logprobs, tops = self._forward_and_sample(step)
         except Exception as exc:  # a failed forward fails the sequences it carried, not the engine
             self._finish([(s, exc) for s in rows])
             return
         done: list[tuple[_Sequence, BaseException | None]] = []
-        for sequence, token, logprob in zip(rows, tokens, logprobs):
+        for i, (sequence, token, logprob) in enumerate(zip(rows, tokens, logprobs)):
             try:
-                if sequence.record(int(token), logprob, step.version):
+                if sequence.record(int(token), logprob, step.version, None if tops is None else tops[i]):
                     done.append((sequence, None))
             except Exception as exc:  # its stop or on_token callable raised
                 done.append((sequence, exc))
         self._finish(done)
 
-    def _forward_and_sample(self, step: _Step) -> tuple[list[float], list[float]]:
+    def _forward_and_sample(self, step: _Step) -> tuple[list[float], list[float], list[TopLogprobs | None] | None]:
         import torch
 
         from rollbook.rollout.kv_slab import KVSlab, forward
@@ -607,14 +622,16 @@ class NativeEngine:
             decode=[(s.slot, s.tokens[-1], s.num_fed) for s in step.decode],
         )
         rows = step.prefill + step.decode
-        chosen, logprob = self._sample(logits, rows)
+        chosen, logprob, logp = self._sample(logits, rows)
+        tops = _top_logprobs(logp, rows) if any(s.request.top_logprobs for s in rows) else None
         if chosen.device.type == "cpu":  # nothing to wait for: read both as they are
-            return chosen.tolist(), logprob.tolist()
+            return chosen.tolist(), logprob.tolist(), tops
         host = torch.stack([chosen.double(), logprob.double()]).tolist()  # the step's one host synchronization
-        return host[0], host[1]
+        return host[0], host[1], tops
 
-    def _sample(self, logits: torch.Tensor, rows: list[_Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Tokens ``[N]`` and their recorded log-probabilities ``[N]`` (see the module docstring)."""
+    def _sample(self, logits: torch.Tensor, rows: list[_Sequence]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Tokens ``[N]``, their recorded log-probabilities ``[N]`` and the distributions ``[N, V]``
+        they were sampled from (see the module docstring)."""
         import torch
 
         device = logits.device
@@ -635,7 +652,7 @@ class NativeEngine:
             chosen = gumbel_max(logp, params.next_row_hashes(), self._vocab_mix)
             if params.greedy is not None:
                 chosen = torch.where(params.greedy, logp.argmax(dim=-1), chosen)
-        return chosen, logp.gather(-1, chosen[:, None])[:, 0]
+        return chosen, logp.gather(-1, chosen[:, None])[:, 0], logp
 
     def _finish(self, done: list[tuple[_Sequence, BaseException | None]]) -> None:
         """Free the slots of finished sequences, then resolve their futures (after any update that
@@ -675,6 +692,7 @@ class _Sequence:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    tops: list[TopLogprobs] = field(default_factory=list)
     finish_reason: Literal["stop", "length"] = "length"
 
     def __post_init__(self) -> None:
@@ -695,13 +713,18 @@ class _Sequence:
         """What a prefill feeds: the prompt and every output token so far."""
         return list(self.request.prompt_token_ids) + self.tokens
 
-    def record(self, token: int, logprob: float, version: int) -> bool:
+    def record(self, token: int, logprob: float, version: int, top: TopLogprobs | None = None) -> bool:
         """Append one sampled token; True when the sequence is finished."""
         self.tokens.append(token)
         self.logprobs.append(logprob)
         self.versions.append(version)
+        if top is not None:
+            self.tops.append(top)
         if self.on_token is not None:
-            self.on_token(token, logprob, version)
+            if top is None:
+                self.on_token(token, logprob, version)
+            else:
+                self.on_token(token, logprob, version, top)
         request = self.request
         if token in self._stop_ids or (request.stop is not None and bool(request.stop(self.tokens))):
             self.finish_reason = "stop"
@@ -720,7 +743,21 @@ class _Sequence:
             temperature=r.temperature,
             top_p=r.top_p,
             top_k=r.top_k,
+            output_top_logprobs=self.tops if r.top_logprobs else None,
         )
+
+
+def _top_logprobs(logp: torch.Tensor, rows: list[_Sequence]) -> list[TopLogprobs | None]:
+    """Per row, its request's ``top_logprobs`` most likely (token, logprob) of ``logp`` (one top-k for
+    the step, one host copy); tokens the row cannot sample (log-prob -inf) are left out."""
+    k = max(s.request.top_logprobs for s in rows)
+    values, ids = logp.topk(k, dim=-1)
+    values_l, ids_l = values.tolist(), ids.tolist()
+    out: list[TopLogprobs | None] = []
+    for s, vs, ts in zip(rows, values_l, ids_l):
+        n = s.request.top_logprobs
+        out.append([(t, v) for t, v in zip(ts[:n], vs[:n]) if v != float("-inf")] if n else None)
+    return out
 
 
 _HASHES_AHEAD = 16  # sampling row hashes computed per row at once (_SamplingParams.next_row_hashes)

@@ -172,6 +172,12 @@ class Proxy:
         if len(stops) > 4:
             raise ApiError(400, "stop: at most 4 sequences", code="invalid_value", param="stop")
         stop_ids = sorted({*self.stop_ids, *self.render.stop_token_ids(stops)})
+        top = (req.top_logprobs or 0) if isinstance(req, ChatRequest) else (req.logprobs or 0)
+        if isinstance(req, ChatRequest) and top and not req.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs: true", code="invalid_value", param="top_logprobs")
+        if top > getattr(self.engine, "max_top_logprobs", 0):
+            param = "top_logprobs" if isinstance(req, ChatRequest) else "logprobs"
+            raise ApiError(400, f"{param}: this engine serves no top log-probs", code="unsupported_value", param=param)
         temperature = 1.0 if req.temperature is None else req.temperature
         top_p = 1.0 if req.top_p is None else req.top_p
         top_k = 0 if req.top_k is None else req.top_k
@@ -183,6 +189,7 @@ class Proxy:
                 top_p=top_p,
                 top_k=top_k,
                 stop_token_ids=stop_ids,
+                top_logprobs=top,
             )
             for _ in range(req.n)
         ]
@@ -261,7 +268,8 @@ class Proxy:
             return self._stream(kind, req, session, call, attempt, requests)
         try:
             loop = asyncio.get_running_loop()
-            results: list[GenerationResult] = await loop.run_in_executor(self.pool, self.engine.generate, requests)
+            generate = functools.partial(self.engine.generate, requests, seed=req.seed)
+            results: list[GenerationResult] = await loop.run_in_executor(self.pool, generate)
         except Exception as exc:
             raise self._engine_error(exc) from None
         finally:
@@ -314,12 +322,15 @@ class Proxy:
         submit = getattr(self.engine, "submit", None)
 
         def on_token(index: int):
-            return lambda token, logprob, version: loop.call_soon_threadsafe(stream.queue.put_nowait, (index, token, logprob))
+            def queue(token: int, logprob: float, version: int, top: list | None = None) -> None:
+                loop.call_soon_threadsafe(stream.queue.put_nowait, (index, token, logprob, top))
+
+            return queue
 
         futures = []
         if submit is not None:
             try:
-                futures = [submit(r, on_token=on_token(i)) for i, r in enumerate(requests)]
+                futures = [submit(r, seed=req.seed, index=i, on_token=on_token(i)) for i, r in enumerate(requests)]
             except Exception as exc:
                 loop.create_task(self.gate.release())
                 raise self._engine_error(exc) from None
@@ -327,10 +338,11 @@ class Proxy:
         async def generate() -> list[GenerationResult]:
             if submit is not None:  # the callbacks queued every token before its future resolved
                 return [await asyncio.wrap_future(f) for f in futures]
-            results = await loop.run_in_executor(self.pool, self.engine.generate, requests)
+            results = await loop.run_in_executor(self.pool, functools.partial(self.engine.generate, requests, seed=req.seed))
             for i, r in enumerate(results):
-                for token, logprob in zip(r.output_token_ids, r.output_logprobs):
-                    stream.queue.put_nowait((i, token, logprob))
+                tops = r.output_top_logprobs or [None] * len(r.output_token_ids)
+                for token, logprob, top in zip(r.output_token_ids, r.output_logprobs, tops):
+                    stream.queue.put_nowait((i, token, logprob, top))
             return results
 
         async def outcome() -> tuple[dict, Any]:

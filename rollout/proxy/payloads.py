@@ -99,6 +99,10 @@ def token_pieces(render: Renderer, ids: Sequence[int]) -> list[str]:
     return out
 
 
+def _tops(r: GenerationResult) -> list:
+    return r.output_top_logprobs or [None] * len(r.output_token_ids)
+
+
 def _usage(results: Sequence[GenerationResult]) -> dict:
     prompt = len(results[0].prompt_token_ids)
     completion = sum(len(r.output_token_ids) for r in results)
@@ -109,9 +113,19 @@ def _rollbook_extra(proxy: Proxy, results: Sequence[GenerationResult], turn: int
     return {"turn": turn, "version": proxy.engine.version, "output_versions": [r.output_versions for r in results]}
 
 
-def chat_logprob(render: Renderer, token: int, logprob: float) -> dict:
+def chat_logprob(render: Renderer, token: int, logprob: float, top: list | None = None) -> dict:
+    """One position of a chat answer's ``logprobs.content``, with its ``top_logprobs`` when asked."""
     text = render.token_text(token)
-    return {"token": text, "logprob": logprob, "bytes": list(text.encode()), "top_logprobs": []}
+    alternatives = []
+    for other, value in top or []:
+        other_text = render.token_text(other)
+        alternatives.append({"token": other_text, "logprob": value, "bytes": list(other_text.encode())})
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode()), "top_logprobs": alternatives}
+
+
+def text_top_logprobs(render: Renderer, top: list | None) -> dict | None:
+    """One position of a completion's ``logprobs.top_logprobs``: token text to log-prob."""
+    return None if top is None else {render.token_text(t): v for t, v in top}
 
 
 def uses_tools(req: Any) -> bool:
@@ -149,7 +163,10 @@ def chat_payload(proxy: Proxy, req: Any, completion_id: str, results: Sequence[G
         logprobs = None
         if req.logprobs:
             logprobs = {
-                "content": [chat_logprob(proxy.render, tok, lp) for tok, lp in zip(r.output_token_ids, r.output_logprobs)],
+                "content": [
+                    chat_logprob(proxy.render, tok, lp, top)
+                    for tok, lp, top in zip(r.output_token_ids, r.output_logprobs, _tops(r))
+                ],
                 "refusal": None,
             }
         message, finish, _ = chat_reply(proxy, req, completion_id, i, r)
@@ -176,7 +193,8 @@ def text_payload(proxy: Proxy, req: Any, completion_id: str, results: Sequence[G
             for piece in token_pieces(proxy.render, r.output_token_ids):
                 offsets.append(at)
                 at += len(piece)
-            logprobs = {"tokens": tokens, "token_logprobs": list(r.output_logprobs), "top_logprobs": None, "text_offset": offsets}
+            tops = [text_top_logprobs(proxy.render, t) for t in _tops(r)] if req.logprobs else None
+            logprobs = {"tokens": tokens, "token_logprobs": list(r.output_logprobs), "top_logprobs": tops, "text_offset": offsets}
         choices.append(
             {"index": i, "text": proxy.render.decode(r.output_token_ids), "logprobs": logprobs, "finish_reason": r.finish_reason}
         )
@@ -221,7 +239,7 @@ class Chunks:
             self._event({"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None})
         ]
 
-    def token(self, index: int, token: int | None, logprob: float | None, piece: str) -> list[bytes]:
+    def token(self, index: int, token: int | None, logprob: float | None, piece: str, top: list | None = None) -> list[bytes]:
         """The event of one output token (``token`` None: text with no token of its own, a flush)."""
         with_logprob = self.logprobs and token is not None
         if not piece and not with_logprob:
@@ -231,11 +249,12 @@ class Chunks:
         logprobs: dict[str, Any] | None = None
         if self.kind == "chat":
             if with_logprob:
-                logprobs = {"content": [chat_logprob(self.render, token, logprob)], "refusal": None}
+                logprobs = {"content": [chat_logprob(self.render, token, logprob, top)], "refusal": None}
             return [self._event({"index": index, "delta": {"content": piece}, "logprobs": logprobs, "finish_reason": None})]
         if with_logprob:
             text = self.render.token_text(token)
-            logprobs = {"tokens": [text], "token_logprobs": [logprob], "top_logprobs": None, "text_offset": [at]}
+            tops = [text_top_logprobs(self.render, top)] if top is not None else None
+            logprobs = {"tokens": [text], "token_logprobs": [logprob], "top_logprobs": tops, "text_offset": [at]}
         return [self._event({"index": index, "text": piece, "logprobs": logprobs, "finish_reason": None})]
 
     def tool_calls(self, index: int, calls: list[dict]) -> list[bytes]:

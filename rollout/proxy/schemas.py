@@ -57,6 +57,7 @@ class Sampling(BaseModel):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: dict[str, Any] | None = None
+    seed: int | None = None  # the sampling keys of the choices derive from it: the same request, the same tokens
 
     @field_validator("temperature", "top_p")
     @classmethod
@@ -87,14 +88,14 @@ class ChatRequest(Sampling):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=0)
+    top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[Tool] | None = Field(None, max_length=128)
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
 
 
 class CompletionRequest(Sampling):
     prompt: str | list[int]
-    logprobs: int | None = Field(None, ge=0, le=0)
+    logprobs: int | None = Field(None, ge=0, le=5)
     echo: bool = False
 
     @field_validator("echo")

@@ -36,7 +36,7 @@ class TokenStream:
         self.proxy, self.kind, self.req, self.turn = proxy, kind, req, turn
         self.num_choices = num_choices
         self.chunks = Chunks(proxy, kind, req, completion_id)
-        self.queue: asyncio.Queue[tuple[int, int, float] | None] = asyncio.Queue()
+        self.queue: asyncio.Queue[tuple[int, int, float, list | None] | None] = asyncio.Queue()
         self.outcome: asyncio.Task[tuple[dict, Callable[[bool], None]]]  # set by Proxy._stream
         self._settled = False
 
@@ -56,11 +56,11 @@ class TokenStream:
                 for event in chunks.role(i):
                     yield event
             while (item := await self.queue.get()) is not None:
-                i, token, logprob = item
+                i, token, logprob, top = item
                 piece = pieces[i].push(token)
                 if holds is not None:
                     piece = holds[i].push(piece)
-                for event in chunks.token(i, token, logprob, piece):
+                for event in chunks.token(i, token, logprob, piece, top):
                     if await is_disconnected():
                         return
                     yield event

@@ -627,3 +627,30 @@ def test_an_idle_engine_holds_no_thread():
     engine = NativeEngine(_model())
     engine.generate(_requests(max_new_tokens=2))
     _wait_until(lambda: not any(t.name == "rollbook-engine" and t.is_alive() for t in threading.enumerate()))
+
+
+def test_top_logprobs_are_the_most_likely_tokens_of_the_sampling_distribution_and_reach_on_token():
+    from rollbook.config import ModelConfig
+    from rollbook.language_models import build_student
+    from rollbook.rollout.engine import GenerationRequest, NativeEngine
+
+    engine = NativeEngine(build_student(ModelConfig()), version=0, seed=0)
+    streamed = []
+    greedy = GenerationRequest(prompt_token_ids=[1, 4, 5], max_new_tokens=6, temperature=0.0, top_logprobs=4)
+    sampled = GenerationRequest(prompt_token_ids=[1, 4, 5], max_new_tokens=6, top_k=3, top_logprobs=5)
+    plain = GenerationRequest(prompt_token_ids=[1, 4, 5], max_new_tokens=6)
+    future = engine.submit(greedy, on_token=lambda *args: streamed.append(args))
+    r_sampled, r_plain = engine.generate([sampled, plain], seed=3)
+    r_greedy = future.result()
+    engine.close()
+    assert len(r_greedy.output_top_logprobs) == len(r_greedy.output_token_ids)
+    for token, logprob, top in zip(r_greedy.output_token_ids, r_greedy.output_logprobs, r_greedy.output_top_logprobs):
+        assert len(top) == 4 and top[0] == (token, logprob)  # greedy: the sampled token is the most likely
+        assert [v for _, v in top] == sorted((v for _, v in top), reverse=True)
+    assert [a[3] for a in streamed] == r_greedy.output_top_logprobs and all(len(a) == 4 for a in streamed)
+    for token, logprob, top in zip(r_sampled.output_token_ids, r_sampled.output_logprobs, r_sampled.output_top_logprobs):
+        assert len(top) == 3  # top_k 3: the other tokens cannot be sampled, so they are left out
+        assert (token, logprob) in top
+    assert r_plain.output_top_logprobs is None
+    with pytest.raises(ValueError, match="top_logprobs must be in"):
+        GenerationRequest(prompt_token_ids=[1], max_new_tokens=1, top_logprobs=21)

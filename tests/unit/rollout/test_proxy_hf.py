@@ -203,7 +203,7 @@ def test_fields_the_proxy_does_not_honour_are_refused_and_neutral_values_pass(re
         base = {"messages": [{"role": "user", "content": "hi"}]}
         errors = {}
         for name, extra in {
-            "seed": {"seed": 7},
+            "min_p": {"min_p": 0.1},
             "presence_penalty": {"presence_penalty": 0.5},
             "logit_bias": {"logit_bias": {"5": 10}},
             "functions": {"functions": [{"name": "f"}]},

@@ -39,18 +39,18 @@ class _FirstTokenGate:
         self.go = threading.Event()
         self.version = 0
 
-    def submit(self, request, *, seed=None, on_token=None):
+    def submit(self, request, *, seed=None, index=0, on_token=None):
         sampled = []
 
-        def hook(token, logprob, version):
+        def hook(token, logprob, version, *top):
             sampled.append(token)
             if len(sampled) == 1:
                 self.first.set()
-            on_token(token, logprob, version)
+            on_token(token, logprob, version, *top)
             if len(sampled) == 1:
                 assert self.go.wait(30), "the test never let the engine go on"
 
-        return self.engine.submit(request, seed=seed, on_token=hook)
+        return self.engine.submit(request, seed=seed, index=index, on_token=hook)
 
     def generate(self, requests, *, seed=None):
         return self.engine.generate(requests, seed=seed)
@@ -244,3 +244,50 @@ def test_completion_text_offsets_index_the_text_when_a_token_adds_none():
     assert text == "122" and lp["tokens"] == ["1", "<pad>", "2", "2"]
     assert lp["text_offset"] == [0, 1, 1, 2]
     assert [text[o : o + 1] for o in lp["text_offset"]] == ["1", "2", "2", "2"]
+
+
+def test_top_logprobs_and_seed_are_served_streamed_or_not():
+    """``top_logprobs`` lists the most likely tokens of the distribution the token was sampled from
+    (the sampled one among them at temperature 0, first); a ``seed`` gives the same choices, streamed
+    or not."""
+    engine = NativeEngine(build_student(ModelConfig()), version=0, seed=0)
+    store = _FakeStore()
+    body = {**PROMPT, "max_tokens": 12, "logprobs": True, "top_logprobs": 3, "n": 2, "seed": 11}
+
+    async def scenario():
+        proxy = Proxy(ProxyConfig(), engine, store, admin_key=None, worker_key=None)
+        _, key = proxy.sessions.start(task_id="t", domain="d", group_id="", group_size=1)
+        headers = {"authorization": f"Bearer {key}"}
+        whole, deliver, _ = await proxy.complete("chat", headers, body)
+        deliver(True)
+        greedy, deliver, _ = await proxy.complete("chat", headers, {**body, "temperature": 0, "n": 1})
+        deliver(True)
+        stream = await proxy.complete("chat", headers, {**body, "stream": True})
+
+        async def connected() -> bool:
+            return False
+
+        events = _events([e async for e in stream.events(connected)])
+        proxy.submitter.close()
+        proxy.close()
+        return whole, greedy, events
+
+    whole, greedy, events = asyncio.run(scenario())
+    engine.close()
+    for position in greedy["choices"][0]["logprobs"]["content"]:
+        tops = position["top_logprobs"]
+        assert len(tops) == 3 and [t["logprob"] for t in tops] == sorted((t["logprob"] for t in tops), reverse=True)
+        assert (tops[0]["token"], tops[0]["logprob"]) == (position["token"], position["logprob"])
+    streamed = {0: [], 1: []}
+    for e in events[:-1]:
+        for c in e["choices"]:
+            if c.get("logprobs"):
+                streamed[c["index"]] += c["logprobs"]["content"]
+    for i, choice in enumerate(whole["choices"]):
+        assert [p["token"] for p in streamed[i]] == [p["token"] for p in choice["logprobs"]["content"]]
+        for got, want in zip(streamed[i], choice["logprobs"]["content"]):  # values up to the batch's float order
+            assert [t["token"] for t in got["top_logprobs"]] == [t["token"] for t in want["top_logprobs"]]
+            assert [t["logprob"] for t in got["top_logprobs"]] == pytest.approx(
+                [t["logprob"] for t in want["top_logprobs"]], abs=1e-5
+            )
+    assert whole["choices"][0]["logprobs"] != whole["choices"][1]["logprobs"]  # two choices, two draws
