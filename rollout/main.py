@@ -81,7 +81,14 @@ def run_worker(
         # a tiny model for your own tokenizer: its vocabulary, not the toy tasks'
         model_cfg = model_cfg.model_copy(update={"vocab_size": registered_vocab_size(config.rollout, model_cfg)})
     engine = build_engine(model_cfg, config.rollout, version=-1)  # the built weights are never served
-    install_snapshot(engine, snapshot)
+    while True:
+        try:
+            install_snapshot(engine, snapshot)
+            break
+        except RuntimeError as exc:  # torn shared-memory copy (the trainer published twice meanwhile): fetch again
+            log.warning("first weight install (version %d) failed (%s); fetching again", snapshot.version, exc)
+            channel = _reopen(channel, config)
+            snapshot = _first_snapshot(channel, config, stop)
     worker = RolloutWorker(engine, config.rollout, model_id=config.model_id)
     if on_weights is not None:
         on_weights(engine.version)

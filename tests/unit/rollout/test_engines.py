@@ -409,3 +409,45 @@ def test_a_workload_the_model_cannot_hold_is_refused_in_one_line_before_anything
     assert done.returncode == 2, done.stderr[-2000:]
     assert done.stderr.strip().splitlines() == [line]
     assert not (tmp_path / "run" / "rollbook.duckdb").exists()  # no store was started
+
+
+def test_a_worker_whose_first_weight_install_is_torn_fetches_again(tmp_path, monkeypatch):
+    """The trainer may publish twice while a starting worker copies its first version out of shared
+    memory (``TornSnapshot``): the worker fetches the newest version again instead of exiting."""
+    import threading
+    import uuid
+
+    from rollbook.config import ModelConfig, WorkerConfig
+    from rollbook.language_models import build_student
+    from rollbook.rollout import engines, main
+    from rollbook.weights.base import TornSnapshot
+    from rollbook.weights.shm import SharedMemoryPublisher
+
+    name = f"rb-test-{uuid.uuid4().hex[:8]}"
+    state = build_student(ModelConfig()).state_dict()
+    publisher = SharedMemoryPublisher(name, state)
+    publisher.publish(3, state)
+    real, calls = engines.install_snapshot, []
+
+    def torn_once(engine, snapshot):
+        calls.append(snapshot.version)
+        if len(calls) == 1:  # as load_into raises it, wrapped by the engine's update_weights
+            raise RuntimeError(f"weight update to version {snapshot.version} failed") from TornSnapshot("overwritten")
+        real(engine, snapshot)
+
+    monkeypatch.setattr(engines, "install_snapshot", torn_once)
+    publisher.publish(4, state)
+
+    class Installed(Exception):
+        pass
+
+    def stop_here(version):
+        raise Installed(version)
+
+    config = WorkerConfig(weights=f"shm:{name}", spool_dir=str(tmp_path / "spool"), first_weights_timeout_s=10)
+    try:
+        with pytest.raises(Installed) as installed:
+            main.run_worker(config, threading.Event(), on_weights=stop_here)
+    finally:
+        publisher.close()
+    assert calls == [4, 4] and installed.value.args == (4,)
