@@ -20,7 +20,11 @@ the toy domains, 6-21 tokens; no stop tokens, so every request samples exactly i
   Reported per side: tokens/s (requested tokens over the time from the first arrival to the last
   completion) and the mean and 90th-percentile latency from arrival to completion.
 
-``ratio``: engine tokens/s over Hugging Face tokens/s. ``--model qwen2-0.5b`` builds a Qwen2 of the
+``ratio``: engine tokens/s over Hugging Face tokens/s. ``static.bandwidth``: what one decode step of
+the static batch must read (every weight once, plus the KV cache of the batch at its mean length,
+``bytes_per_step``), over the engine's mean time per step (its static run over ``--max-new-tokens``
+steps, prefill included), as a fraction of the device's memory bandwidth (``--bandwidth-gbs``, or
+the data sheet of a known GPU: H200, H100, A100; none on the CPU unless given). ``--model qwen2-0.5b`` builds a Qwen2 of the
 0.5B shape (24 layers, hidden 896, 151,936-token vocabulary) from a config in code, random weights,
 nothing downloaded. ``--dtype bfloat16`` holds the model in bfloat16 (rollbook/devices.py ``place``).
 On CUDA each timing ends with ``torch.cuda.synchronize``. A benchmark, not a test: it asserts
@@ -57,6 +61,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--load", type=float, default=1.0, help="offered load relative to the engine's static throughput")
     parser.add_argument("--repeats", type=int, default=3, help="timed static runs per side; the fastest counts")
     parser.add_argument("--seed", type=int, default=0, help="prompts, lengths, arrival times and sampling")
+    parser.add_argument("--bandwidth-gbs", type=float, default=None, help="memory bandwidth, GB/s (default: a known GPU's)")
     args = parser.parse_args()
     if not 1 <= args.min_new_tokens <= args.max_new_tokens:
         parser.error("need 1 <= --min-new-tokens <= --max-new-tokens")
@@ -114,6 +119,7 @@ def main() -> None:
         static[f"{side}_tokens_per_s"] = round(tokens / best[side], 1)
     static["ratio"] = round(static["engine_tokens_per_s"] / static["hf_tokens_per_s"], 2)
     static["ratio_cpu"] = round(best["hf_cpu"] / best["engine_cpu"], 2)
+    static["bandwidth"] = decode_bandwidth(model, device, args, batch, best["engine"])
     report["static"] = static
     # -- arrivals --------------------------------------------------------------------------------
     rng = random.Random(args.seed)
@@ -148,6 +154,40 @@ def main() -> None:
     else:
         for key, value in report.items():
             print(f"{key:>12}: {value}")
+
+
+# data-sheet memory bandwidth, GB/s, by a substring of torch.cuda.get_device_name()
+KNOWN_BANDWIDTH_GBS = {"H200": 4800.0, "H100 NVL": 3900.0, "H100 PCIe": 2000.0, "H100": 3350.0, "A100": 2039.0}
+
+
+def decode_bandwidth(model, device, args: argparse.Namespace, batch, engine_seconds: float) -> dict:
+    """Bytes one static decode step reads (weights once + the batch's KV cache at its mean length),
+    the engine's mean seconds per step, and their ratio to the device's memory bandwidth."""
+    import torch
+
+    config = model.config
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    element = next(model.parameters()).element_size()
+    mean_len = sum(len(r.prompt_token_ids) for r in batch) / len(batch) + args.max_new_tokens / 2
+    kv_bytes = 2 * config.num_hidden_layers * kv_heads * head_dim * element * mean_len * len(batch)
+    step_s = engine_seconds / args.max_new_tokens
+    out = {
+        "bytes_per_step": int(weight_bytes + kv_bytes),
+        "weight_bytes": weight_bytes,
+        "kv_bytes": int(kv_bytes),
+        "step_s": round(step_s, 6),
+    }
+    gbs = args.bandwidth_gbs
+    if gbs is None and device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        gbs = next((v for k, v in KNOWN_BANDWIDTH_GBS.items() if k in name), None)
+        out["device_name"] = name
+    if gbs:
+        out["bandwidth_gbs"] = gbs
+        out["fraction_of_bandwidth"] = round((weight_bytes + kv_bytes) / step_s / (gbs * 1e9), 4)
+    return out
 
 
 def build_model(args: argparse.Namespace):
