@@ -172,7 +172,11 @@ class Proxy:
         if len(stops) > 4:
             raise ApiError(400, "stop: at most 4 sequences", code="invalid_value", param="stop")
         stop_ids = sorted({*self.stop_ids, *self.render.stop_token_ids(stops)})
-        top = (req.top_logprobs or 0) if isinstance(req, ChatRequest) else (req.logprobs or 0)
+        if isinstance(req, ChatRequest):
+            top = req.top_logprobs or 0
+        else:
+            assert isinstance(req, CompletionRequest)
+            top = req.logprobs or 0
         if isinstance(req, ChatRequest) and top and not req.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs: true", code="invalid_value", param="top_logprobs")
         if top > getattr(self.engine, "max_top_logprobs", 0):
