@@ -22,9 +22,11 @@ The modules, from the wire inwards:
 | ``schemas`` | the request bodies (OpenAI and control) and ``ApiError``, the OpenAI-format error |
 | ``admission`` | ``Gate``: completions at once, waiting, pauses |
 | ``core`` | ``Proxy``: keys, completions, rewards, session ends, weight installs |
-| ``payloads`` | response bodies and server-sent events of a finished completion |
+| ``streaming`` | ``TokenStream``: a streamed completion whose tokens leave as the engine samples them |
+| ``payloads`` | response bodies, the server-sent events of a completion, text pieces per token |
+| ``history`` | token-exact multi-turn histories: the prompt of a session's next call and the call it continues |
 | ``sessions`` | sessions, logical calls and attempts, the trajectories they become, rewards, submission |
-| ``render`` | the tokenizer and chat rendering (``renderer()``) |
+| ``render`` | the tokenizer and chat rendering, tool-call parsing (``renderer()``) |
 
 Importing this package loads nothing; ``config`` loads only pydantic.
 """
