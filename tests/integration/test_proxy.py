@@ -389,7 +389,11 @@ def malformed_requests(key: str, session_id: str) -> list[tuple[str, str, bytes,
         {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]},
         {"model": MODEL, "messages": [{"role": "user", "content": "1" * 5000}]},
         {"model": MODEL, "messages": ok_msg, "stream": "yes"},
-        {"model": MODEL, "messages": ok_msg, "logprobs": True, "top_logprobs": 5},
+        {"model": MODEL, "messages": ok_msg, "logprobs": True, "top_logprobs": 21},
+        {"model": MODEL, "messages": ok_msg, "top_logprobs": 5},  # without logprobs: true
+        {"model": MODEL, "messages": ok_msg, "seed": "7"},
+        {"model": MODEL, "messages": ok_msg, "frequency_penalty": 0.5},
+        {"model": MODEL, "messages": ok_msg, "tools": [{"type": "function", "function": {"name": "f"}}]},  # no tool format
         {"model": [MODEL], "messages": ok_msg},
     ]
     for body in wrong:
