@@ -85,14 +85,13 @@ class AgentEvaluation:
 
     def _episodes(self, tasks: list[Task], temperature: float, seed: int | None) -> list[list[float]]:
         from rollbook.rollout.engine import GenerationRequest
-        from rollbook.rollout.proxy.render import chat_prompt
 
         history: list[list[tuple[str, str]]] = [[("user", t.prompt)] for t in tasks]
         rewards: list[list[float]] = [[] for _ in tasks]
         for turn in range(self.online.turns):
             requests = [
                 GenerationRequest(
-                    prompt_token_ids=chat_prompt(self.render, [{"role": r, "content": c} for r, c in h]),
+                    prompt_token_ids=self.render.render([{"role": r, "content": c} for r, c in h], None, True),
                     max_new_tokens=self.online.max_tokens,
                     temperature=temperature,
                     top_p=self.top_p if temperature > 0 else 1.0,

@@ -64,11 +64,6 @@ class Renderer(Protocol):
     def stop_token_ids(self, stop: Sequence[str]) -> list[int]: ...
 
 
-def chat_prompt(render: Renderer, messages: Sequence[Message], tools: list[dict] | None = None) -> list[int]:
-    """Prompt ids of a chat request: the messages and the generation prompt."""
-    return render.render(messages, tools, True)
-
-
 @dataclass
 class CharRenderer:
     """The character tokenizer with the transcript rendering of the module docstring."""

@@ -32,6 +32,14 @@ VLLM_INSTALLED = importlib.util.find_spec("vllm") is not None
 TINY = ModelConfig(hidden_size=16, intermediate_size=32, num_layers=1)
 
 
+def _cli(argv: list[str], tmp_path) -> subprocess.CompletedProcess:
+    """``python -m rollbook.cli ARGV`` (a run gets its run directory under ``tmp_path``)."""
+    run_dir = ["--run_dir", str(tmp_path / "run")] if argv[0] == "run" else []
+    return subprocess.run(
+        [sys.executable, "-m", "rollbook.cli", *argv, *run_dir], capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
+
+
 @pytest.mark.parametrize(
     "argv",
     [
@@ -42,13 +50,7 @@ TINY = ModelConfig(hidden_size=16, intermediate_size=32, num_layers=1)
     ids=["run", "rollout", "proxy"],
 )
 def test_a_vllm_engine_this_machine_cannot_build_is_refused_in_one_line_before_anything_starts(argv, tmp_path):
-    done = subprocess.run(
-        [sys.executable, "-m", "rollbook.cli", *argv, *(["--run_dir", str(tmp_path / "run")] if argv[0] == "run" else [])],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=ROOT,
-    )
+    done = _cli(argv, tmp_path)
     assert done.returncode == 2, done.stderr[-2000:]
     [line] = done.stderr.strip().splitlines()
     field = "engine" if argv[0] == "proxy" else "rollout.engine"
@@ -399,13 +401,7 @@ def test_a_dataset_prompt_longer_than_max_prompt_tokens_is_a_bad_row_and_a_toy_o
     ids=["run", "rollout", "proxy"],
 )
 def test_a_workload_the_model_cannot_hold_is_refused_in_one_line_before_anything_starts(argv, line, tmp_path):
-    done = subprocess.run(
-        [sys.executable, "-m", "rollbook.cli", *argv, *(["--run_dir", str(tmp_path / "run")] if argv[0] == "run" else [])],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=ROOT,
-    )
+    done = _cli(argv, tmp_path)
     assert done.returncode == 2, done.stderr[-2000:]
     assert done.stderr.strip().splitlines() == [line]
     assert not (tmp_path / "run" / "rollbook.duckdb").exists()  # no store was started
