@@ -7,9 +7,11 @@ into a server-sent event at once. When every choice has finished, ``outcome`` ho
 chunk and ``[DONE]``. So a caller that saw ``[DONE]`` got an answer that a restarted proxy still
 submits, and a caller that did not (it left, or the proxy died) got no finished answer.
 
-Delivery is decided as for a whole answer: the connection must still be open after the last event
-(checked before every event too). A caller that leaves mid-stream stops the events, not the
-generation: the attempt is recorded unconsumed once it finishes.
+Delivery: the connection is checked before every event, and an attempt whose ``[DONE]`` was
+written to an open connection is delivered, even when the caller hangs up at once (the openai
+client closes its response on ``[DONE]``, before the chunked body's end arrives). A caller that
+leaves mid-stream stops the events, not the generation: the attempt is recorded unconsumed once it
+finishes.
 """
 
 from __future__ import annotations
@@ -84,8 +86,7 @@ class TokenStream:
                 if await is_disconnected():
                     return
                 yield event
-            await asyncio.sleep(0)
-            delivered = not await is_disconnected()
+            delivered = True  # [DONE] went out on an open connection: the caller has the whole answer
         finally:
             self._settle(delivered)
 

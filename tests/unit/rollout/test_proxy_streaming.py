@@ -145,6 +145,34 @@ def test_a_caller_that_leaves_mid_stream_gets_its_attempt_recorded_unconsumed_on
     assert proxy.counters["undelivered"] == 1
 
 
+def test_a_caller_that_hangs_up_right_after_done_got_a_delivered_answer():
+    """The openai client closes its response on ``[DONE]``, before the chunked body's end: the
+    proxy may see the hang-up before the stream's generator returns. The answer was delivered."""
+    store = _FakeStore()
+
+    async def scenario():
+        proxy, session, stream = await _start(_FakeEngine(), store, {**PROMPT, "stream": True})
+        done_sent = False
+
+        async def disconnected() -> bool:
+            return done_sent
+
+        events = []
+        async for raw in stream.events(disconnected):
+            events.append(raw)
+            done_sent = raw.strip().endswith(b"[DONE]")
+        await proxy.end(session)
+        proxy.submitter.close()
+        proxy.close()
+        return proxy, events
+
+    proxy, events = asyncio.run(scenario())
+    assert _events(events)[-1] == "[DONE]"
+    [row] = store.submitted
+    assert row["consumed"] is True
+    assert proxy.counters["delivered"] == 1 and proxy.counters["undelivered"] == 0
+
+
 def test_a_stream_whose_events_never_start_is_recorded_unconsumed():
     store = _FakeStore()
 
