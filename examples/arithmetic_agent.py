@@ -29,6 +29,7 @@ import os
 import random
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import openai
@@ -160,10 +161,15 @@ def play_rounds(
     model: str,
     temperature: float,
     max_tokens: int,
+    play: Callable[..., Episode] | None = None,
+    answer_key: Callable[[str], tuple[str, str]] | None = None,
 ) -> None:
     """Play ``problems`` in a shuffled order, ``rounds`` times (0: until stopped): each problem is a
     group of ``group_size`` sessions, ``concurrency`` groups at once. A failed episode is reported and
-    skipped (its group then stays incomplete: the store's incomplete-group policy decides)."""
+    skipped (its group then stays incomplete: the store's incomplete-group policy decides). ``play``
+    (default ``play_problem``) plays one episode of a problem whose ``(expected, domain)`` come from
+    ``answer_key`` (default ``solve``); examples/calculator_agent.py passes its own."""
+    play, answer_key = play or play_problem, answer_key or solve
     rng = random.Random(seed)
     order = list(problems)
     done = 0
@@ -173,10 +179,10 @@ def play_rounds(
             for start in range(0, len(order), concurrency):
                 futures = [
                     pool.submit(
-                        play_problem,
+                        play,
                         base_url,
                         prompt,
-                        *solve(prompt),
+                        *answer_key(prompt),
                         group_id=f"agent-{seed}-r{done}-{start + i}",
                         group_size=group_size,
                         turns=turns,

@@ -20,11 +20,19 @@ import pathlib
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
 USER, ASSISTANT, SYSTEM = "<|user|>", "<|assistant|>", "<|system|>"
 
-# {bos} then each message as <|role|>content<|eos|>; the generation prompt opens the assistant turn.
+# {bos}, the tools (if any) as <|system|>{json}...<|eos|>, then each message as <|role|>content<|eos|>,
+# an assistant's tool calls after its content as <tool_call>{"name": ..., "arguments": {...}}</tool_call>
+# (the Hermes / Qwen format, which `rollbook proxy` parses); the generation prompt opens the assistant turn.
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
+    "{% if tools %}{{ '<|system|>' }}{% for tool in tools %}{{ tool | tojson }}{% endfor %}{{ eos_token }}{% endif %}"
     "{% for message in messages %}"
-    "{{ '<|' + message['role'] + '|>' + message['content'] + eos_token }}"
+    "{{ '<|' + message['role'] + '|>' }}"
+    "{% if message['content'] %}{{ message['content'] }}{% endif %}"
+    "{% if message['tool_calls'] is defined and message['tool_calls'] %}{% for call in message['tool_calls'] %}"
+    "{{ '<tool_call>' + ({'name': call['function']['name'], 'arguments': call['function']['arguments']} | tojson) + '</tool_call>' }}"
+    "{% endfor %}{% endif %}"
+    "{{ eos_token }}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
 )

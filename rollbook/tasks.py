@@ -140,6 +140,23 @@ class AdditionDomain:
         return float(completion.strip() == task.answer)
 
 
+@dataclass(frozen=True)
+class MultiplyDomain:
+    """``what is 37 times 8?``: the product of two integers from 2 to ``max_operand``. Too hard for a
+    tiny model to compute, trivial with a calculator: the problems of the online mode's ``calculator``
+    game (docs/online.md), where the agent offers a ``mul`` tool and the model should call it."""
+
+    max_operand: int = 99
+    name: str = "multiply"
+
+    def sample(self, rng: random.Random) -> tuple[str, str]:
+        a, b = (rng.randint(2, self.max_operand) for _ in range(2))
+        return f"what is {a} times {b}?", str(a * b)
+
+    def verify(self, task: Task, completion: str) -> float:
+        return float(completion.strip() == task.answer)
+
+
 class ProgramError(ValueError):
     """A program that does not parse in the tiny expression language (or is too long)."""
 
@@ -211,7 +228,9 @@ class ProgramDomain:
         return float(got == [run_program(task.answer, x) for x in points])
 
 
-DOMAINS: dict[str, TaskDomain] = {d.name: d for d in (ArithmeticDomain(), ReverseDomain(), AdditionDomain(), ProgramDomain())}
+DOMAINS: dict[str, TaskDomain] = {
+    d.name: d for d in (ArithmeticDomain(), ReverseDomain(), AdditionDomain(), ProgramDomain(), MultiplyDomain())
+}
 
 
 def build_domains(config) -> dict[str, TaskDomain]:
@@ -225,7 +244,7 @@ def build_domains(config) -> dict[str, TaskDomain]:
     }
     unknown = sorted(set(config.domains) - made.keys() - DOMAINS.keys())
     if unknown:
-        raise ValueError(f"unknown domains {unknown}; known: {sorted(made)}")
+        raise ValueError(f"unknown domains {unknown}; known: {sorted(made.keys() | DOMAINS.keys())}")
     return {name: made[name] if name in made else DOMAINS[name] for name in config.domains}
 
 

@@ -17,26 +17,15 @@ from __future__ import annotations
 import pathlib
 from collections.abc import Iterable
 
+from examples.make_tiny_hf_model import CHAT_TEMPLATE as EXAMPLE_CHAT_TEMPLATE
+
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
 USER, ASSISTANT = "<|user|>", "<|assistant|>"
 SPECIAL_TOKENS = [PAD, BOS, EOS, USER, ASSISTANT]
 
 # {bos}, the tools (if any) as <|system|>{json}...<|eos|>, then each message as <|role|>content<|eos|>,
-# an assistant's tool calls after its content as <tool_call>{"name": ..., "arguments": {...}}</tool_call>
-# (the Hermes / Qwen format); the generation prompt opens the assistant turn.
-CHAT_TEMPLATE = (
-    "{{ bos_token }}"
-    "{% if tools %}{{ '<|system|>' }}{% for tool in tools %}{{ tool | tojson }}{% endfor %}{{ eos_token }}{% endif %}"
-    "{% for message in messages %}"
-    "{{ '<|' + message['role'] + '|>' }}"
-    "{% if message['content'] %}{{ message['content'] }}{% endif %}"
-    "{% if message['tool_calls'] is defined and message['tool_calls'] %}{% for call in message['tool_calls'] %}"
-    "{{ '<tool_call>' + ({'name': call['function']['name'], 'arguments': call['function']['arguments']} | tojson) + '</tool_call>' }}"
-    "{% endfor %}{% endif %}"
-    "{{ eos_token }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
-)
+# an assistant's tool calls as Hermes <tool_call> blocks: the template of examples/make_tiny_hf_model.py
+CHAT_TEMPLATE = EXAMPLE_CHAT_TEMPLATE
 
 
 def corpus() -> list[str]:

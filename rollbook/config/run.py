@@ -120,6 +120,14 @@ class OnlineConfig(BaseModel):
         description="The agent script (plain Python, openai client), "
         "run as `python AGENT --proxy URL --problems FILE ...` (examples/arithmetic_agent.py's flags).",
     )
+    game: Literal["feedback", "calculator"] = Field(
+        "feedback",
+        description="The game the agent plays, which sets its problems and the held-out evaluation played here: "
+        "'feedback' (examples/arithmetic_agent.py: arithmetic or reverse problems, a retry after right./wrong.) or "
+        "'calculator' (examples/calculator_agent.py: 'multiply' problems, a `mul` tool the model calls, then the "
+        "answer; needs trainer.model.path, a model whose chat template renders tools, e.g. "
+        "examples/make_calculator_model.py's).",
+    )
     group_size: int = Field(4, ge=1, description="Agent sessions per problem: a normalization group (turn k of them).")
     concurrency: int = Field(4, ge=1, description="Groups the agent plays at once (concurrency * group_size sessions).")
     turns: int = Field(
@@ -128,8 +136,8 @@ class OnlineConfig(BaseModel):
     num_problems: int = Field(
         256,
         ge=1,
-        description="Training problems per domain of rollout.domains (arithmetic, "
-        "reverse) the agent plays, round after round (train split; fewer when a domain has fewer).",
+        description="Training problems per domain of rollout.domains (arithmetic and reverse; multiply for "
+        "the calculator game) the agent plays, round after round (train split; fewer when a domain has fewer).",
     )
     num_eval_problems: int = Field(
         40, ge=1, description="Held-out problems per domain of the evaluation (held-out split; fewer when a domain has fewer)."
@@ -409,6 +417,16 @@ class RunConfig(BaseModel):
                 f"rollout.engine = {self.rollout.engine!r} applies to the rollout worker; the online mode generates "
                 "in rollbook proxy on the native engine: remove rollout.engine"
             )
+        if self.online is not None and self.online.game == "calculator":
+            if not self.trainer.model.path:
+                raise ValueError(
+                    "online.game = 'calculator' offers the model a tool through its chat template: set trainer.model.path "
+                    "to a Hugging Face model directory whose template renders tools (python examples/make_calculator_model.py)"
+                )
+            if self.rollout.domains != ["multiply"]:
+                raise ValueError(
+                    f"online.game = 'calculator' plays multiply problems: set rollout.domains = ['multiply'], not {self.rollout.domains}"
+                )
         if self.trainer.num_ranks > 1 and self.placement != "ray":
             raise ValueError(
                 f"trainer.num_ranks = {self.trainer.num_ranks} needs placement 'ray' (colocated and separated "

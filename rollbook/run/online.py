@@ -41,12 +41,17 @@ from rollbook.run.driving import drive_run, engine_copy, install_weights
 from rollbook.trainer.drive import Placement
 
 if TYPE_CHECKING:  # pragma: no cover
+    from collections.abc import Sequence
+
     from rollbook.rollout.engine import GenerationEngine
+    from rollbook.rollout.proxy.render import Renderer
     from rollbook.tasks import Task
 
 # max_context_tokens of the online mode's proxy (and of its held-out games' engine): an agent's whole
 # session (the problem, its answers, the feedback) fits; less when the model has fewer positions
 ONLINE_CONTEXT_TOKENS = 512
+# the problems of each game of ``online.game``
+GAME_DOMAINS = {"feedback": {"arithmetic", "reverse"}, "calculator": {"multiply"}}
 
 
 def online_problems(config: RunConfig, split: Literal["train", "heldout"], num: int) -> list[Task]:
@@ -55,9 +60,11 @@ def online_problems(config: RunConfig, split: Literal["train", "heldout"], num: 
     from rollbook.tasks import build_domains, make_tasks
 
     domains = build_domains(config.rollout)
-    unknown = sorted(set(domains) - {"arithmetic", "reverse"})
+    game = config.online.game if config.online is not None else "feedback"
+    plays = GAME_DOMAINS[game]
+    unknown = sorted(set(domains) - plays)
     if unknown:
-        raise CommandError(f"the online mode's agent plays arithmetic and reverse problems, not {unknown}: set rollout.domains")
+        raise CommandError(f"the online {game} game plays {sorted(plays)} problems, not {unknown}: set rollout.domains")
     return [t for d in domains.values() for t in make_tasks(d, split, num, config.rollout.seed, allow_fewer=True)]
 
 
@@ -75,12 +82,13 @@ class AgentEvaluation:
         *,
         top_p: float = 1.0,
         model: ModelConfig | None = None,
+        render: Renderer | None = None,
     ):
         from rollbook.language_models import stop_token_ids
         from rollbook.rollout.proxy.render import renderer
 
         self.engine, self.tasks, self.online, self.top_p = engine, tasks, online, top_p
-        self.render = renderer()
+        self.render = render or renderer()
         self.stop_token_ids = stop_token_ids(self.render.eos_token_id, model)
 
     def _episodes(self, tasks: list[Task], temperature: float, seed: int | None) -> list[list[float]]:
@@ -130,6 +138,139 @@ class AgentEvaluation:
         return out
 
 
+# the tool examples/calculator_agent.py offers (a test holds the two equal): rendered into every prompt
+CALCULATOR_TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "mul",
+            "description": "Multiply two integers.",
+            "parameters": {
+                "type": "object",
+                "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                "required": ["a", "b"],
+            },
+        },
+    }
+]
+
+
+def calculator_tool(name: str, arguments: dict) -> str:
+    """What examples/calculator_agent.py's ``run_tool`` answers a call: the product, or an error text."""
+    if name != "mul":
+        return f"error: no tool named {name!r}"
+    try:
+        return str(int(arguments["a"]) * int(arguments["b"]))
+    except (ValueError, TypeError, KeyError):
+        return "error: mul takes two integers, a and b"
+
+
+class CalculatorGame:
+    """The calculator game's two calls as ``rollbook proxy`` builds their prompts for
+    examples/calculator_agent.py: the question with ``CALCULATOR_TOOLS``; after a reply with tool
+    calls, the first prompt + the sampled ids + the tool results (rollout/proxy/history.py's
+    token-exact continuation)."""
+
+    def __init__(self, render: Renderer):
+        self.render = render
+        if render.tool_parser is None:
+            raise CommandError("the calculator game needs a tool-call parser: a model whose chat template renders tools")
+
+    def first_prompt(self, question: str) -> tuple[list[int], list[dict]]:
+        messages = [{"role": "user", "content": question}]
+        return self.render.render(messages, CALCULATOR_TOOLS, True), messages
+
+    def calls(self, output_ids: Sequence[int]) -> tuple[str, list[dict]]:
+        """(content, tool calls) of a reply, as the proxy parses it."""
+        assert self.render.tool_parser is not None
+        return self.render.tool_parser.parse(self.render.decode(output_ids))
+
+    def answer_prompt(self, prompt: list[int], messages: list[dict], output_ids: list[int]) -> list[int] | None:
+        """The second call's prompt after the reply ``output_ids`` (None when it holds no tool call)."""
+        from rollbook.rollout.proxy.history import Reply, Turn, continue_prompt
+
+        content, calls = self.calls(output_ids)
+        if not calls:
+            return None
+        ids = [f"call_{i}" for i in range(len(calls))]
+        reply = {
+            "role": "assistant",
+            "content": content,
+            "tool_calls": [
+                {"id": i, "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
+                for i, c in zip(ids, calls)
+            ],
+        }
+        results = [
+            {"role": "tool", "tool_call_id": i, "content": calculator_tool(c["name"], c["arguments"])} for i, c in zip(ids, calls)
+        ]
+        after = [*messages, reply, *results]
+        turn = Turn(prompt, messages=messages, tools=CALCULATOR_TOOLS)
+        continued = continue_prompt(self.render, turn, Reply(list(output_ids), "stop", reply), after, CALCULATOR_TOOLS)
+        return continued if continued is not None else self.render.render(after, CALCULATOR_TOOLS, True)
+
+
+class CalculatorEvaluation(AgentEvaluation):
+    """The calculator game (examples/calculator_agent.py) played directly on ``engine`` on held-out
+    problems: the first call; for a reply with tool calls, the tools run and the second call; the
+    episode's reward is its final answer, stripped, equal to the product. Reported as
+    ``eval/reward`` (greedy), ``eval/sampled_reward`` (``online.eval_samples`` per problem, fixed
+    seed), and ``eval/tool_call`` / ``eval/sampled/tool_call``: the share of first calls that call
+    ``mul`` with the problem's two numbers."""
+
+    def __init__(self, engine: GenerationEngine, tasks: list[Task], online: OnlineConfig, **kwargs):
+        super().__init__(engine, tasks, online, **kwargs)
+        self.game = CalculatorGame(self.render)
+
+    def _play(self, tasks: list[Task], temperature: float, seed: int | None) -> tuple[list[float], list[float]]:
+        from rollbook.rollout.engine import GenerationRequest
+
+        def generate(prompts: list[list[int]], turn: int) -> list[list[int]]:
+            requests = [
+                GenerationRequest(
+                    prompt_token_ids=p,
+                    max_new_tokens=self.online.max_tokens,
+                    temperature=temperature,
+                    top_p=self.top_p if temperature > 0 else 1.0,
+                    stop_token_ids=self.stop_token_ids,
+                )
+                for p in prompts
+            ]
+            results = self.engine.generate(requests, seed=None if seed is None else seed + turn)
+            return [list(r.output_token_ids) for r in results]
+
+        firsts = [self.game.first_prompt(t.prompt) for t in tasks]
+        replies = generate([p for p, _ in firsts], 0)
+        called, finals = [], list(replies)
+        second: dict[int, list[int]] = {}
+        for i, (task, (prompt, messages), reply) in enumerate(zip(tasks, firsts, replies)):
+            _, calls = self.game.calls(reply)
+            a, b = (int(x) for x in task.prompt.removeprefix("what is ").removesuffix("?").split(" times "))
+            called.append(
+                float(any(c["name"] == "mul" and c["arguments"] in ({"a": a, "b": b}, {"a": b, "b": a}) for c in calls))
+            )
+            if self.online.turns > 1:
+                nxt = self.game.answer_prompt(prompt, messages, reply)
+                if nxt is not None:
+                    second[i] = nxt
+        for i, out in zip(second, generate(list(second.values()), 1) if second else []):
+            finals[i] = out
+        solved = [float(self.render.decode(out).strip() == task.answer) for task, out in zip(tasks, finals)]
+        return called, solved
+
+    def evaluate(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        runs: list[tuple[str, str, list[Task], float, int | None]] = [("eval/", "eval/reward", self.tasks, 0.0, None)]
+        if self.online.eval_samples:
+            tasks = [t for t in self.tasks for _ in range(self.online.eval_samples)]
+            runs.append(("eval/sampled/", "eval/sampled_reward", tasks, self.online.temperature, self.online.eval_seed))
+        for prefix, overall, tasks, temperature, seed in runs:
+            called, solved = self._play(tasks, temperature, seed)
+            out[overall] = sum(solved) / max(1, len(solved))
+            out[f"{prefix}tool_call"] = sum(called) / max(1, len(called))
+        return out
+
+
 def _rewarded(client) -> int:
     """Turns of the agent's sessions that got their reward (the trainer can pull only those)."""
     table = client.query("SELECT count(*) AS n FROM trajectories WHERE original_reward IS NOT NULL")
@@ -168,6 +309,7 @@ def run_online(config: RunConfig, client, address: str, keys: dict) -> dict:
     from rollbook.devices import cast_floating
     from rollbook.rollout.engine import NativeEngine
     from rollbook.rollout.engines import model_positions, proxy_batch_size
+    from rollbook.rollout.proxy.render import renderer
     from rollbook.trainer.loop import Trainer
     from rollbook.trainer.model_builders import build_models
     from rollbook.weights.shm import SharedMemoryPublisher
@@ -212,7 +354,11 @@ def run_online(config: RunConfig, client, address: str, keys: dict) -> dict:
         max_batch_size=proxy_batch_size(proxy_cfg),
         max_seq_len=proxy_cfg.max_context_tokens,
     )
-    judge = AgentEvaluation(evaluator, heldout, online, top_p=config.rollout.top_p, model=config.trainer.model)
+    # the held-out games render as the proxy does: its tokenizer (model.path's, or the toy one)
+    evaluation = CalculatorEvaluation if online.game == "calculator" else AgentEvaluation
+    judge = evaluation(
+        evaluator, heldout, online, top_p=config.rollout.top_p, model=config.trainer.model, render=renderer(proxy_cfg)
+    )
     trainer = Trainer(
         config.trainer,
         client,

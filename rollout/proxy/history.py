@@ -96,7 +96,7 @@ def plan_chat(render: Renderer, session: Session, messages: list[Message], tools
             history = [*before, reply.message]
             shared = _common_prefix(history, messages)
             if shared == len(history) and len(messages) > shared:
-                continued = _continue(render, earlier, reply, messages, tools)
+                continued = continue_prompt(render, earlier, reply, messages, tools)
                 if continued is not None:
                     return Turn(continued, f"turn-{call.turn}.{choice}", False, messages, tools)
             if shared >= 1 and (best is None or shared >= best[0]):  # newest first: a tie goes to the earlier call
@@ -107,7 +107,7 @@ def plan_chat(render: Renderer, session: Session, messages: list[Message], tools
     return Turn(prompt, f"turn-{best[1].turn}.{best[2]}", True, messages, tools)
 
 
-def _continue(
+def continue_prompt(
     render: Renderer, earlier: Turn, reply: Reply, messages: list[Message], tools: list[dict] | None
 ) -> list[int] | None:
     """Earlier prompt + sampled ids + the unsampled rest of the assistant turn's close + the new

@@ -42,7 +42,7 @@ def _taught_model(directory: pathlib.Path) -> pathlib.Path:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from rollbook.rollout.proxy.history import Reply, Turn, _continue
+    from rollbook.rollout.proxy.history import Reply, Turn, continue_prompt
     from rollbook.rollout.proxy.render import HermesToolParser, HFRenderer, openai_tool_calls
 
     model_dir = save_tiny_model_dir(directory, seed=0)
@@ -66,8 +66,8 @@ def _taught_model(directory: pathlib.Path) -> pathlib.Path:
     m2 = [*m1, {"role": "assistant", "content": "It is 21"}, {"role": "user", "content": "Sure?"}]
     p0 = render.render(m0, TOOLS, True)
     out0, out1, out2 = ids(CALL), ids("It is 21"), ids("Yes.")
-    p1 = _continue(render, Turn(p0, messages=m0, tools=TOOLS), Reply(out0, "stop", reply0), m1, TOOLS)
-    p2 = _continue(render, Turn(p1, messages=m1, tools=TOOLS), Reply(out1, "stop", m2[len(m1)]), m2, TOOLS)
+    p1 = continue_prompt(render, Turn(p0, messages=m0, tools=TOOLS), Reply(out0, "stop", reply0), m1, TOOLS)
+    p2 = continue_prompt(render, Turn(p1, messages=m1, tools=TOOLS), Reply(out1, "stop", m2[len(m1)]), m2, TOOLS)
     assert p1 is not None and p2 is not None
     examples = [(p0, out0), (p1, out1), (p2, out2)]
 
