@@ -1,9 +1,12 @@
 """What ``rollbook proxy`` costs per call: the engine called directly against the same engine behind the
 proxy, driven by the official ``openai`` client, in the same run with the same concurrent clients.
 
-- ``direct_rps`` / ``direct_latency_ms_*``: ``--clients`` threads in this process, each calling
-  ``NativeEngine.generate`` on one chat prompt (the proxy's own rendering) ``--calls`` times; the
-  engine is the proxy's default tiny model (same seed, same weights, same torch thread count).
+- ``direct_rps`` / ``direct_latency_ms_*``: the engine fed directly from one thread in this
+  process, ``--clients`` calls in flight at all times (``NativeEngine.submit``: a finished call is
+  replaced by the next at once, ``--calls`` per client), one chat prompt (the proxy's own
+  rendering); the engine is the proxy's served model (same seed, same weights, same torch thread
+  count). One feeding thread, not one per client: the engine's batch at that concurrency without
+  the interpreter-lock contention of many Python threads, the limit the proxy is measured against.
 - ``proxy_rps`` / ``proxy_latency_ms_*``: the same number of threads, each with its own session
   and ``openai.OpenAI`` client, calling ``/v1/chat/completions`` of a real ``rollbook proxy``
   subprocess that records every completion in a real ``rollbook serve`` subprocess (fresh DuckDB
@@ -101,6 +104,34 @@ def _run_clients(num_clients: int, calls: int, make: Callable[[int], Callable[[]
     }
 
 
+def _run_engine(engine, request, num_clients: int, calls: int) -> dict:
+    """``num_clients`` requests in flight on ``engine`` from this thread, each replaced when it
+    finishes until ``num_clients * calls`` have finished."""
+    import concurrent.futures
+
+    latencies: list[float] = []
+    tokens: list[int] = []
+    total, submitted = num_clients * calls, 0
+    pending: dict = {}
+    t0 = time.perf_counter()
+    while len(latencies) < total:
+        while submitted < total and len(pending) < num_clients:
+            pending[engine.submit(request)] = time.perf_counter()
+            submitted += 1
+        done, _ = concurrent.futures.wait(pending, return_when=concurrent.futures.FIRST_COMPLETED)
+        now = time.perf_counter()
+        for future in done:
+            latencies.append(now - pending.pop(future))
+            tokens.append(len(future.result().output_token_ids))
+    elapsed = time.perf_counter() - t0
+    return {
+        "rps": total / elapsed,
+        "latency_mean": statistics.fmean(latencies),
+        "latency_p50": statistics.median(latencies),
+        "tokens_per_call": statistics.fmean(tokens),
+    }
+
+
 def _time_to_first_token(openai, url: str, control, sessions: list[dict], tokens: int, wanted: int) -> tuple[dict, int]:
     """Streamed calls one at a time until ``wanted`` answers of exactly ``tokens`` tokens (at most
     ``20 * wanted`` calls); returns the timings and how many calls were made."""
@@ -167,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     request = GenerationRequest(prompt_token_ids=prompt_ids, max_new_tokens=args.max_tokens, stop_token_ids=[render.eos_token_id])
     engine.generate([request])  # warm-up (lazy initialisation), not timed
     _progress(f"direct: {args.clients} clients x {args.calls} calls, max_tokens {args.max_tokens}")
-    direct = _run_clients(args.clients, args.calls, lambda i: lambda: len(engine.generate([request])[0].output_token_ids))
+    direct = _run_engine(engine, request, args.clients, args.calls)
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLBOOK_")}
     with tempfile.TemporaryDirectory(dir=args.work_dir, prefix="proxy-bench-") as tmp:
