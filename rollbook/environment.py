@@ -15,6 +15,10 @@
 ``ROLLBOOK_TLS_CLIENT_KEY``     client: PEM key of ``ROLLBOOK_TLS_CLIENT_CERT``
 ``ROLLBOOK_TLS_SERVER_NAME``    client: the name checked in the server's certificate
 ``ROLLBOOK_BENCH_NOVALIDATE``   ``1``: the store skips the evidence rules (benchmarks only)
+``ROLLBOOK_ARCHIVE_CRASH_AT``   tests only: the process moving rows into the archive SIGKILLs itself
+                                at this named point of the move (store/archive.py ``CRASH_POINTS``)
+``ROLLBOOK_REPLAY_CRASH_AFTER`` tests only: ``rollbook replay reward`` SIGKILLs itself instead of
+                                committing the batch that brings its scored rows to this many
 ``ROLLBOOK_PARENT_PID``         set by ``rollbook run`` in its children: they stop when it dies
                                 (rollbook/lifetime.py); not for users to set
 ``ROLLBOOK_QUERY_<FIELD>``      store: any ``query_*`` field of ``StoreConfig`` (SQL sandbox limits,
@@ -44,6 +48,8 @@ VARIABLES = (
     "ROLLBOOK_TLS_CLIENT_KEY",
     "ROLLBOOK_TLS_SERVER_NAME",
     "ROLLBOOK_BENCH_NOVALIDATE",
+    "ROLLBOOK_ARCHIVE_CRASH_AT",
+    "ROLLBOOK_REPLAY_CRASH_AFTER",
     "ROLLBOOK_PARENT_PID",
 )
 
@@ -86,6 +92,19 @@ def client_tls() -> dict[str, str | None]:
 
 def validate_evidence() -> bool:
     return get("ROLLBOOK_BENCH_NOVALIDATE") != "1"
+
+
+def archive_crash_point() -> str | None:
+    """The named point of an archive move where the mover kills itself (``ROLLBOOK_ARCHIVE_CRASH_AT``;
+    the crash tests' hook, never set in production)."""
+    return get("ROLLBOOK_ARCHIVE_CRASH_AT")
+
+
+def replay_crash_after() -> int | None:
+    """The row count at which ``rollbook replay reward`` kills itself before a commit
+    (``ROLLBOOK_REPLAY_CRASH_AFTER``; the resume tests' hook, never set in production)."""
+    value = get("ROLLBOOK_REPLAY_CRASH_AFTER")
+    return int(value) if value else None
 
 
 # Ray reads its own settings from the environment. Its GCS writes a port file that the starting driver

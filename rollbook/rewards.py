@@ -38,7 +38,7 @@ import math
 import multiprocessing
 import re
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -242,6 +242,11 @@ def _score_remote(config_json: str, completion: str, row: Mapping[str, Any]) -> 
     return score_row(verifier, completion, row)
 
 
+def _score_chunk_remote(config_json: str, items: list[tuple[str, dict[str, Any]]]) -> list[Scored]:
+    """In a pool process: ``_score_remote`` for each ``(completion, row)`` of a chunk."""
+    return [_score_remote(config_json, completion, row) for completion, row in items]
+
+
 def _warm_up() -> None:
     """In each pool process at start: exit when the process that started the pool dies (a pool
     process waits on a queue whose writing end it holds itself, so it would otherwise live on after a
@@ -306,6 +311,42 @@ class RewardPool:
         except cf.process.BrokenProcessPool:
             self._reset()
             return self._pool().submit(_score_remote, config, completion, dict(row))
+
+    def submit_many(self, domain: str, items: Sequence[tuple[str, Mapping[str, Any]]]) -> cf.Future[list[Scored]]:
+        """Score ``items`` (``(completion, row)``, one domain) as one task of one pool process: a cheap
+        verifier's rows then pay the hand-off between processes (about 0.2 ms) once per chunk instead of
+        once per row (``rollbook replay reward`` re-scores a ledger this way). The future's result is
+        one ``Scored`` per item, in order; a pool process that dies fails the whole chunk
+        (``BrokenProcessPool``), which the caller may score again row by row."""
+        config = self._configs.get(domain)
+        chunk = [(completion, dict(row)) for completion, row in items]
+        if config is None or self.max_workers == 0:
+            done: cf.Future[list[Scored]] = cf.Future()
+            if config is None:  # each row's outcome says that no reward is configured for the domain
+                done.set_result([self.submit(domain, completion, row).result() for completion, row in chunk])
+            else:
+                done.set_result(_score_chunk_remote(config, chunk))
+            return done
+        try:
+            return self._pool().submit(_score_chunk_remote, config, chunk)
+        except cf.process.BrokenProcessPool:
+            self._reset()
+            return self._pool().submit(_score_chunk_remote, config, chunk)
+
+    def restart(self) -> None:
+        """Stop every pool process now, busy or not, so the next ``submit`` starts fresh ones: a
+        verifier that never returns would otherwise hold its process (and its share of the pool) for
+        good, since shutting an executor down waits for the task a process is running. Futures still
+        pending fail (``BrokenProcessPool``, or cancelled)."""
+        with self._lock:
+            old, self._executor = self._executor, None
+        if old is None:
+            return
+        # CPython's own table of the executor's processes: before Python 3.14 no public call stops a busy one
+        processes = list((getattr(old, "_processes", None) or {}).values())
+        old.shutdown(wait=False, cancel_futures=True)
+        for process in processes:
+            process.kill()
 
     def result(self, future: cf.Future[Scored], timeout: float | None = None) -> Scored:
         """The future's result; a broken pool or a timeout is an ``error`` outcome (and a broken pool

@@ -11,7 +11,7 @@ DuckDB tables in large inserts, off the acknowledgement path; ``flush()`` folds 
 DuckDB does not is replayed.
 
 Run directory layout: ``rollbook.duckdb`` and ``rollbook.duckdb.log/`` (the log segments; DuckDB keeps its own ``.wal`` file) side by
-side.
+side, and ``archive/`` once trained rows were moved into Parquet (``age``, ``rollbook.store.archive``).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import numpy as np
 import pyarrow as pa
 
 from rollbook.config import IngestConfig, ValidatorConfig
-from rollbook.store import schema, wal
+from rollbook.store import archive, schema, wal
 from rollbook.store.prepare import Prepared, prepare
 from rollbook.store.schema import DDL
 from rollbook.store.sql import SANDBOX_CONFIG
@@ -180,9 +180,14 @@ class Ledger:
         self.fold_bytes = fold_bytes
         self.fold_max_delay_s = fold_max_delay_s
         self.con = _connect(self.db_path)
+        # Snapshots copy the file through this descriptor, open as long as the ledger: closing any
+        # descriptor of the file would drop DuckDB's lock on it, and another process could then open
+        # the ledger for writing (a second store, `rollbook store age`).
+        self._own_file = open(self.db_path, "rb")  # closed in close(), after DuckDB
         for ddl in DDL:
             self.con.execute(ddl)
         schema.upgrade(self.con)
+        archive.recover(self.con)  # a move a crash cut short: its files go, its rows never left
         self.registry = _Registry()
         self._load_registry()
         self._seen: dict[str, str] = {}  # trajectory_id -> first status (ACCEPTED / REJECTED)
@@ -192,6 +197,7 @@ class Ledger:
         self.counters = {"duplicates": 0}
         self._generation = 0  # bumped by every committed write to DuckDB (snapshots compare it)
         self._close_hooks: list = []
+        self._archive_lock = threading.Lock()  # one move at a time (Ledger.age)
         self.wal_root = wal.log_root(self.db_path)
         self._unfolded: list[wal.LoggedCommit] = []
         self._unfolded_bytes = 0
@@ -331,10 +337,20 @@ class Ledger:
                             PARTITION BY model_id, CASE WHEN request_id = '' THEN 'traj:' || trajectory_id ELSE request_id END
                             ORDER BY consumed DESC NULLS LAST, created_at DESC NULLS LAST, trajectory_id DESC) AS rk
                           FROM attempts)
-                        SELECT trajectory_id, status, reason FROM calls WHERE rk = 1
+                        SELECT trajectory_id, status, reason, created_at FROM calls WHERE rk = 1
                         ORDER BY created_at DESC NULLS LAST, trajectory_id DESC LIMIT 1""",
                     [session_id],
                 ).fetchone()
+                # a call moved into the archive was trained: when it is the session's last, the reward
+                # is for it and goes nowhere, never to an earlier call still in the ledger
+                (moved_at,) = one_row(
+                    con.execute("SELECT max(created_at) FROM _archive_index WHERE session_id = ?", [session_id])
+                )
+                if moved_at is not None and (found is None or found[3] is None or found[3] <= moved_at):
+                    raise NotRewardable(
+                        f"the last interaction of session {session_id!r} was trained and moved to the archive; "
+                        "its reward can no longer change"
+                    )
                 if found is None:
                     raise UnknownTrajectory(f"no trajectory in session {session_id!r}")
                 if found[2] is not None:
@@ -352,6 +368,10 @@ class Ledger:
                     ).fetchone()
                     if rejected:
                         raise NotRewardable(f"trajectory {trajectory_id!r} was rejected ({rejected[0]}); it will never train")
+                    if con.execute("SELECT 1 FROM _archive_index WHERE trajectory_id = ? LIMIT 1", [trajectory_id]).fetchone():
+                        raise NotRewardable(
+                            f"trajectory {trajectory_id!r} was trained and moved to the archive; its reward can no longer change"
+                        )
                     raise UnknownTrajectory(f"unknown trajectory {trajectory_id!r}")
             tid, status = found
             # until a trainer leases it, a later reward replaces the earlier one (the rewards table
@@ -394,6 +414,12 @@ class Ledger:
                 [step, trainer_id, version, lease_id, started_at, finished_at, stats_json],
             )
 
+    def transaction(self) -> contextlib.AbstractContextManager[duckdb.DuckDBPyConnection]:
+        """One write transaction on the ledger under its lock, for a command that holds a stopped
+        store's file and writes its own tables (``rollbook replay reward``: rollbook.store.reward_versions);
+        committed on exit, rolled back on an exception, counted as a change for snapshots."""
+        return self._transaction()
+
     @contextlib.contextmanager
     def _transaction(self) -> Iterator[duckdb.DuckDBPyConnection]:
         with self._db_lock:
@@ -406,8 +432,24 @@ class Ledger:
             self.con.execute("COMMIT")
             self._generation += 1
 
+    def age(
+        self,
+        criterion: archive.Criterion,
+        root: str | pathlib.Path | None = None,
+        *,
+        should_stop: Callable[[], bool] | None = None,
+    ) -> archive.MoveResult:
+        """Move the trained rows ``criterion`` picks out of DuckDB into Parquet files under ``root``
+        (default ``archive/`` beside the ledger): the two-phase, crash-safe move of
+        ``rollbook.store.archive``. One move at a time; ingest, pulls and queries go on meanwhile (the
+        ledger's lock is held only for each move's two short transactions)."""
+        target = pathlib.Path(root) if root is not None else archive.default_root(self.db_path)
+        with self._archive_lock:
+            return archive.move(self.cursor, self._transaction, criterion, target, should_stop=should_stop)
+
     def stats(self) -> dict:
-        """Counters over the whole ledger (folds first, so every acknowledged row counts)."""
+        """Counters over the whole ledger (folds first, so every acknowledged row counts), rows moved
+        into the archive included (``archived`` says how many of them)."""
         self.flush()
         cur = self.cursor()
         try:
@@ -415,11 +457,14 @@ class Ledger:
             by_reason = cur.execute(
                 "SELECT reason, count(*), coalesce(sum(num_output_tokens), 0) FROM rejections GROUP BY reason"
             ).fetchall()
+            archived, archived_tokens, archive_files = archive.archived_totals(cur)
         finally:
             cur.close()
         return {
-            "accepted": int(accepted),
-            "accepted_tokens": int(tokens),
+            "accepted": int(accepted) + archived,  # moved rows were accepted all the same
+            "accepted_tokens": int(tokens) + archived_tokens,
+            "archived": archived,
+            "archive_files": archive_files,
             "duplicates": self.counters["duplicates"],
             "rejected": sum(int(n) for _, n, _ in by_reason),
             "rejected_tokens": sum(int(t) for _, _, t in by_reason),
@@ -460,7 +505,7 @@ class Ledger:
             self._fold()
             self.con.execute("CHECKPOINT")
             generation = self._generation
-            clone_file(self.db_path, dest)
+            clone_file(self._own_file.fileno(), dest)
             own_wal = self.db_path.with_name(self.db_path.name + ".wal")
             if own_wal.exists() and own_wal.stat().st_size > 0:  # a checkpoint deferred by a reader
                 clone_file(own_wal, dest.with_name(dest.name + ".wal"))
@@ -482,6 +527,7 @@ class Ledger:
         self.wal.close()
         self._drop_folded_segments(include_current=True)
         self.con.close()
+        self._own_file.close()
 
     # ---- commit and fold ------------------------------------------------------------------------
 
@@ -651,4 +697,6 @@ class Ledger:
             self._seen[tid] = REJECTED
         for (tid,) in self.con.execute("SELECT trajectory_id FROM trajectories").fetchall():
             self._seen[tid] = ACCEPTED
+        for (tid,) in self.con.execute("SELECT trajectory_id FROM _archive_index").fetchall():
+            self._seen[tid] = ACCEPTED  # moved into the archive: still an id seen
         self.con.execute("CHECKPOINT")

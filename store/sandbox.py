@@ -152,12 +152,28 @@ class FixedSnapshot:
         pass
 
 
-def clone_file(src: pathlib.Path, dest: pathlib.Path) -> str:
+def clone_file(src: pathlib.Path | int, dest: pathlib.Path) -> str:
     """Copy ``src`` to ``dest``: a reflink clone (FICLONE) where the file system has one, else a
-    kernel-side copy. Returns ``"reflink"`` or ``"copy"``."""
+    kernel-side copy. Returns ``"reflink"`` or ``"copy"``.
+
+    ``src`` may be a file descriptor open for reading (copied from offset 0, its own offset left as
+    it was): the ledger copies its own file through one it keeps open, because closing any
+    descriptor of a file drops every POSIX lock the process holds on it, DuckDB's lock on the ledger
+    included (store/ledger.py ``snapshot``)."""
     import fcntl
 
     ficlone = 0x40049409
+    if isinstance(src, int):
+        with open(dest, "wb") as fout:
+            try:
+                fcntl.ioctl(fout.fileno(), ficlone, src)
+                return "reflink"
+            except OSError:
+                pass
+            offset = 0
+            while sent := os.sendfile(fout.fileno(), src, offset, 1 << 30):  # no copy through this process
+                offset += sent
+        return "copy"
     with open(src, "rb") as fin, open(dest, "wb") as fout:
         try:
             fcntl.ioctl(fout.fileno(), ficlone, fin.fileno())

@@ -20,7 +20,7 @@ import sys
 import threading
 from collections.abc import Iterator
 from types import ModuleType
-from typing import IO, TYPE_CHECKING
+from typing import IO, TYPE_CHECKING, Any
 
 from rollbook.lifetime import exit_with_parent
 from rollbook.store.sql import INTERNAL, INVALID, RESOURCES, TIMEOUT, QueryError
@@ -50,12 +50,12 @@ def main(settings: dict) -> None:
 
     import duckdb  # after the limits: nothing DuckDB allocates escapes them
 
-    state = {"db": None, "con": None}
+    state: dict[str, Any] = {"db": None, "con": None, "archive": {}}
     for line in sys.stdin.buffer:
         request = json.loads(line)
         try:
             con = _open(duckdb, state, request["db"], settings)
-            truncated = _serve_one(duckdb, con, request, out)
+            truncated = _serve_one(duckdb, con, request, out, state["archive"])
             fresh = _bloated(settings)
             _send(out, b"E", json.dumps({"truncated": truncated, "exit": fresh}).encode())
         except QueryError as exc:
@@ -101,11 +101,18 @@ class _Fatal(Exception):
 
 
 def _open(duckdb: ModuleType, state: dict, db: str, settings: dict) -> duckdb_types.DuckDBPyConnection:
-    if state["db"] == db:
+    """The connection to snapshot ``db`` (kept while queries read the same snapshot). A snapshot whose
+    ledger moved rows into the archive is opened through ``rollbook.store.archive.open_with_archive``:
+    the same table names, the archived rows read by pyarrow from exactly the recorded files, and this
+    DuckDB still without any file access."""
+    from rollbook.store import archive
+
+    if state["db"] == db and (not state["archive"] or archive.still_attached(state["con"])):
         return state["con"]
     if state["con"] is not None:
         state["con"].close()
         state["db"] = state["con"] = None
+        state["archive"] = {}
     config = {
         "enable_external_access": False,
         "autoinstall_known_extensions": False,
@@ -123,6 +130,20 @@ def _open(duckdb: ModuleType, state: dict, db: str, settings: dict) -> duckdb_ty
         config["temp_directory"] = ""
     try:
         con = duckdb.connect(db, read_only=True, config=config)
+        files = archive.recorded_files(con)
+        if files:
+            con.close()
+            import pyarrow as pa
+
+            pa.set_cpu_count(settings["threads"])  # pyarrow decodes the archive's Parquet beside DuckDB's threads
+            try:
+                con, state["archive"] = archive.open_with_archive(duckdb, db, config, files)
+            except (OSError, pa.ArrowException) as exc:  # a recorded file gone or unreadable
+                raise QueryError(
+                    f"cannot open the ledger's archive ({type(exc).__name__}: {exc}); every file archive_files "
+                    "records must be readable where it was written",
+                    INTERNAL,
+                ) from exc
     except duckdb.Error as exc:
         raise QueryError(f"cannot open the ledger snapshot: {exc}", INTERNAL) from exc
     state["db"], state["con"] = db, con
@@ -133,7 +154,9 @@ def _send(out: IO[bytes], kind: bytes, payload: bytes) -> None:
     out.write(_HEADER.pack(kind, len(payload)) + payload)
 
 
-def _serve_one(duckdb: ModuleType, con: duckdb_types.DuckDBPyConnection, request: dict, out: IO[bytes]) -> bool:
+def _serve_one(
+    duckdb: ModuleType, con: duckdb_types.DuckDBPyConnection, request: dict, out: IO[bytes], archived: dict | None = None
+) -> bool:
     import pyarrow as pa
 
     from rollbook.store.sql import check_statement
@@ -141,6 +164,10 @@ def _serve_one(duckdb: ModuleType, con: duckdb_types.DuckDBPyConnection, request
     sql = request["sql"]
     label = request["timeout_label"]
     cur = con.cursor()
+    if archived:  # before the user's statement: its cursor's views of the archived tables
+        from rollbook.store.archive import add_archived_views
+
+        add_archived_views(cur, archived)
     timer = threading.Timer(request["timeout_s"], cur.interrupt)
     timer.daemon = True
     try:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import duckdb
 import pyarrow as pa
 
+from rollbook.store import reward_versions
+
 # Invariants (enforced at ingest by rollbook.validator):
 #   len(output_logprobs) == len(output_versions) == len(output_token_ids) == num_output_tokens > 0
 #   min_version == min(output_versions), max_version == max(output_versions)
@@ -114,7 +116,7 @@ _GROUPS_DDL = """CREATE TABLE IF NOT EXISTS groups (
 
 # Tables written by the store. `trajectories` and `rejections` follow the Arrow schemas above;
 # the small control tables are written directly. `_log_state` is internal (the fold watermark of
-# the write-ahead log) and not part of the documented surface.
+# the write-ahead log) and not part of the documented surface, as are `_archive_moves` and `_archive_index`.
 DDL = [
     # `status` is the validator's lifecycle column (pending -> ready -> leased -> trained); it is
     # not in the log schema: folds insert BY NAME and new rows start 'pending'.
@@ -143,9 +145,35 @@ DDL = [
   finished_at DOUBLE, stats JSON)""",
     """CREATE TABLE IF NOT EXISTS _log_state (
   segment BIGINT PRIMARY KEY, folded_batches BIGINT)""",
+    # The archive (store/archive.py): every Parquet file holding rows moved out of a table, recorded
+    # in the transaction that deleted those rows; and the moves under way (their planned files), so a
+    # start after a crash removes what a move wrote but never recorded.
+    """CREATE TABLE IF NOT EXISTS archive_files (
+  path VARCHAR PRIMARY KEY, table_name VARCHAR, model_id VARCHAR, date DATE, num_rows BIGINT,
+  num_output_tokens BIGINT, num_bytes BIGINT, move_id VARCHAR, moved_at DOUBLE)""",
+    """CREATE TABLE IF NOT EXISTS _archive_moves (
+  move_id VARCHAR PRIMARY KEY, paths VARCHAR[], started_at DOUBLE)""",
+    # what the ledger still needs to know of a moved trajectory: its id (an idempotency key forever)
+    # and its session's last interaction (SetReward by session); internal
+    """CREATE TABLE IF NOT EXISTS _archive_index (
+  trajectory_id VARCHAR, session_id VARCHAR, created_at DOUBLE)""",
 ]
 
-TABLES = ["trajectories", "rejections", "rewards", "groups", "models", "policy_versions", "leases", "train_steps"]
+TABLES = [
+    "trajectories",
+    "rejections",
+    "rewards",
+    "groups",
+    "models",
+    "policy_versions",
+    "leases",
+    "train_steps",
+    "archive_files",
+]
+
+# Named reward versions (store/reward_versions.py, ``rollbook replay reward``): documented, readable tables.
+DDL += reward_versions.DDL
+TABLES += reward_versions.TABLES
 
 
 def upgrade(con: duckdb.DuckDBPyConnection) -> None:

@@ -27,6 +27,7 @@ import grpc
 from rollbook.config import StoreConfig
 from rollbook.config.store import is_loopback
 from rollbook.store.access import KeyRing
+from rollbook.store.archive import Schedule
 from rollbook.store.ledger import Ledger
 from rollbook.store.service import AsyncStore, Pools, StreamLimits, TrajectoryStoreService, handlers
 from rollbook.store.sql import QueryLimits
@@ -118,6 +119,8 @@ def create_server(config: StoreConfig, ledger: Ledger | None = None) -> tuple[St
     ledger = ledger or Ledger(
         config.db, ingest_config=config.ingest, validator_config=config.validator, validate=config.validate_evidence
     )
+    if config.ageing.interval_s > 0:  # [store.ageing]: trained rows into Parquet, stopped when the ledger closes
+        Schedule(ledger, config.ageing).start()
     service = TrajectoryStoreService(ledger, query_limits=query_limits(config))
     pools = Pools(
         ingest=ThreadPoolExecutor(config.num_workers, thread_name_prefix="rollbook-ingest"),
@@ -188,6 +191,27 @@ def _check_port_free(host: str, port: int) -> None:
                 ) from None
 
 
+def _check_reward_version(ledger: Ledger, name: str | None) -> None:
+    """Refuse to serve a reward version the ledger does not hold (``validator.reward_version``): its
+    groups would never be served, and the trainer would wait without a word why."""
+    from rollbook.errors import CommandError
+    from rollbook.store import reward_versions
+
+    if not name:
+        return
+    cur = ledger.cursor()
+    try:
+        known = reward_versions.state(cur, name)
+    finally:
+        cur.close()
+    if known is None:
+        ledger.close()
+        raise CommandError(
+            f"validator.reward_version {name!r}: {ledger.db_path} holds no such reward version "
+            "(`rollbook replay reward --name` makes one; SELECT name FROM reward_version_runs lists them)"
+        )
+
+
 def serve(config: StoreConfig, stop: threading.Event | None = None) -> None:
     """Run the store until ``stop`` is set (None: SIGINT/SIGTERM set it; the CLI passes
     ``rollbook.lifetime.stop_event()``, which a store started by ``rollbook run`` also sets when the run
@@ -208,6 +232,7 @@ def serve(config: StoreConfig, stop: threading.Event | None = None) -> None:
         ) from None
     except OSError as exc:
         raise CommandError(f"{exc} (is the port in use? --port 0 picks a free one)") from None
+    _check_reward_version(ledger, config.validator.reward_version)
     server.start()
     print(f"listening on {config.host}:{port}", flush=True)
     log.info("ledger %s, TLS %s", config.db, "on" if config.tls_cert else "off")

@@ -4,7 +4,9 @@
 has gone stale for this trainer version, pick whole ready groups (oldest first) up to the asked
 number of samples or groups, normalize their rewards (``validator.normalize``; singletons follow the
 configured policy), write the normalized reward back beside ``original_reward``, record the lease
-per row in ``leases``, and return the rows as Arrow with rejection-aware statistics.
+per row in ``leases``, and return the rows as Arrow with rejection-aware statistics. With
+``ValidatorConfig.reward_version`` the rewards normalized are that named version's
+(``reward_versions``, docs/replay.md) and only groups it scores whole are served.
 """
 
 from __future__ import annotations
@@ -103,11 +105,14 @@ def lease_batch(con: duckdb.DuckDBPyConnection, req: pb.PullBatchRequest, config
     events["stale"] = reject_stale(
         con, req.model_id, req.trainer_version, req.max_staleness, now, policy=config.incomplete_group_policy
     )
-    rows = _pick_groups(con, req)
+    rows = _pick_groups(con, req, config.reward_version)
     if rows.num_rows == 0:
         return LeasedBatch("", rows, {"events": events, "num_samples": 0})
     gkeys = np.asarray(rows.column("gkey").to_pylist(), dtype=object)
-    raw = rows.column("original_reward").to_numpy(zero_copy_only=False).astype(np.float64)
+    if config.reward_version:
+        raw = _version_rewards(con, rows, config.reward_version)
+    else:
+        raw = rows.column("original_reward").to_numpy(zero_copy_only=False).astype(np.float64)
     norm = normalize_rewards(raw, gkeys, config.norm)
     if norm.dropped.any():
         dropped = pa.table({"trajectory_id": rows.column("trajectory_id").filter(pa.array(norm.dropped))})
@@ -129,11 +134,15 @@ def lease_batch(con: duckdb.DuckDBPyConnection, req: pb.PullBatchRequest, config
     table = table.append_column("advantage", pa.array(norm_values, pa.float32()))
     _record_lease(con, table, lease_id, req, now)
     table = table.drop_columns(["row_id"])
-    return LeasedBatch(lease_id, table, _batch_stats(con, table, raw, norm_values, req, events))
+    stats = _batch_stats(con, table, raw, norm_values, req, events)
+    if config.reward_version:  # the rewards served came from this version, not original_reward
+        stats["reward_version"] = config.reward_version
+    return LeasedBatch(lease_id, table, stats)
 
 
-def _pick_groups(con: duckdb.DuckDBPyConnection, req: pb.PullBatchRequest) -> pa.Table:
-    """Whole ready groups, oldest first, up to num_groups or num_samples (at least one group).
+def _pick_groups(con: duckdb.DuckDBPyConnection, req: pb.PullBatchRequest, version: str | None = None) -> pa.Table:
+    """Whole ready groups, oldest first, up to num_groups or num_samples (at least one group); with a
+    reward ``version``, only groups whose every member has an ok score in it.
 
     Two phases, because carrying list columns through a join or a sort costs far more than
     reading them: pick row ids on the light columns, then fetch the heavy ones by ``rowid``."""
@@ -142,11 +151,15 @@ def _pick_groups(con: duckdb.DuckDBPyConnection, req: pb.PullBatchRequest) -> pa
     # n samples (the first group always, so a group larger than n is not stuck forever)
     limit = "g.rank <= $n" if req.num_groups else "(g.upto <= $n OR g.rank = 1)"
     params: dict = {"n": req.num_groups or req.num_samples, "model": req.model_id}
+    scored = "TRUE"
+    if version:
+        scored = "trajectory_id IN (SELECT trajectory_id FROM reward_versions WHERE name = $version AND status = 'ok')"
+        params["version"] = version
     picked = con.sql(
         f"""WITH ready AS (
-              SELECT rowid AS row_id, trajectory_id, received_at, {GROUP_KEY} AS gkey
+              SELECT rowid AS row_id, trajectory_id, received_at, {GROUP_KEY} AS gkey, {scored} AS scored
               FROM trajectories WHERE status = 'ready' {model_filter}),
-            g AS (SELECT gkey, count(*) AS n, min(received_at) AS first_at FROM ready GROUP BY gkey),
+            g AS (SELECT gkey, count(*) AS n, min(received_at) AS first_at FROM ready GROUP BY gkey HAVING bool_and(scored)),
             ordered AS (
               SELECT gkey, row_number() OVER (ORDER BY first_at, gkey) AS rank,
                      sum(n) OVER (ORDER BY first_at, gkey) AS upto
@@ -164,6 +177,21 @@ def _pick_groups(con: duckdb.DuckDBPyConnection, req: pb.PullBatchRequest) -> pa
     position = {r: i for i, r in enumerate(picked.column("row_id").to_pylist())}
     order = np.argsort([position[r] for r in rows.column("row_id").to_pylist()])
     return rows.take(pa.array(order)).append_column("gkey", picked.column("gkey"))
+
+
+def _version_rewards(con: duckdb.DuckDBPyConnection, rows: pa.Table, version: str) -> np.ndarray:
+    """The rewards of reward version ``version`` for ``rows``, in their order (``_pick_groups`` took
+    only groups it scores ok, member for member)."""
+    con.register("_served", pa.table({"trajectory_id": rows.column("trajectory_id")}))
+    found = dict(
+        con.execute(
+            "SELECT v.trajectory_id, v.reward FROM reward_versions v SEMI JOIN _served s USING (trajectory_id) "
+            "WHERE v.name = ? AND v.status = 'ok'",
+            [version],
+        ).fetchall()
+    )
+    con.unregister("_served")
+    return np.array([found[t] for t in rows.column("trajectory_id").to_pylist()], dtype=np.float64)
 
 
 def _record_lease(con: duckdb.DuckDBPyConnection, table: pa.Table, lease_id: str, req: pb.PullBatchRequest, now: float) -> None:
@@ -206,8 +234,13 @@ def _batch_stats(
 
 
 def ledger_token_stats(con: duckdb.DuckDBPyConnection) -> dict:
-    """Rejection-aware token counts over the whole ledger."""
-    (valid,) = one_row(con.execute("SELECT coalesce(sum(num_output_tokens), 0) FROM trajectories"))
+    """Rejection-aware token counts over the whole ledger, rows moved into the archive included."""
+    (valid,) = one_row(
+        con.execute(
+            "SELECT (SELECT coalesce(sum(num_output_tokens), 0) FROM trajectories) "
+            "+ (SELECT coalesce(sum(num_output_tokens), 0) FROM archive_files)"
+        )
+    )
     by_reason = dict(con.execute("SELECT reason, coalesce(sum(num_output_tokens), 0) FROM rejections GROUP BY reason").fetchall())
     rejected = int(sum(by_reason.values()))
     total = int(valid) + rejected

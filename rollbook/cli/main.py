@@ -6,6 +6,8 @@
     rollbook query  --db runs/demo/rollbook.duckdb "SHOW TABLES"  # file, read-only, server down
     rollbook stats  --server 127.0.0.1:50551
     rollbook admin  register-model tiny                          # admin key from ROLLBOOK_ADMIN_KEY
+    rollbook store  age --db runs/demo/rollbook.duckdb --older-than 7d  # trained rows into Parquet (store stopped)
+    rollbook replay reward --db runs/demo/rollbook.duckdb --reward math --name math-v2  # re-score (store stopped)
     rollbook proxy  --server 127.0.0.1:50551 --port 8000         # OpenAI-compatible endpoint (docs/online.md)
     rollbook demo   --run-dir runs/demo                          # store + generated workload + SQL
     rollbook export runs/demo/checkpoints/step-000040 --to out/  # a checkpoint as a Hugging Face directory
@@ -25,6 +27,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from rollbook.cli.age import add_parser as add_age_parser
+from rollbook.cli.replay import add_parser as add_replay_parser
 from rollbook.cli.store_flags import client_flags, store_client
 from rollbook.environment import DEFAULT_SERVER
 from rollbook.errors import CommandError, ConfigError, unreachable
@@ -405,6 +409,9 @@ def build_parser() -> argparse.ArgumentParser:
         )
         a.add_argument("--admin-key", default=None, help="admin key (default: env ROLLBOOK_ADMIN_KEY; prefer the env)")
     p.set_defaults(func=_admin)
+
+    add_age_parser(sub)  # rollbook store age (rollbook/cli/age.py)
+    add_replay_parser(sub)  # rollbook replay reward (rollbook/cli/replay.py)
 
     p = sub.add_parser(
         "run",

@@ -109,12 +109,14 @@ def _private_copy(path: pathlib.Path, dest: pathlib.Path) -> None:
 
     own_wal = path.with_name(path.name + ".wal")
     guard = duckdb.connect(str(path), read_only=True)  # fails while a server holds the file
+    source = open(path, "rb")  # closed after the guard: closing it would drop the guard's lock
     try:
-        clone_file(path, dest)
+        clone_file(source.fileno(), dest)
         if own_wal.exists():
             clone_file(own_wal, dest.with_name(dest.name + ".wal"))
     finally:
         guard.close()
+        source.close()
     con = duckdb.connect(str(dest))
     try:
         from rollbook.store import schema

@@ -6,7 +6,7 @@ torch.
 - ``run.py``: ``RunConfig`` (``rollbook run``) and its own sections: ``WarmStartConfig``,
   ``OnlineConfig``, ``TrackerConfig``, ``RayConfig``.
 - ``store.py``: ``StoreConfig`` (``rollbook serve``, ``[store]``), ``ValidatorConfig``, ``NormConfig``,
-  ``IngestConfig``; the key and address rules a store config must pass.
+  ``IngestConfig``, ``AgeingConfig``; the key and address rules a store config must pass.
 - ``trainer.py``: ``TrainerConfig`` (``rollbook train``, ``[trainer]``), ``LossConfig``,
   ``TeacherConfig``, ``WeightStreamConfig`` (the trainer's network weight channel).
 - ``rollout.py``: ``RolloutConfig`` (``[rollout]``), ``WorkerConfig`` (``rollbook rollout``),
@@ -32,10 +32,11 @@ from rollbook.config.run import (
     TrackerConfig,
     WarmStartConfig,
 )
-from rollbook.config.store import IngestConfig, NormConfig, StoreConfig, ValidatorConfig
+from rollbook.config.store import AgeingConfig, IngestConfig, NormConfig, StoreConfig, ValidatorConfig
 from rollbook.config.trainer import LossConfig, TeacherConfig, TrainerConfig, WeightStreamConfig
 
 __all__ = [
+    "AgeingConfig",
     "ONLINE_MAX_STALENESS",
     "SEPARATED_MAX_STALENESS",
     "DatasetConfig",

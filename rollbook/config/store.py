@@ -1,7 +1,8 @@
 """Configuration of the store (``rollbook serve``, and the ``[store]`` section of ``rollbook run``):
 ``StoreConfig`` and the policies it holds, the ingest rules' limits (``IngestConfig``, read by
-validator/ingest.py), group readiness and leases (``ValidatorConfig``, validator/groups.py) and
-grouped reward normalization (``NormConfig``, validator/normalize.py).
+validator/ingest.py), group readiness and leases (``ValidatorConfig``, validator/groups.py),
+grouped reward normalization (``NormConfig``, validator/normalize.py), and the ageing of trained rows into
+Parquet (``AgeingConfig``, store/archive.py).
 
 The checks a store config must pass before anything binds are here too, as plain functions over
 its values: the four roles' keys (``check_keys``: every key needed off loopback, none weak, none
@@ -143,6 +144,13 @@ class ValidatorConfig(BaseModel):
         600.0, gt=0, description="How long a group may wait for members (wait / keep), from its first member's arrival."
     )
     lease_seconds: float = Field(300.0, gt=0, description="Default lease time; unacked leases expire and their rows return.")
+    reward_version: str | None = Field(
+        None,
+        description="Serve the rewards of this named reward version (reward_versions, written by `rollbook replay "
+        "reward`) instead of original_reward: normalized in the same groups, written back to trajectories.reward "
+        "(original_reward stays). A group is served only when every member has an ok score in the version; the "
+        "others wait. None: original_reward (docs/replay.md).",
+    )
 
 
 class IngestConfig(BaseModel):
@@ -183,6 +191,48 @@ class IngestConfig(BaseModel):
     require_sampling_params: bool = Field(
         True, description="Reject trajectories without `temperature` and `top_p` (MISSING_SAMPLING_PARAMS)."
     )
+
+
+# ---- the archive ---------------------------------------------------------------------------------------
+
+
+class AgeingConfig(BaseModel):
+    """Moving trained rows out of the ledger's DuckDB file into Parquet files, on a schedule inside the
+    running store (``[store.ageing]``; store/archive.py, docs/schema.md "The archive"). Off by default;
+    ``rollbook store age`` moves rows of a stopped store's ledger once."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    interval_s: float = Field(
+        0.0,
+        ge=0,
+        description="Seconds between two ageing passes of the running store; 0 (the default): the store never "
+        "moves rows itself. Needs exactly one of older_than_s and keep_steps.",
+    )
+    older_than_s: float | None = Field(
+        None,
+        gt=0,
+        description="Move the trained rows whose lease was acked at least this many seconds ago (7 days: 604800).",
+    )
+    keep_steps: int | None = Field(
+        None,
+        ge=0,
+        description="Move the trained rows of every trainer step but the newest keep_steps: those acked at or before "
+        "step (newest acked step - keep_steps); 0 moves every trained row.",
+    )
+    archive_dir: pathlib.Path | None = Field(
+        None,
+        description="Root of the Parquet files (any path, a shared file system too); None: archive/ beside the ledger "
+        "(RUN_DIR/archive in a run).",
+    )
+
+    @model_validator(mode="after")
+    def _one_criterion(self) -> "AgeingConfig":
+        if self.older_than_s is not None and self.keep_steps is not None:
+            raise ValueError("ageing: give one of older_than_s and keep_steps, not both")
+        if self.interval_s > 0 and self.older_than_s is None and self.keep_steps is None:
+            raise ValueError("ageing.interval_s needs older_than_s or keep_steps: which trained rows to move")
+        return self
 
 
 # ---- the store ---------------------------------------------------------------------------------------
@@ -313,6 +363,10 @@ class StoreConfig(BaseModel):
     )
     validate_evidence: bool = Field(
         True, description="Run the evidence rules at ingest. Off only to measure their cost (env ROLLBOOK_BENCH_NOVALIDATE=1)."
+    )
+    ageing: AgeingConfig = Field(
+        default_factory=AgeingConfig,
+        description='Trained rows moved out of DuckDB into Parquet on a schedule (off by default; docs/schema.md, "The archive").',
     )
 
     @model_validator(mode="after")
