@@ -209,13 +209,13 @@ def play_rounds(
             done += 1
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def agent_parser(description: str, *, turns_help: str, problems_help: str, max_tokens: int) -> argparse.ArgumentParser:
+    """The flags every example agent takes (``rollbook run``'s online mode passes them)."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--proxy", default="http://127.0.0.1:8000")
     parser.add_argument("--episodes", type=int, default=8)
     parser.add_argument("--group-size", type=int, default=4, help="episodes per prompt (a normalization group)")
-    parser.add_argument("--turns", type=int, default=2)
-    parser.add_argument("--stream", action="store_true")
+    parser.add_argument("--turns", type=int, default=2, help=turns_help)
     parser.add_argument("--model", default="tiny")
     parser.add_argument(
         "--start-key",
@@ -223,30 +223,46 @@ def main(argv: list[str] | None = None) -> None:
         help="worker key of the proxy (if it has one); default: $ROLLBOOK_WORKER_KEY",
     )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--problems", default=None, help="a file of problems, one 'a+b=' or 'rev:abc=' per line: play them --rounds times"
-    )
+    parser.add_argument("--problems", default=None, help=problems_help)
     parser.add_argument("--rounds", type=int, default=1, help="with --problems: rounds over the file (0 = until stopped)")
     parser.add_argument("--concurrency", type=int, default=1, help="with --problems: groups played at once")
     parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--max-tokens", type=int, default=6)
+    parser.add_argument("--max-tokens", type=int, default=max_tokens)
+    return parser
+
+
+def play_file(args: argparse.Namespace, play: Callable[..., Episode], answer_key: Callable[[str], tuple[str, str]]) -> None:
+    """``--problems FILE``: ``play_rounds`` over its lines with the parsed flags."""
+    with open(args.problems) as f:
+        problems = [line.strip() for line in f if line.strip()]
+    play_rounds(
+        args.proxy,
+        problems,
+        rounds=args.rounds,
+        concurrency=args.concurrency,
+        group_size=args.group_size,
+        turns=args.turns,
+        seed=args.seed,
+        start_key=args.start_key,
+        model=args.model,
+        temperature=args.temperature,
+        max_tokens=args.max_tokens,
+        play=play,
+        answer_key=answer_key,
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = agent_parser(
+        __doc__.splitlines()[0],
+        turns_help="calls per episode: the answer, then retries after the feedback",
+        problems_help="a file of problems, one 'a+b=' or 'rev:abc=' per line: play them --rounds times",
+        max_tokens=6,
+    )
+    parser.add_argument("--stream", action="store_true")
     args = parser.parse_args(argv)
     if args.problems:
-        with open(args.problems) as f:
-            problems = [line.strip() for line in f if line.strip()]
-        play_rounds(
-            args.proxy,
-            problems,
-            rounds=args.rounds,
-            concurrency=args.concurrency,
-            group_size=args.group_size,
-            turns=args.turns,
-            seed=args.seed,
-            start_key=args.start_key,
-            model=args.model,
-            temperature=args.temperature,
-            max_tokens=args.max_tokens,
-        )
+        play_file(args, play_problem, solve)
         return
     rng = random.Random(args.seed)
     total = []

@@ -22,18 +22,16 @@ flags of examples/arithmetic_agent.py (whose session helpers it uses).
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import random
 import re
 
 import openai
 
 try:
-    from examples.arithmetic_agent import Episode, control, play_rounds
+    from examples.arithmetic_agent import Episode, agent_parser, control, play_file
 except ImportError:  # run as a script: its own directory is on the path
-    from arithmetic_agent import Episode, control, play_rounds  # type: ignore[no-redef]
+    from arithmetic_agent import Episode, agent_parser, control, play_file  # type: ignore[no-redef]
 
 TOOLS = [
     {
@@ -141,41 +139,18 @@ def play_problem(
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--proxy", default="http://127.0.0.1:8000")
-    parser.add_argument("--episodes", type=int, default=8)
-    parser.add_argument("--group-size", type=int, default=4, help="episodes per prompt (a normalization group)")
-    parser.add_argument("--turns", type=int, default=2, help="most calls per episode: tool calls, then the answer")
-    parser.add_argument("--model", default="tiny")
-    parser.add_argument(
-        "--start-key",
-        default=os.environ.get("ROLLBOOK_WORKER_KEY"),
-        help="worker key of the proxy (if it has one); default: $ROLLBOOK_WORKER_KEY",
+    parser = agent_parser(
+        __doc__.splitlines()[0],
+        turns_help="most calls per episode: tool calls, then the answer",
+        problems_help="a file of problems, one 'what is A times B?' per line: play them --rounds times",
+        max_tokens=32,
     )
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--problems", default=None, help="a file of problems, one 'what is A times B?' per line")
-    parser.add_argument("--rounds", type=int, default=1, help="with --problems: rounds over the file (0 = until stopped)")
-    parser.add_argument("--concurrency", type=int, default=1, help="with --problems: groups played at once")
-    parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--max-tokens", type=int, default=32)
     args = parser.parse_args(argv)
+    if args.problems:
+        play_file(args, play_problem, solve)
+        return
     settings = {"turns": args.turns, "start_key": args.start_key, "model": args.model}
     settings.update(temperature=args.temperature, max_tokens=args.max_tokens)
-    if args.problems:
-        with open(args.problems) as f:
-            problems = [line.strip() for line in f if line.strip()]
-        play_rounds(
-            args.proxy,
-            problems,
-            rounds=args.rounds,
-            concurrency=args.concurrency,
-            group_size=args.group_size,
-            seed=args.seed,
-            play=play_problem,
-            answer_key=solve,
-            **settings,
-        )
-        return
     rng = random.Random(args.seed)
     total = []
     for g in range(0, args.episodes, args.group_size):
