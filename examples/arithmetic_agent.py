@@ -60,6 +60,21 @@ class Episode:
     versions: list[list[int]] = field(default_factory=list)
 
 
+def start_session(
+    base_url: str, prompt: str, domain: str, group_id: str, group_size: int, start_key: str | None, client_kwargs: dict | None
+) -> tuple[dict, openai.OpenAI]:
+    """Start a session for ``prompt`` (``POST /rollbook/sessions``): its answer (session id and key)
+    and an ``openai`` client with the session key as its API key."""
+    started = control(
+        base_url,
+        "/rollbook/sessions",
+        {"task_id": f"{domain}/{prompt}", "domain": domain, "group_id": group_id, "group_size": group_size},
+        start_key,
+    )
+    client = openai.OpenAI(base_url=base_url.rstrip("/") + "/v1", api_key=started["api_key"], **(client_kwargs or {}))
+    return started, client
+
+
 def play(base_url: str, a: int, b: int, **kwargs) -> Episode:
     """One episode of ``a+b=`` (``play_problem``)."""
     return play_problem(base_url, f"{a}+{b}=", str(a + b), "arithmetic", **kwargs)
@@ -84,13 +99,7 @@ def play_problem(
 ) -> Episode:
     """One episode: start a session, ``turns`` calls, a reward per call, end (or end first, then the
     rewards: a reward may arrive after its session ended)."""
-    started = control(
-        base_url,
-        "/rollbook/sessions",
-        {"task_id": f"{domain}/{prompt}", "domain": domain, "group_id": group_id, "group_size": group_size},
-        start_key,
-    )
-    client = openai.OpenAI(base_url=base_url.rstrip("/") + "/v1", api_key=started["api_key"], **(client_kwargs or {}))
+    started, client = start_session(base_url, prompt, domain, group_id, group_size, start_key, client_kwargs)
     episode = Episode(started["session_id"], prompt)
     messages: list[dict] = [{"role": "user", "content": prompt}]
     for _ in range(turns):

@@ -26,12 +26,10 @@ import json
 import random
 import re
 
-import openai
-
 try:
-    from examples.arithmetic_agent import Episode, agent_parser, control, play_file
+    from examples.arithmetic_agent import Episode, agent_parser, control, play_file, start_session
 except ImportError:  # run as a script: its own directory is on the path
-    from arithmetic_agent import Episode, agent_parser, control, play_file  # type: ignore[no-redef]
+    from arithmetic_agent import Episode, agent_parser, control, play_file, start_session  # type: ignore[no-redef]
 
 TOOLS = [
     {
@@ -102,13 +100,7 @@ def play_problem(
 ) -> Episode:
     """One episode: at most ``turns`` calls (tool calls, then the answer), a reward for each, then
     the session ends."""
-    started = control(
-        base_url,
-        "/rollbook/sessions",
-        {"task_id": f"{domain}/{prompt}", "domain": domain, "group_id": group_id, "group_size": group_size},
-        start_key,
-    )
-    client = openai.OpenAI(base_url=base_url.rstrip("/") + "/v1", api_key=started["api_key"], **(client_kwargs or {}))
+    started, client = start_session(base_url, prompt, domain, group_id, group_size, start_key, client_kwargs)
     episode = Episode(started["session_id"], prompt)
     operands = sorted(int(x) for x in solve_operands(prompt))
     messages: list[dict] = [{"role": "user", "content": prompt}]
