@@ -188,13 +188,15 @@ def main(argv: list[str] | None = None) -> int:
     from rollbook.language_models import build_student
     from rollbook.rollout.engine import GenerationRequest, NativeEngine
     from rollbook.rollout.proxy.render import renderer
+    from rollbook.rollout.proxy.server import torch_threads
 
-    torch.set_num_threads(max(1, min(4, torch.get_num_threads())))  # as `rollbook proxy` does
+    available = torch.get_num_threads()
     render = renderer()
     prompt_ids = render.chat_prompt([(m["role"], m["content"]) for m in PROMPT])
     shape = {k: v for k, v in (("hidden_size", args.hidden_size), ("num_layers", args.num_layers)) if v is not None}
     engine_model = build_student(ModelConfig(**shape))
     engine = NativeEngine(engine_model, version=0, seed=0)
+    torch.set_num_threads(torch_threads(None, engine.num_parameters, available))  # as `rollbook proxy` does
     request = GenerationRequest(prompt_token_ids=prompt_ids, max_new_tokens=args.max_tokens, stop_token_ids=[render.eos_token_id])
     engine.generate([request])  # warm-up (lazy initialisation), not timed
     _progress(f"direct: {args.clients} clients x {args.calls} calls, max_tokens {args.max_tokens}")

@@ -334,6 +334,11 @@ class NativeEngine:
         return self._version
 
     @property
+    def num_parameters(self) -> int:
+        """The served model's parameter count (``rollbook proxy`` sizes its PyTorch threads by it)."""
+        return sum(p.numel() for p in self._model.parameters())
+
+    @property
     def admitting(self) -> bool:
         """False while paused or while a weight update waits for a step boundary."""
         with self._cond:

@@ -371,6 +371,13 @@ class ProxyConfig(BaseModel):
     max_n: int = Field(8, ge=1, description="The largest n (choices per request).")
     max_body_bytes: int = Field(1 << 20, ge=1024, description="Larger request bodies are refused with 413.")
     max_concurrent: int = Field(32, ge=1, description="Completions generating at once (engine threads).")
+    torch_threads: int | None = Field(
+        None,
+        ge=1,
+        description="PyTorch intra-op threads of the native engine. None: 1 for a model under 10M parameters "
+        "(its per-token work is too small to split, and waking a second thread after an idle moment delays the "
+        "first token by milliseconds), else up to 4 (the machine's cores).",
+    )
     max_waiting: int = Field(
         256, ge=0, description="Completions waiting for admission beyond max_concurrent; more are refused with 429."
     )

@@ -10,6 +10,19 @@ from rollbook.rollout.proxy.app import create_app
 from rollbook.rollout.proxy.core import Proxy, read_state_dict
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+# below this many parameters the native engine decodes on one PyTorch thread (ProxyConfig.torch_threads)
+SMALL_MODEL_PARAMETERS = 10_000_000
+
+
+def torch_threads(configured: int | None, num_parameters: int | None, available: int) -> int:
+    """The engine's PyTorch intra-op threads: ``configured`` when set; 1 for a model under
+    ``SMALL_MODEL_PARAMETERS`` (measured on the 2-core reference machine, tiny model: the first
+    streamed token 5.9 ms instead of 10-12 ms, the call no slower); else ``available`` up to 4."""
+    if configured is not None:
+        return configured
+    if num_parameters is not None and num_parameters < SMALL_MODEL_PARAMETERS:
+        return 1
+    return max(1, min(4, available))
 
 
 def build_engine(config: ProxyConfig) -> GenerationEngine:
@@ -101,8 +114,9 @@ def serve(config: ProxyConfig, stop: threading.Event | None = None) -> None:
 
     from rollbook.client import StoreClient
 
-    torch.set_num_threads(max(1, min(4, torch.get_num_threads())))
+    available = torch.get_num_threads()
     engine = build_engine(config)
+    torch.set_num_threads(torch_threads(config.torch_threads, getattr(engine, "num_parameters", None), available))
     client = StoreClient.from_env(config.server)
     proxy = Proxy(config, engine, client, admin_key=admin_key, worker_key=worker_key)
     server = ProxyServer(proxy, config.host, config.port).start()

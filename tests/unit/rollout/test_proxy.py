@@ -293,3 +293,18 @@ def test_an_ended_session_s_409_tells_the_sdk_not_to_retry():
     proxy.close()
     assert answer.status_code == 409 and answer.json()["error"]["code"] == "session_ended"
     assert answer.headers["x-should-retry"] == "false"
+
+
+def test_the_engine_of_a_small_model_decodes_on_one_torch_thread_unless_configured():
+    from rollbook.config import ModelConfig
+    from rollbook.language_models import build_student
+    from rollbook.rollout.engine import NativeEngine
+    from rollbook.rollout.proxy.server import SMALL_MODEL_PARAMETERS, torch_threads
+
+    assert torch_threads(None, SMALL_MODEL_PARAMETERS - 1, 8) == 1
+    assert torch_threads(None, SMALL_MODEL_PARAMETERS, 8) == 4 and torch_threads(None, SMALL_MODEL_PARAMETERS, 2) == 2
+    assert torch_threads(None, None, 2) == 2  # an engine that does not say (vLLM)
+    assert torch_threads(3, 100, 8) == 3
+    engine = NativeEngine(build_student(ModelConfig()), version=0)
+    assert engine.num_parameters == sum(p.numel() for p in build_student(ModelConfig()).parameters()) < SMALL_MODEL_PARAMETERS
+    engine.close()
