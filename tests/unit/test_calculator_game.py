@@ -32,7 +32,9 @@ def render(tmp_path_factory):
 
 
 def _call(a: int, b: int) -> str:
-    return "<tool_call>" + json.dumps({"name": "mul", "arguments": {"a": a, "b": b}}) + "</tool_call>"
+    from examples.make_calculator_model import tool_call_text
+
+    return tool_call_text(a, b)  # the demonstrated call: what the built model learns to write
 
 
 def test_the_agent_offers_and_runs_the_tool_the_evaluation_plays():
