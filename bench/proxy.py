@@ -10,7 +10,9 @@ proxy, driven by the official ``openai`` client, in the same run with the same c
 - ``proxy_rps`` / ``proxy_latency_ms_*``: the same number of threads, each with its own session
   and ``openai.OpenAI`` client, calling ``/v1/chat/completions`` of a real ``rollbook proxy``
   subprocess that records every completion in a real ``rollbook serve`` subprocess (fresh DuckDB
-  file). Afterwards the store must hold exactly one trajectory per call, or the run fails.
+  file). Afterwards the store must hold exactly one trajectory per call, or the run fails. The
+  proxy decodes in an engine process of its own (``ProxyConfig.engine_process``, its default);
+  ``--engine-in-proxy`` runs the engine in the proxy's process instead, for comparison.
 - ``added_latency_ms_mean`` / ``added_latency_ms_p50``: proxy minus direct, per call;
   ``proxy_over_direct_rps``: the throughput ratio. ``*_tokens_per_call``: generation stops at
   ``<eos>`` in both, so the work per call is the same in distribution; compare it too.
@@ -176,6 +178,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hidden-size", type=int, default=None, help="the served tiny model's width (default: ModelConfig's)")
     p.add_argument("--num-layers", type=int, default=None, help="the served tiny model's depth (default: ModelConfig's)")
     p.add_argument("--work-dir", default=None, help="where the temporary run dir goes")
+    p.add_argument(
+        "--engine-in-proxy",
+        action="store_true",
+        help="run the proxy's engine in the proxy's own process (engine_process = false), sharing its interpreter lock",
+    )
     args = p.parse_args(argv)
     if min(args.clients, args.calls, args.max_tokens, args.stream_tokens, args.ttft_calls) < 1:
         raise SystemExit("--clients, --calls, --max-tokens, --stream-tokens and --ttft-calls must be >= 1")
@@ -227,6 +234,7 @@ def main(argv: list[str] | None = None) -> int:
                     *(f"--model.{k}={v}" for k, v in shape.items()),
                     "--max_tokens_limit",
                     str(max(256, args.max_tokens)),
+                    f"--engine_process={str(not args.engine_in_proxy).lower()}",
                 ],
                 env,
                 work / "proxy.log",
@@ -290,6 +298,7 @@ def main(argv: list[str] | None = None) -> int:
         "model": {"hidden_size": engine_model.config.hidden_size, "num_layers": engine_model.config.num_hidden_layers},
         "cpus": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
+        "engine_process": not args.engine_in_proxy,
     }
     print(json.dumps(report) if args.json else json.dumps(report, indent=2), flush=True)
     return 0

@@ -338,6 +338,11 @@ class ProxyConfig(BaseModel):
     engine: Literal["native", "vllm"] = Field(
         "native", description="native: the PyTorch engine (CPU or CUDA); vllm: VllmEngine on model.path (GPU, optional)."
     )
+    engine_process: bool = Field(
+        True,
+        description="Run the native engine's decode loop in a process of its own (rollout/engine_process.py), so the "
+        "HTTP side and the decode loop do not share one interpreter lock; False keeps it in the proxy's process.",
+    )
     checkpoint: str | None = Field(
         None,
         description="A state dict file (.safetensors or torch .pt) loaded into the model at start; None keeps the built weights.",

@@ -1,6 +1,7 @@
 """Building and serving the proxy: the engine from its config, the loopback rule, uvicorn on a thread,
 and ``serve`` (what ``rollbook proxy`` runs)."""
 
+import functools
 import threading
 import time
 
@@ -28,7 +29,7 @@ def torch_threads(configured: int | None, num_parameters: int | None, available:
 def build_engine(config: ProxyConfig) -> GenerationEngine:
     """The served engine, sized by the proxy's workload: sequences of ``max_context_tokens`` (refused in
     one line when the model has fewer positions), ``proxy_batch_size`` of them at once (native)."""
-    from rollbook.rollout.engines import check_proxy_fits, proxy_batch_size
+    from rollbook.rollout.engines import check_proxy_fits
 
     if config.engine == "vllm":
         from rollbook.rollout.vllm_engine import VllmEngine
@@ -39,23 +40,39 @@ def build_engine(config: ProxyConfig) -> GenerationEngine:
             raise ConfigError("engine = 'vllm' needs model.path (a local model directory)")
         check_proxy_fits(config)
         return VllmEngine(config.model.path, version=config.version, max_model_len=config.max_context_tokens)
+    check_proxy_fits(config)
+    if config.engine_process:
+        from rollbook.rollout.engine_process import EngineProcess
+
+        return EngineProcess(functools.partial(native_engine, config))
+    return native_engine(config)
+
+
+def native_engine(config: ProxyConfig) -> GenerationEngine:
+    """The native engine of ``config``, built in this process (with ``engine_process``: the child's);
+    its PyTorch threads set by ``torch_threads``."""
+    import torch
+
     from rollbook.devices import place
     from rollbook.language_models import build_student
     from rollbook.rollout.engine import NativeEngine
+    from rollbook.rollout.engines import proxy_batch_size
 
-    check_proxy_fits(config)
+    available = torch.get_num_threads()
     model = place(build_student(config.model), config.device, config.dtype)
     if config.checkpoint:
         model.load_state_dict(read_state_dict(config.checkpoint), strict=True)
     # with a weight channel the built weights are never served: version -1 until the first one arrives
     version = -1 if config.weights else config.version
-    return NativeEngine(
+    engine = NativeEngine(
         model,
         version=version,
         seed=config.seed,
         max_batch_size=proxy_batch_size(config),
         max_seq_len=config.max_context_tokens,
     )
+    torch.set_num_threads(torch_threads(config.torch_threads, engine.num_parameters, available))
+    return engine
 
 
 def check_exposure(config: ProxyConfig, admin_key: str | None, worker_key: str | None) -> None:
@@ -110,13 +127,9 @@ def serve(config: ProxyConfig, stop: threading.Event | None = None) -> None:
 
     admin_key, worker_key = env.role_key("admin"), env.role_key("worker")
     check_exposure(config, admin_key, worker_key)  # before anything slow is imported
-    import torch
-
     from rollbook.client import StoreClient
 
-    available = torch.get_num_threads()
     engine = build_engine(config)
-    torch.set_num_threads(torch_threads(config.torch_threads, getattr(engine, "num_parameters", None), available))
     client = StoreClient.from_env(config.server)
     proxy = Proxy(config, engine, client, admin_key=admin_key, worker_key=worker_key)
     server = ProxyServer(proxy, config.host, config.port).start()
@@ -131,3 +144,6 @@ def serve(config: ProxyConfig, stop: threading.Event | None = None) -> None:
     finally:
         server.stop()
         client.close()
+        close = getattr(engine, "close", None)
+        if close is not None:  # an engine process ends with it
+            close()

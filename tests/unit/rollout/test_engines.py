@@ -341,7 +341,9 @@ def test_the_proxy_engine_is_sized_by_its_context_and_concurrency_and_refuses_wh
     from rollbook.rollout.engines import check_proxy_fits
     from rollbook.rollout.proxy.server import build_engine as build_proxy_engine
 
-    config = ProxyConfig(model=TINY, max_context_tokens=100, max_concurrent=2, max_n=3, max_batch_size=64)
+    # in this process (engine_process = False) to read its sizes; tests/unit/rollout/test_engine_process.py
+    # covers the engine in a process of its own, which the proxy builds by default
+    config = ProxyConfig(model=TINY, max_context_tokens=100, max_concurrent=2, max_n=3, max_batch_size=64, engine_process=False)
     engine = build_proxy_engine(config)
     assert isinstance(engine, NativeEngine) and (engine._max_batch_size, engine._max_seq_len) == (6, 100)
     engine = build_proxy_engine(config.model_copy(update={"max_batch_size": 4}))

@@ -126,8 +126,10 @@ def test_log_probs_in_chunks_equal_the_whole_and_so_do_their_gradients(model, ch
     whole, whole_grads = run(10_000)
     model.zero_grad()
     torch.testing.assert_close(logp, whole, atol=1e-6, rtol=0)
+    # a chunk's gradient reaches a weight as its own sum, added to the others': float32 rounding of
+    # that order (1-thread kernels give ~2e-6 on entries near 0.05), nothing larger
     for g, w in zip(grads, whole_grads):
-        torch.testing.assert_close(g, w, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-4)
 
 
 def test_the_reverse_kl_in_chunks_is_the_whole_distributions_kl(model):
