@@ -13,7 +13,7 @@ batch. Resending is safe: ``trajectory_id`` is an idempotency key, so a batch th
 already committed comes back ``DUPLICATE`` and nothing is stored twice.
 
 Keys: each call sends the key of its role (worker: submit, set_reward, get_model; trainer: pull_batch,
-ack_batch, publish_version, report_train_step; reader: query, stats; admin: register_model) as
+ack_batch, publish_version, set_version_status, report_train_step; reader: query, stats; admin: register_model) as
 ``authorization: Bearer <key>``, or the admin key when the client has no key of that role, or none
 (a store on loopback with that role's key unset lets it through). ``tls`` (``rollbook.tls.ClientTLS``)
 makes the channel a TLS one. docs/security.md has the table.
@@ -262,6 +262,18 @@ class StoreClient:
             timeout=self.timeout_s,
         )
         return response.latest_version
+
+    def set_version_status(self, model_id: str, version: int, status: str, gate: Mapping[str, Any] | None = None) -> None:
+        """Record the promotion gate's verdict on published ``version`` (trainer key; docs/gate.md):
+        ``status`` 'promoted', 'refused' or 'rolled_back', ``gate`` its figures (JSON-serializable).
+        NOT_FOUND for a version never published; recording it again replaces the verdict."""
+        self.stub.SetVersionStatus(
+            pb.SetVersionStatusRequest(
+                model_id=model_id, version=version, status=status, gate_json=json.dumps(dict(gate)) if gate else ""
+            ),
+            metadata=self._auth("trainer"),
+            timeout=self.timeout_s,
+        )
 
     def get_model(self, model_id: str) -> ModelInfo:
         """The store's entry for ``model_id`` (worker key): vocabulary, latest version and the

@@ -38,6 +38,7 @@ RPC_ROLE = {
     "GetStats": "reader",
     "RegisterModel": "admin",
     "GetModel": "worker",
+    "SetVersionStatus": "trainer",
 }
 
 
@@ -152,6 +153,7 @@ _FIELD_CHECKS = {
     ],
     "RegisterModel": lambda r: [_int_in("vocab_size", r.vocab_size, 0, MAX_VOCAB)],
     "ReportTrainStep": _report,
+    "SetVersionStatus": lambda r: [_int_in("version", r.version, 0, MAX_VERSION)],
 }
 
 

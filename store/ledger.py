@@ -17,6 +17,7 @@ side, and ``archive/`` once trained rows were moved into Parquet (``age``, ``rol
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import math
 import pathlib
@@ -68,6 +69,19 @@ class NotRewardable(ValueError):
     """The trajectory exists but its reward can no longer be set (rejected, or leased or served to a trainer)."""
 
 
+class UnknownVersion(LookupError):
+    """No published version of the model has that number: ``SetVersionStatus``'s NOT_FOUND."""
+
+
+class InvalidStatus(ValueError):
+    """A version status other than ``VERSION_STATUSES``, gate figures that are not a JSON object, or a
+    rollback the ledger's versions do not allow."""
+
+
+# policy_versions.status: the promotion gate's verdict (docs/gate.md); NULL: a version no gate decided
+VERSION_STATUSES = ("promoted", "refused", "rolled_back")
+
+
 @dataclass(frozen=True)
 class Outcome:
     trajectory_id: str
@@ -85,6 +99,21 @@ class _Pending:
     trajectories: pa.Table | None = None
     rejections: pa.Table | None = None
     future: Future = field(default_factory=Future)
+
+
+def _gate_object(status: str, gate_json: str) -> str | None:
+    """``gate_json`` checked: a JSON object (None for ""), under a known ``status``."""
+    if status not in VERSION_STATUSES:
+        raise InvalidStatus(f"status must be one of {', '.join(VERSION_STATUSES)}, got {status!r}")
+    if not gate_json:
+        return None
+    try:
+        parsed = json.loads(gate_json)
+    except ValueError:
+        parsed = None
+    if not isinstance(parsed, dict):
+        raise InvalidStatus("gate_json must be a JSON object")
+    return gate_json
 
 
 def _keep(table: pa.Table | None, mask: list[bool]) -> pa.Table | None:
@@ -283,9 +312,10 @@ class Ledger:
         announced staleness contract (either value not None) replaces the model's previous one."""
         if self.registry.vocab_size(model_id) is None:
             raise ModelNotRegistered(f"model {model_id!r} is not registered")
-        with self._db_lock:
+        with self._db_lock:  # published again (a resumed trainer): new checksum and time, the gate's verdict kept
             self.con.execute(
-                "INSERT OR REPLACE INTO policy_versions VALUES (?, ?, ?, ?)",
+                "INSERT INTO policy_versions (model_id, version, checksum, published_at) VALUES (?, ?, ?, ?) "
+                "ON CONFLICT (model_id, version) DO UPDATE SET checksum = excluded.checksum, published_at = excluded.published_at",
                 [model_id, version, checksum, time.time()],
             )
             self._generation += 1
@@ -295,6 +325,68 @@ class Ledger:
         latest = self.registry.published_versions(model_id).latest
         assert latest is not None  # version was just added
         return int(latest)
+
+    def set_version_status(self, model_id: str, version: int, status: str, gate_json: str = "") -> None:
+        """Record the promotion gate's verdict on a published version (``policy_versions.status`` and
+        ``gate``; docs/gate.md), replacing an earlier one. Raises ``InvalidStatus`` for a status not in
+        ``VERSION_STATUSES`` or figures that are not a JSON object, ``UnknownVersion`` for a version
+        never published."""
+        gate = _gate_object(status, gate_json)
+        with self._db_lock:
+            found = self.con.execute(
+                "UPDATE policy_versions SET status = ?, gate = ? WHERE model_id = ? AND version = ? RETURNING version",
+                [status, gate, model_id, version],
+            ).fetchall()
+            self._generation += 1
+        if not found:
+            raise UnknownVersion(f"version {version} of model {model_id!r} was never published")
+
+    def version_record(self, model_id: str, version: int) -> tuple[str | None, str | None]:
+        """A published version's status and gate figures (JSON text), each None where no gate decided
+        it; ``UnknownVersion`` if it was never published."""
+        with self._db_lock:
+            row = self.con.execute(
+                "SELECT status, gate FROM policy_versions WHERE model_id = ? AND version = ?", [model_id, version]
+            ).fetchone()
+        if row is None:
+            raise UnknownVersion(f"version {version} of model {model_id!r} was never published")
+        return row[0], None if row[1] is None else str(row[1])
+
+    def roll_back(self, model_id: str, version: int, new_version: int, gate_json: str) -> list[int]:
+        """``rollbook admin rollback`` in the ledger (docs/gate.md): every version of ``model_id`` after
+        ``version`` that no gate refused becomes 'rolled_back' with ``gate_json``'s figures, and
+        ``new_version`` (above every published one: ``version``'s weights again, under a new number)
+        is recorded 'promoted', its checksum left for the trainer's publish. Returns the versions
+        rolled back. Raises ``UnknownVersion`` when ``version`` was never published, ``InvalidStatus``
+        when a gate refused it or ``new_version`` is not above the latest."""
+        gate = _gate_object("rolled_back", gate_json)
+        with self._db_lock:
+            if self.version_record(model_id, version)[0] == "refused":
+                raise InvalidStatus(
+                    f"version {version} of model {model_id!r} was refused by the gate: roll back to a promoted one"
+                )
+            (latest,) = one_row(self.con.execute("SELECT max(version) FROM policy_versions WHERE model_id = ?", [model_id]))
+            if new_version <= latest:
+                raise InvalidStatus(f"the restored version {new_version} must be above the latest published, {latest}")
+            self.con.execute("BEGIN TRANSACTION")
+            try:
+                marked = self.con.execute(
+                    "UPDATE policy_versions SET status = 'rolled_back', gate = ? WHERE model_id = ? AND version > ? "
+                    "AND coalesce(status, '') <> 'refused' RETURNING version",
+                    [gate, model_id, version],
+                ).fetchall()
+                self.con.execute(
+                    "INSERT INTO policy_versions (model_id, version, checksum, published_at, status, gate) "
+                    "VALUES (?, ?, '', ?, 'promoted', ?)",
+                    [model_id, new_version, time.time(), gate],
+                )
+                self.con.execute("COMMIT")
+            except Exception:
+                self.con.execute("ROLLBACK")
+                raise
+            self._generation += 1
+        self.registry.add_version(model_id, new_version)
+        return sorted(int(v) for (v,) in marked)
 
     def model_entry(self, model_id: str) -> ModelEntry:
         """The registry's entry for ``model_id`` (``GetModel``); raises ``ModelNotRegistered``."""

@@ -137,9 +137,19 @@ DDL = [
     """CREATE TABLE IF NOT EXISTS policy_versions (
   model_id VARCHAR, version BIGINT, checksum VARCHAR, published_at DOUBLE,
   PRIMARY KEY (model_id, version))""",
+    # the promotion gate's verdict per version ('promoted', 'refused', 'rolled_back'; NULL: no gate
+    # decided it) and its figures (docs/gate.md); added to every file, so old and new ones have one
+    # column order (a version published before them reads NULL)
+    "ALTER TABLE policy_versions ADD COLUMN IF NOT EXISTS status VARCHAR",
+    "ALTER TABLE policy_versions ADD COLUMN IF NOT EXISTS gate JSON",
     """CREATE TABLE IF NOT EXISTS leases (
   lease_id VARCHAR, trajectory_id VARCHAR, trainer_id VARCHAR, step BIGINT,
   trainer_version BIGINT, issued_at DOUBLE, expires_at DOUBLE, acked_at DOUBLE, expired_at DOUBLE)""",
+    # each row's index in its served batch and the advantage it was served with (`rollbook replay
+    # step` reruns a step from them); added to every file, so old and new ones have one column order
+    # (a lease made before them reads NULL)
+    "ALTER TABLE leases ADD COLUMN IF NOT EXISTS position INTEGER",
+    "ALTER TABLE leases ADD COLUMN IF NOT EXISTS advantage FLOAT",
     """CREATE TABLE IF NOT EXISTS train_steps (
   step BIGINT, trainer_id VARCHAR, version BIGINT, lease_id VARCHAR, started_at DOUBLE,
   finished_at DOUBLE, stats JSON)""",

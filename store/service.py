@@ -32,12 +32,14 @@ import pyarrow as pa
 from rollbook.store.access import Denied, KeyRing, field_error
 from rollbook.store.ledger import (
     InvalidReward,
+    InvalidStatus,
     Ledger,
     ModelConflict,
     ModelNotRegistered,
     NotRewardable,
     Outcome,
     UnknownTrajectory,
+    UnknownVersion,
 )
 from rollbook.store.prepare import MalformedRequest, Prepared, parse_message, prepare_bytes
 from rollbook.store.sql import QueryError, QueryLimits
@@ -96,6 +98,8 @@ DOMAIN_STATUS: dict[type[Exception], grpc.StatusCode] = {
     InvalidReward: grpc.StatusCode.INVALID_ARGUMENT,
     InvalidPull: grpc.StatusCode.INVALID_ARGUMENT,
     UnknownTrajectory: grpc.StatusCode.NOT_FOUND,
+    UnknownVersion: grpc.StatusCode.NOT_FOUND,
+    InvalidStatus: grpc.StatusCode.INVALID_ARGUMENT,
     UnknownLease: grpc.StatusCode.NOT_FOUND,
     NotLeaseOwner: grpc.StatusCode.PERMISSION_DENIED,
     NotRewardable: grpc.StatusCode.FAILED_PRECONDITION,
@@ -197,6 +201,13 @@ class TrajectoryStoreService:
             samples_per_version=request.samples_per_version if request.HasField("samples_per_version") else None,
         )
         return pb.PublishVersionResponse(latest_version=latest)
+
+    def SetVersionStatus(self, message: Request[pb.SetVersionStatusRequest], context: SyncContext) -> pb.SetVersionStatusResponse:
+        request = _parsed(message, context, pb.SetVersionStatusRequest)
+        if not request.model_id:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "model_id is required")
+        self.ledger.set_version_status(request.model_id, request.version, request.status, request.gate_json)
+        return pb.SetVersionStatusResponse()
 
     def GetModel(self, message: Request[pb.GetModelRequest], context: SyncContext) -> pb.GetModelResponse:
         request = _parsed(message, context, pb.GetModelRequest)
@@ -462,5 +473,6 @@ def handlers(store: AsyncStore) -> grpc.GenericRpcHandler:
             "GetStats": unary("GetStats", pb.GetStatsRequest, control),
             "ReportTrainStep": unary("ReportTrainStep", pb.ReportTrainStepRequest, control),
             "GetModel": unary("GetModel", pb.GetModelRequest, control),
+            "SetVersionStatus": unary("SetVersionStatus", pb.SetVersionStatusRequest, control),
         },
     )

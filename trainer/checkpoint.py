@@ -1,10 +1,11 @@
 """Checkpoints that neither lose nor repeat a batch.
 
-A checkpoint holds the model, the optimizer, the policy version, the step, every RNG state, and the
-lease ids the checkpointed weights consumed (``state.pt``, ``trainer.json``), and the model's Hugging
-Face ``config.json`` and ``generation_config.json`` (its architecture and its generation defaults:
-``rollbook export`` turns any kept checkpoint into the Hugging Face directory the run itself writes
-for that step, ``trainer/export.py``). It is written to a temporary directory and renamed into
+A checkpoint holds the model, the optimizer, the policy version, the step, every RNG state, whether
+the model was in training mode (dropout), and the lease ids the checkpointed weights consumed
+(``state.pt``, ``trainer.json``), and the model's Hugging Face ``config.json`` and
+``generation_config.json`` (its architecture and its generation defaults: ``rollbook export`` turns
+any kept checkpoint into the Hugging Face directory the run itself writes for that step,
+``trainer/export.py``). It is written to a temporary directory and renamed into
 place (atomic on POSIX), so a kill -9 leaves either the old checkpoint or the new one. A lease is
 acked only after the checkpoint holding it exists; on restart the trainer re-acks the checkpoint's
 leases (acks are idempotent) and republishes its version, so a crash between checkpoint and ack
@@ -12,6 +13,9 @@ loses nothing, and a crash before the checkpoint lets the lease expire and its r
 
 The newest ``keep_last`` checkpoints are kept (``checkpoints/step-NNNNNN/``, ``LATEST`` names the
 newest; TrainerConfig.keep_last, default 2), so a checkpoint found bad can be rolled back by hand.
+``step-N`` holds the state before step ``N`` (``N`` steps done): ``rollbook replay step N`` reruns
+that step from it (``read_checkpoint(run_dir, N)``) and compares with ``step-N+1``, so
+``checkpoint_every = 1`` with a large ``keep_last`` keeps every step replayable.
 
 Sharded data-parallel ranks (trainer/distributed.py) write and read this same format: rank 0 writes
 the whole state, gathered from the shards, and reads it back to scatter it, so a checkpoint moves
@@ -61,7 +65,7 @@ def save_checkpoint(
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     torch.save(
-        {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "rng": _rng_state()},
+        {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "rng": _rng_state(), "training": model.training},
         tmp / "state.pt",
     )
     (tmp / "trainer.json").write_text(json.dumps(asdict(state), indent=2))
@@ -77,26 +81,36 @@ def save_checkpoint(
     return final
 
 
-def load_checkpoint(run_dir: pathlib.Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> TrainerState | None:
-    """Restore the latest checkpoint into ``model``/``optimizer``; None when there is none."""
-    found = read_checkpoint(run_dir)
+def load_checkpoint(
+    run_dir: pathlib.Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int | None = None
+) -> TrainerState | None:
+    """Restore the latest checkpoint (with ``step``, ``step-<step>``) into ``model``/``optimizer``, and
+    this process's RNG states; None when there is none."""
+    found = read_checkpoint(run_dir, step)
     if found is None:
         return None
     blob, state = found
     model.load_state_dict(blob["model"])
+    model.train(blob.get("training", model.training))  # a resumed run trains in the mode the run before did
     optimizer.load_state_dict(blob["optimizer"])
     restore_rng(blob)
     return state
 
 
-def read_checkpoint(run_dir: pathlib.Path) -> tuple[dict, TrainerState] | None:
-    """The latest checkpoint as written (``{"model", "optimizer", "rng"}``, the state dicts whole) and
-    its ``TrainerState``; None when there is none."""
+def read_checkpoint(run_dir: pathlib.Path, step: int | None = None) -> tuple[dict, TrainerState] | None:
+    """The latest checkpoint (or, with ``step``, the one holding the state after ``step`` steps) as
+    written (``{"model", "optimizer", "rng", "training"}``, the state dicts whole) and its
+    ``TrainerState``; None when there is none."""
     root = run_dir / "checkpoints"
-    latest = root / "LATEST"
-    if not latest.exists():
-        return None
-    path = root / latest.read_text().strip()
+    if step is None:
+        latest = root / "LATEST"
+        if not latest.exists():
+            return None
+        path = root / latest.read_text().strip()
+    else:
+        path = root / f"step-{step:06d}"
+        if not (path / "state.pt").is_file():
+            return None
     blob = torch.load(path / "state.pt", weights_only=False)
     return blob, TrainerState(**json.loads((path / "trainer.json").read_text()))
 

@@ -19,6 +19,12 @@ One step (``Trainer.step``):
    ``train_steps`` row, the handoff of the weights that step trains from).
 A kill -9 anywhere in between neither loses nor repeats a batch (see ``trainer.checkpoint``).
 
+A step is a pure function of the checkpoint before it and its lease's rows in their served order, so
+``rollbook replay step`` (rollbook/cli/replay_step.py) reruns it bit for bit on CPU through this same
+``update``: the minibatch order is drawn from (``seed``, step) alone (``minibatch_order``), never from
+an RNG whose state moves between checkpoints, and the PyTorch intra-op threads that summed it, which
+change CPU float reductions, are recorded with the step (``perf/torch_threads`` in ``train_steps``).
+
 With ``trainer.offload_optimizer`` the AdamW state leaves the device after the step's last optimizer
 update and comes back before the next step's first (trainer/offload.py; ``perf/offload_s`` and
 ``perf/onload_s`` in ``train_steps``). On CUDA ``perf/peak_device_mib`` in ``train_steps`` is the
@@ -131,7 +137,7 @@ class Trainer:
     def __init__(
         self,
         config: TrainerConfig,
-        client: TrainerClient,
+        client: TrainerClient | None,
         *,
         model: torch.nn.Module,
         teacher: TeacherScorer | None = None,
@@ -175,8 +181,7 @@ class Trainer:
         """Resume from the latest checkpoint (re-ack its leases, republish its version) or publish v0."""
         restored = self._load_checkpoint()
         if restored is None:
-            torch.manual_seed(self.config.seed)
-            np.random.seed(self.config.seed)  # the minibatch order; a checkpoint keeps numpy's state beside torch's
+            torch.manual_seed(self.config.seed)  # dropout, for a model with any (the minibatch order is minibatch_order's)
             self.state = TrainerState()
         else:
             self.state = restored
@@ -226,6 +231,7 @@ class Trainer:
             stats["perf/peak_device_mib"] = torch.cuda.max_memory_allocated(self.device) / 2**20
         stats.update(self._carried)  # e.g. perf/weight_sync_s: the handoff of the weights this step trained from
         self._carried = {}
+        stats["perf/torch_threads"] = torch.get_num_threads()  # CPU reductions depend on it: replay sets the same
         stats["time/step_s"] = time.time() - started
         stats["perf/tokens_per_s"] = len(rows.behavior) / max(stats["time/step_s"], 1e-9)
         self.client.report_train_step(
@@ -309,7 +315,7 @@ class Trainer:
             reference = self._reference_logprobs(local) if self.reference is not None else None
             if any(_aggregations(cfg.loss)):
                 weights = local.sequence_weights()
-        order = np.random.permutation(len(local.outputs) if local is not None else 0)
+        order = minibatch_order(cfg.seed, self.state.step, len(local.outputs) if local is not None else 0)
         parts: list[dict[str, float]] = []  # one per micro-batch, reduced by reduce_stats
         grad_norms: list[float] = []
         moved: dict[str, float] = {}  # perf/onload_s, perf/offload_s with trainer.offload_optimizer
@@ -621,6 +627,14 @@ def scheduled_lr(
     span = num_steps - 1 - warmup_steps
     progress = min(1.0, (step - warmup_steps) / span) if span > 0 else 1.0
     return lr * (min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress)))
+
+
+def minibatch_order(seed: int, step: int, num_sequences: int) -> np.ndarray:
+    """The order of a step's sequences before ``num_minibatches`` splits it: a permutation drawn from
+    (``seed``, ``step``) alone, so a step replays from its checkpoint and lease whatever drew random
+    numbers between checkpoints (a colocated rollout, an evaluation) or how many steps ago the last
+    checkpoint was. A negative seed is taken modulo 2**64 (NumPy seeds are non-negative)."""
+    return np.random.default_rng([seed % 2**64, step]).permutation(num_sequences)
 
 
 def state_checksum(state: dict) -> str:

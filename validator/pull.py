@@ -4,7 +4,9 @@
 has gone stale for this trainer version, pick whole ready groups (oldest first) up to the asked
 number of samples or groups, normalize their rewards (``validator.normalize``; singletons follow the
 configured policy), write the normalized reward back beside ``original_reward``, record the lease
-per row in ``leases``, and return the rows as Arrow with rejection-aware statistics. With
+per row in ``leases`` (with the row's index in the served batch, ``position``, and the ``advantage``
+it was served with: the step the trainer runs on it is replayed from them, ``rollbook replay step``),
+and return the rows as Arrow with rejection-aware statistics. With
 ``ValidatorConfig.reward_version`` the rewards normalized are that named version's
 (``reward_versions``, docs/replay.md) and only groups it scores whole are served.
 """
@@ -195,12 +197,22 @@ def _version_rewards(con: duckdb.DuckDBPyConnection, rows: pa.Table, version: st
 
 
 def _record_lease(con: duckdb.DuckDBPyConnection, table: pa.Table, lease_id: str, req: pb.PullBatchRequest, now: float) -> None:
+    """One ``leases`` row per served row, in the served order: ``position`` is the row's index in
+    ``table``, ``advantage`` the float32 the trainer receives (a later lease of the row, after this one
+    expired, may normalize it otherwise and rewrite ``trajectories.reward``; this one stays)."""
     leased = pa.table(
-        {"row_id": table.column("row_id"), "trajectory_id": table.column("trajectory_id"), "reward": table.column("reward")}
+        {
+            "row_id": table.column("row_id"),
+            "trajectory_id": table.column("trajectory_id"),
+            "reward": table.column("reward"),
+            "position": pa.array(np.arange(table.num_rows, dtype=np.int32)),
+            "advantage": table.column("advantage"),
+        }
     )
     con.register("_leased", leased)
     con.execute(
-        """INSERT INTO leases SELECT ?, trajectory_id, ?, ?, ?, ?, ?, NULL, NULL FROM _leased""",
+        """INSERT INTO leases (lease_id, trajectory_id, trainer_id, step, trainer_version, issued_at, expires_at, position, advantage)
+           SELECT ?, trajectory_id, ?, ?, ?, ?, ?, position, advantage FROM _leased""",
         [lease_id, req.trainer_id, req.step, req.trainer_version, now, now + req.lease_seconds],
     )
     con.execute(

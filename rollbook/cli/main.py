@@ -6,8 +6,11 @@
     rollbook query  --db runs/demo/rollbook.duckdb "SHOW TABLES"  # file, read-only, server down
     rollbook stats  --server 127.0.0.1:50551
     rollbook admin  register-model tiny                          # admin key from ROLLBOOK_ADMIN_KEY
+    rollbook admin  rollback tiny 12 --run-dir runs/demo         # back to version 12 (run stopped; docs/gate.md)
     rollbook store  age --db runs/demo/rollbook.duckdb --older-than 7d  # trained rows into Parquet (store stopped)
     rollbook replay reward --db runs/demo/rollbook.duckdb --reward math --name math-v2  # re-score (store stopped)
+    rollbook replay step 12 --run runs/demo                      # rerun step 12, compare bit for bit
+    rollbook run    --config configs/quickstart.toml --run_dir runs/offline --replay.ledger runs/quickstart/rollbook.duckdb  # stored rows
     rollbook proxy  --server 127.0.0.1:50551 --port 8000         # OpenAI-compatible endpoint (docs/online.md)
     rollbook demo   --run-dir runs/demo                          # store + generated workload + SQL
     rollbook export runs/demo/checkpoints/step-000040 --to out/  # a checkpoint as a Hugging Face directory
@@ -108,6 +111,8 @@ def _stats(args: argparse.Namespace) -> int:
 def _admin(args: argparse.Namespace) -> int:
     from rollbook.client import StoreClient
 
+    if args.action == "rollback":
+        return _rollback(args)
     admin_key = args.admin_key or None
     with StoreClient.from_env(args.server, admin_key=admin_key) as client:
         if client.admin_key is None:
@@ -134,6 +139,24 @@ def _admin(args: argparse.Namespace) -> int:
                     raise CommandError(f"{exc.code().name}: {details()}") from None  # type: ignore[attr-defined]  # a grpc.RpcError
                 raise
             raise CommandError(reason) from None
+    return 0
+
+
+def _rollback(args: argparse.Namespace) -> int:
+    """``rollbook admin rollback MODEL VERSION``: on a stopped run's directory and ledger (rollbook/run/gate.py)."""
+    import pathlib
+
+    from rollbook.run.gate import roll_back_run
+
+    run_dir = pathlib.Path(args.run_dir)
+    db = pathlib.Path(args.db) if args.db else run_dir / "rollbook.duckdb"
+    done = roll_back_run(run_dir, db, args.model_id, args.version)
+    marked = ", ".join(str(v) for v in done.marked) or "none"
+    print(
+        f"rolled back {args.model_id!r} to version {done.version}: versions after it marked rolled_back ({marked}); "
+        f"its weights and optimizer state are version {done.new_version}, promoted, in {done.checkpoint}; "
+        f"the next `rollbook run` with --run_dir {run_dir} resumes from them at step {done.step}"
+    )
     return 0
 
 
@@ -389,9 +412,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "admin",
-        help="register a model or publish a policy version (admin key: env ROLLBOOK_ADMIN_KEY)",
+        help="register a model, publish a policy version (admin key: env ROLLBOOK_ADMIN_KEY), roll a stopped run back",
         description="Prepare a fresh store for `rollbook train`: register the model (admin key), "
-        "optionally publish a version (the trainer publishes its own on start).",
+        "optionally publish a version (the trainer publishes its own on start). `rollback` works on a "
+        "stopped run's files instead (no store, no key).",
     )
     asub = p.add_subparsers(dest="action", required=True, metavar="ACTION")
     a = asub.add_parser("register-model", help="register MODEL_ID with its vocabulary size")
@@ -408,6 +432,20 @@ def build_parser() -> argparse.ArgumentParser:
             "--server", default=None, help=f"store address HOST:PORT (default: env ROLLBOOK_SERVER, else {DEFAULT_SERVER})"
         )
         a.add_argument("--admin-key", default=None, help="admin key (default: env ROLLBOOK_ADMIN_KEY; prefer the env)")
+    a = asub.add_parser(
+        "rollback",
+        help="roll a stopped run back to VERSION: later versions marked rolled_back, the next run resumes from it",
+        description="Roll a stopped run back to a kept version (docs/gate.md). In the ledger every version of "
+        "MODEL_ID after VERSION that no gate refused is marked rolled_back and the next free version number "
+        "is recorded promoted; in RUN_DIR the latest checkpoint becomes VERSION's weights and optimizer state "
+        "under that number (the step count kept). The next `rollbook run` with this run directory resumes "
+        "from it and rollout generates with it. VERSION needs a kept checkpoint (RUN_DIR/checkpoints, or the "
+        "gate's last promoted version). The run and its store must be stopped: a held ledger is refused.",
+    )
+    a.add_argument("model_id")
+    a.add_argument("version", type=int)
+    a.add_argument("--run-dir", required=True, metavar="RUN_DIR", help="the run directory (checkpoints/, gate/)")
+    a.add_argument("--db", default=None, metavar="PATH", help="the ledger (default: RUN_DIR/rollbook.duckdb)")
     p.set_defaults(func=_admin)
 
     add_age_parser(sub)  # rollbook store age (rollbook/cli/age.py)
@@ -418,7 +456,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="the whole loop on one machine: store + rollout + trainer on RUN_DIR/rollbook.duckdb",
         description="Run store, rollout and trainer on one machine. Any config field can be overridden "
         "with a dotted flag, e.g. --num_steps 10 --trainer.lr 1e-3 --rollout.group_size 4 "
-        "--store.validator.norm.mode group_mean; --help-config lists them.",
+        "--store.validator.norm.mode group_mean; --help-config lists them. With --replay.ledger "
+        "RUN/rollbook.duckdb (a [replay] section: --replay.where, --replay.reward_version, --replay.epochs) "
+        "it generates nothing and trains a new policy on a finished run's stored groups (docs/replay.md).",
     )
     _config_flags(p, "run config (see configs/)")
     p.add_argument("--log-level", default="WARNING")

@@ -1,5 +1,8 @@
 """``rollbook replay reward``: score a stopped store's stored outputs again with another reward, into a
-named reward version beside the rewards they were trained with (docs/replay.md).
+named reward version beside the rewards they were trained with (docs/replay.md). ``rollbook replay
+step N --run RUN_DIR`` reruns trainer step N from the ledger and the checkpoint before it and
+compares it bit for bit with what the run recorded (rollbook/cli/replay_step.py; docs/replay.md, "Step
+replay").
 
     rollbook replay reward --db runs/exp1/rollbook.duckdb --reward math --name math-v2
     rollbook replay reward --db runs/exp1/rollbook.duckdb --reward mypkg.rewards:strict --name strict \\
@@ -57,12 +60,14 @@ READ_COLUMNS = "t.trajectory_id, t.task_id, t.domain, t.prompt_token_ids, t.outp
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    """``rollbook replay reward`` (``rollbook/cli/main.py`` calls this)."""
+    """``rollbook replay reward`` and ``rollbook replay step`` (``rollbook/cli/main.py`` calls this)."""
     p = sub.add_parser(
         "replay",
-        help="score a stopped store's stored outputs again with another reward (a named reward version)",
-        description="Replay the ledger's stored outputs: re-score them with another reward into a named reward "
-        "version (reward_versions, reward_version_runs), leaving every existing row as it is. docs/replay.md.",
+        help="re-score stored outputs (a named reward version), or rerun a trainer step bit for bit",
+        description="Replay from the ledger: re-score its stored outputs with another reward into a named reward "
+        "version (reward_versions, reward_version_runs), leaving every existing row as it is (replay reward), or "
+        "rerun one trainer step from its lease and the checkpoint before it and compare it bit for bit with what "
+        "the run recorded (replay step). docs/replay.md.",
     )
     actions = p.add_subparsers(dest="action", required=True, metavar="ACTION")
     a = actions.add_parser(
@@ -133,6 +138,50 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     a.add_argument("--batch-rows", type=int, default=512, help="rows scored per committed batch (default: %(default)s)")
     a.set_defaults(func=run_replay_command)
+    add_step_parser(actions)
+
+
+def add_step_parser(actions: argparse._SubParsersAction) -> None:
+    """``rollbook replay step N --run RUN_DIR``."""
+    a = actions.add_parser(
+        "step",
+        help="rerun trainer step N from the ledger and the checkpoint before it; compare bit for bit",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Rerun trainer step N on the CPU and compare it with what the run recorded, bit for bit:\n"
+        "the rows of the lease train_steps names for step N, read from the ledger (read-only, its store\n"
+        "stopped) in the order they were served with the advantages served (leases.position,\n"
+        "leases.advantage); the weights, AdamW state and RNG states of checkpoints/step-N (the state\n"
+        "before step N); the model, teachers, KL reference, loss, learning rate and minibatches of the\n"
+        "run's config.json; the torch threads the step recorded. The update is the trainer's own.\n\n"
+        "Compared: loss/total, grad/norm and optim/lr with train_steps.stats; every parameter and the\n"
+        "AdamW state with checkpoints/step-N+1, or without it the parameters with the checksum\n"
+        "policy_versions holds for the step's version (when the trainer published one).\n\n"
+        "Exit status: 0 every compared value has the same bits; 1 one differs (named, with the first\n"
+        "differing parameter and its largest |difference|); 2 the step cannot be replayed as asked (not\n"
+        "recorded, no checkpoint before it: the replayable steps are listed; a ledger a running store\n"
+        "holds). `trainer.checkpoint_every = 1` with a large `trainer.keep_last` keeps every step\n"
+        'replayable. docs/replay.md, "Step replay".',
+        epilog="examples:\n"
+        "  rollbook replay step 41 --run runs/exp1\n"
+        "  rollbook replay step 41 --run runs/exp1 --db /tmp/ledger-copy.duckdb --json",
+    )
+    a.add_argument("step", type=int, metavar="N", help="the step, as train_steps.step numbers it (0 is the first)")
+    a.add_argument(
+        "--run", required=True, metavar="RUN_DIR", help="the run directory: its config.json and checkpoints/ (and ledger)"
+    )
+    a.add_argument("--db", default=None, metavar="PATH", help="the ledger (default: RUN_DIR/rollbook.duckdb)")
+    a.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    a.set_defaults(func=run_replay_step_command)
+
+
+def run_replay_step_command(args: argparse.Namespace) -> int:
+    from rollbook.cli.replay_step import replay_step
+
+    if args.step < 0:
+        raise ConfigError(f"step {args.step}: steps are numbered from 0")
+    result = replay_step(pathlib.Path(args.run), args.step, pathlib.Path(args.db) if args.db else None)
+    print(json.dumps(result.as_json()) if args.json else result.table(), flush=True)
+    return 0 if result.equal else 1
 
 
 def run_replay_command(args: argparse.Namespace) -> int:

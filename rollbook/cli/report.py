@@ -12,7 +12,9 @@ opened read-only; the run's files are never written. Run it on a finished run (t
 
 Each RUN_DIR gets its own ``summary.json`` (``summarize``); ``report.md`` and the plots go to ``--out``
 (default: the first RUN_DIR). Plots (matplotlib, Agg backend), one line or bar per run:
-- ``heldout.png``: held-out reward per domain by step (sampled solid, greedy dotted);
+- ``heldout.png``: held-out reward per domain by step (sampled solid, greedy dotted); with the
+  promotion gate (docs/gate.md) a marker per version it decided, at the steps done then and the gate's
+  greedy figure for the domain: promoted ▲, refused ✕, rolled back ▼;
 - ``train_reward.png``: training reward per domain (that step's batch) by step;
 - ``teacher_gap.png``: mean ``log pi_teacher - log pi_student`` per token and domain (MOPD runs);
 - ``staleness.png``: trained rows by staleness (trainer version - oldest token version);
@@ -39,6 +41,9 @@ SUMMARY_SQL = {
     "GROUP BY staleness ORDER BY staleness",
 }
 
+# The promotion gate's verdicts (policy_versions.status, gate; docs/gate.md): in summary.json as "gate"
+GATE_SQL = "SELECT version, status, gate FROM policy_versions WHERE status IS NOT NULL ORDER BY version"
+
 PLOTS = ("heldout", "train_reward", "teacher_gap", "staleness", "rejections", "throughput")
 
 
@@ -64,6 +69,7 @@ def ledger_answers(db: pathlib.Path) -> dict[str, Any]:
         con = connect_snapshot(snapshot)
         try:
             rows = {name: con.sql(sql).fetchall() for name, sql in SUMMARY_SQL.items()}
+            verdicts = gate_verdicts(con)
         finally:
             con.close()
     return {
@@ -72,7 +78,32 @@ def ledger_answers(db: pathlib.Path) -> dict[str, Any]:
         "trained": int(rows["trained"][0][0]),
         "steps": int(rows["steps"][0][0]),
         "staleness": {str(int(s)): int(n) for s, n in rows["staleness"] if s is not None},
+        "gate": verdicts,
     }
+
+
+def gate_verdicts(con) -> list[dict[str, Any]]:
+    """Each version the promotion gate decided (``GATE_SQL``): version, status, the steps done when it
+    was decided, its greedy held-out reward overall and per domain (None where not measured). A ledger
+    made before the gate's columns has none."""
+    has_status = con.sql(
+        "SELECT count(*) FROM duckdb_columns() WHERE table_name = 'policy_versions' AND column_name = 'status'"
+    ).fetchall()[0][0]
+    if not has_status:
+        return []
+    out = []
+    for version, status, gate in con.sql(GATE_SQL).fetchall():
+        figures = json.loads(gate) if gate else {}
+        out.append(
+            {
+                "version": int(version),
+                "status": str(status),
+                "step": figures.get("step"),
+                "reward": figures.get("reward"),
+                "heldout": figures.get("heldout") or {},
+            }
+        )
+    return out
 
 
 def _evals(metrics: list[dict]) -> list[dict]:
@@ -117,6 +148,7 @@ def summarize(run_dir: pathlib.Path) -> dict[str, Any]:
         "rejected_by_reason": ledger["rejected_by_reason"],
         "trained": ledger["trained"],
         "staleness": ledger["staleness"],
+        "gate": ledger["gate"],
     }
 
 
@@ -162,10 +194,12 @@ def _plots(runs: list[tuple[str, list[dict], dict]], out: pathlib.Path) -> list[
             return
         fig, axes = plt.subplots(1, len(domains), figsize=(4.5 * len(domains), 3.4), squeeze=False)
         for ax, domain in zip(axes[0], domains):
-            for i, (label, metrics, _) in enumerate(runs):
+            for i, (label, metrics, summary) in enumerate(runs):
                 for suffix, style, xs, ys in series.lines(metrics, domain):
                     if xs:
                         ax.plot(xs, ys, style, color=f"C{i}", label=f"{label}{suffix}", marker=".")
+                if getattr(series, "markers", False):
+                    _gate_markers(ax, summary.get("gate", []), domain, color=f"C{i}", label=label)
             if name != "teacher_gap":  # rewards: the whole 0..1 range, comparable across panels
                 ax.set_ylim(-0.03, 1.03)
             ax.set_title(f"{title}: {domain}")
@@ -179,6 +213,8 @@ def _plots(runs: list[tuple[str, list[dict], dict]], out: pathlib.Path) -> list[
         written.append(name)
 
     class Heldout:
+        markers = True  # the gate's verdicts, where there are any
+
         @staticmethod
         def domains(metrics):
             return _domains(_evals(metrics), "eval/")
@@ -255,10 +291,43 @@ def _plots(runs: list[tuple[str, list[dict], dict]], out: pathlib.Path) -> list[
     return written
 
 
+# how each verdict of the promotion gate is drawn on the held-out plot
+_GATE_MARKERS = {"promoted": ("^", "promoted"), "refused": ("X", "refused"), "rolled_back": ("v", "rolled back")}
+
+
+def _gate_markers(ax, verdicts: list[dict], domain: str, *, color: str, label: str) -> None:
+    """The gate's verdicts on one domain's held-out panel: x the steps done when decided, y the gate's
+    greedy figure for the domain (its overall reward when it has none)."""
+    for status, (marker, name) in _GATE_MARKERS.items():
+        pts = []
+        for v in verdicts:
+            y = v.get("heldout", {}).get(domain, v.get("reward"))
+            if v["status"] == status and v.get("step") is not None and _finite(y):
+                pts.append((v["step"], y))
+        if pts:
+            ax.scatter(
+                [p[0] for p in pts],
+                [p[1] for p in pts],
+                marker=marker,
+                s=60 if status == "refused" else 36,
+                color="red" if status == "refused" else color,
+                edgecolors="black",
+                linewidths=0.5,
+                zorder=3,
+                label=f"{label} gate: {name}",
+            )
+
+
 def _steps_done(row: dict) -> int:
     """Steps finished when a metrics row was written: a trainer step's row carries its 0-based
     ``step`` (as in ``train_steps``), the evaluation before training carries the steps done."""
     return int(row["step"]) + (1 if "loss/total" in row else 0)
+
+
+def _verdict_text(verdict: dict) -> str:
+    """``v3 (0.412)``: a decided version and its greedy held-out reward when measured."""
+    reward = verdict.get("reward")
+    return f"v{verdict['version']}" + (f" ({reward:.3f})" if _finite(reward) else "")
 
 
 def _finite(v) -> bool:
@@ -280,6 +349,15 @@ def _markdown(runs: list[tuple[str, list[dict], dict]], pngs: list[str]) -> str:
                 v = s["heldout"].get(kind, {}).get(d)
                 cells.append(f"{v['start']:.3f} → {v['end']:.3f} ({v['end'] - v['start']:+.3f})" if v else "")
             lines.append(f"| {label} | {d} | {cells[0]} | {cells[1]} |")
+    gated = [(label, s["gate"]) for label, _, s in runs if s.get("gate")]
+    if gated:
+        lines += ["", "## Promotion gate (docs/gate.md)", ""]
+        for label, verdicts in gated:
+            parts = []
+            for status in ("promoted", "refused", "rolled_back"):
+                shown = [_verdict_text(v) for v in verdicts if v["status"] == status]
+                parts.append(f"{status.replace('_', ' ')}: {', '.join(shown) or 'none'}")
+            lines.append(f"- {label}: " + "; ".join(parts))
     lines += ["", "## Rejections by reason", ""]
     for label, _, s in runs:
         text = ", ".join(f"{r}: {n}" for r, n in s["rejected_by_reason"].items()) or "none"

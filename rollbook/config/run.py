@@ -183,8 +183,96 @@ class TrackerConfig(BaseModel):
     )
 
 
+class ReplayConfig(BaseModel):
+    """Train from a finished run's ledger (rollbook/run/from_ledger.py, docs/replay.md "Train from the
+    ledger"): present (a ``[replay]`` section, or any ``--replay.*`` flag), the run generates nothing.
+    Before its store starts, its new ledger (RUN_DIR/rollbook.duckdb) is seeded with the whole stored
+    groups ``where`` selects in ``ledger``, ``epochs`` times; its trainer then pulls, leases and acks
+    them as it would fresh rollouts, and held-out reward is evaluated as the colocated placement does.
+    The source file is only read."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    ledger: str = Field(
+        ...,
+        min_length=1,
+        description="The source ledger: a finished run's RUN_DIR/rollbook.duckdb (its store stopped). Only "
+        "read: a private copy of it is what the selection runs on.",
+    )
+    where: str = Field(
+        "TRUE",
+        description="SQL condition on the source's trajectories selecting the rows to train on, run in the "
+        "store's SQL sandbox as `rollbook replay reward --where` runs (subqueries on the ledger's tables "
+        "included). Only whole stored groups are seeded: a group the condition cuts is left out.",
+    )
+    reward_version: str | None = Field(
+        None,
+        description="Train on this named reward version of the source (`rollbook replay reward`) instead "
+        "of original_reward: its scores are copied into the new ledger and store.validator.reward_version "
+        "follows this field. Groups it does not score whole (ok) are left out. None: original_reward.",
+    )
+    epochs: int = Field(
+        1,
+        ge=1,
+        description="Passes over the selection: every seeded group once per epoch, epoch after epoch. "
+        "Epoch 1 keeps the source's trajectory ids; epoch k > 1 seeds a copy whose trajectory, group and "
+        "session ids end in '@k'. The run stops early, with a final evaluation, once every seeded row is trained.",
+    )
+
+
+class GateConfig(BaseModel):
+    """The promotion gate (rollbook/run/gate.py, docs/gate.md): a version the trainer publishes reaches
+    rollout only once it passes. Every ``every``-th version after the last promoted one is evaluated
+    (greedy held-out reward on ``eval_size`` held-out problems, and the ``regression`` set) and
+    promoted or refused; the versions in between never reach rollout, which generates with the last
+    promoted version meanwhile. Each verdict and its figures go to the ledger (policy_versions.status
+    and gate). Off by default; colocated and separated placements only."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = Field(False, description="Gate the versions the trainer publishes before rollout gets them.")
+    every: int = Field(
+        1,
+        ge=1,
+        description="Gate every N-th version after the last promoted one; the versions in between are never "
+        "promoted (rollout keeps the last promoted version, so the trainer runs up to N - 1 versions ahead of "
+        "it: max_staleness must be at least every - 1).",
+    )
+    max_drop: float = Field(
+        0.05,
+        ge=0,
+        description="Refuse a version whose greedy held-out reward is below the last promoted version's by more than this.",
+    )
+    eval_size: int | None = Field(
+        None,
+        ge=1,
+        description="Held-out problems the gate decodes greedily, counted as rollout.num_eval_tasks counts them "
+        "(per domain for the toy tasks): the first ones of the placement's held-out set; None: rollout.num_eval_tasks.",
+    )
+    regression: str | None = Field(
+        None,
+        description="A JSONL file of problems every promoted version must still solve at greedy: the toy "
+        'tasks\' {"domain", "prompt", "answer"} lines, or with [rollout.dataset] rows in the dataset\'s own '
+        "format and fields, scored by its rewards. None: no regression set.",
+    )
+    regression_min_reward: float = Field(
+        1.0,
+        description="The regression set's mean greedy reward a version needs (1.0: every problem solved, with 0/1 rewards).",
+    )
+    on_refuse: Literal["continue", "rollback"] = Field(
+        "rollback",
+        description="After a refusal: 'rollback' restores the last promoted version's weights and optimizer "
+        "state into the trainer and publishes them as the next version (promoted: rollout gets the same "
+        "weights under a new number, so colocated stays on-policy); 'continue' trains on from the refused "
+        "weights while rollout keeps the last promoted version (needs max_staleness >= 2 * every - 1).",
+    )
+
+
 SEPARATED_MAX_STALENESS = 2  # eta of the separated and ray placements when none is configured
 ONLINE_MAX_STALENESS = 4  # eta of the online mode: the agent is not gated, it plays ahead of the trainer
+# eta of a [replay] run: no bound. Its rows carry the source run's policy versions, which say nothing
+# about how far the new student is from the policy that sampled them (docs/replay.md)
+REPLAY_MAX_STALENESS = (1 << 32) - 1  # the largest bound PublishVersion announces (a uint32)
 
 
 class RayConfig(BaseModel):
@@ -342,7 +430,8 @@ class RunConfig(BaseModel):
         ge=0,
         description="eta, the staleness bound of both the trainer's pulls and the worker's gate "
         f"(trainer.max_staleness and rollout.max_staleness follow it). None: 0 colocated (on-policy), "
-        f"{SEPARATED_MAX_STALENESS} separated and ray (asynchronous), {ONLINE_MAX_STALENESS} online.",
+        f"{SEPARATED_MAX_STALENESS} separated and ray (asynchronous), {ONLINE_MAX_STALENESS} online; no bound with [replay] "
+        "(its rows carry the source run's versions; setting it is refused).",
     )
     eval_every: int = Field(
         5, ge=1, description="Evaluate held-out reward every N steps (and before the first and after the last)."
@@ -373,10 +462,19 @@ class RunConfig(BaseModel):
         default_factory=TrackerConfig,
         description="Experiment trackers: TensorBoard and wandb, each off unless turned on (rollbook/tracking.py).",
     )
+    gate: GateConfig = Field(
+        default_factory=GateConfig,
+        description="The promotion gate: versions reach rollout only once they pass (docs/gate.md); off by default.",
+    )
     online: OnlineConfig | None = Field(
         None,
         description="Online mode: learn from an agent through rollbook proxy "
         "(docs/online.md); None = learn from the rollout worker.",
+    )
+    replay: ReplayConfig | None = Field(
+        None,
+        description="Train from a finished run's ledger instead of new rollouts (docs/replay.md, 'Train from "
+        "the ledger'); None = learn from the rollout worker.",
     )
 
     @model_validator(mode="after")
@@ -399,9 +497,12 @@ class RunConfig(BaseModel):
         default_eta = (
             ONLINE_MAX_STALENESS if self.online is not None else 0 if self.placement == "colocated" else SEPARATED_MAX_STALENESS
         )
+        if self.replay is not None:
+            default_eta = _check_replay(self, eta)
         self.max_staleness = eta if eta is not None else default_eta
         self.trainer.run_dir, self.trainer.num_steps = self.run_dir, self.num_steps
         self.trainer.max_staleness = self.rollout.max_staleness = self.max_staleness
+        _check_gate(self)
         for name in ("device", "dtype"):  # set at the top, both sides follow; else each side keeps its own
             if name in self.model_fields_set:
                 value = _one_value(name, self, ("trainer", self.trainer, name), ("rollout", self.rollout, name))
@@ -455,6 +556,62 @@ class RunConfig(BaseModel):
                 )
             ws.student_steps = 0  # its default is the toy tasks'
         return self
+
+
+def _check_replay(config: RunConfig, eta: int | None) -> int:
+    """The settings a ``[replay]`` run cannot take, refused; its reward version set once (the store's
+    ``validator.reward_version`` follows ``replay.reward_version``). Returns its staleness bound: none
+    (``REPLAY_MAX_STALENESS``), since the rows' versions are the source run's, not this trainer's."""
+    replay = config.replay
+    assert replay is not None
+    if config.online is not None:
+        raise ValueError("[replay] trains on stored rows and [online] on an agent's calls: a run takes one of them")
+    if config.placement != "colocated":
+        raise ValueError(
+            f"placement = {config.placement!r}: a [replay] run trains in this process with an engine beside it for "
+            "held-out evaluation, as colocated does; remove placement"
+        )
+    if eta is not None and eta != REPLAY_MAX_STALENESS:
+        raise ValueError(
+            f"max_staleness = {eta}: a [replay] run has no staleness bound (its rows carry the source run's policy "
+            "versions, not this trainer's); remove it"
+        )
+    if config.trainer.loss.proximal == "loglinear":
+        raise ValueError(
+            "trainer.loss.proximal = 'loglinear' interpolates by policy versions, and a [replay] run's rows carry "
+            "the source run's: use 'recompute' (the default) or 'behavior'"
+        )
+    validator = config.store.validator
+    if "reward_version" in validator.model_fields_set and validator.reward_version != replay.reward_version:
+        raise ValueError(
+            f"store.validator.reward_version = {validator.reward_version!r} and replay.reward_version = "
+            f"{replay.reward_version!r} disagree: set replay.reward_version (the store follows it)"
+        )
+    validator.reward_version = replay.reward_version
+    return REPLAY_MAX_STALENESS
+
+
+def _check_gate(config: RunConfig) -> None:
+    """A promotion gate the run cannot keep: another placement, or a staleness bound the trainer would
+    run past while rollout keeps the last promoted version (docs/gate.md)."""
+    gate, eta = config.gate, config.max_staleness
+    if not gate.enabled:
+        return
+    if config.online is not None or config.replay is not None or config.placement == "ray":
+        mode = "[online]" if config.online is not None else "[replay]" if config.replay is not None else "placement 'ray'"
+        raise ValueError(f"gate.enabled: the promotion gate runs in the colocated and separated placements, not with {mode}")
+    assert eta is not None  # resolved above
+    if gate.every - 1 > eta:
+        raise ValueError(
+            f"gate.every = {gate.every}: the trainer trains up to {gate.every - 1} versions past the last promoted one, "
+            f"on rows that old, and max_staleness is {eta}: set max_staleness >= {gate.every - 1} or a smaller gate.every"
+        )
+    if gate.on_refuse == "continue" and 2 * gate.every - 1 > eta:
+        raise ValueError(
+            f"gate.on_refuse = 'continue': after a refusal the trainer trains up to {2 * gate.every - 1} versions past "
+            f"the version rollout keeps, and max_staleness is {eta}: set max_staleness >= {2 * gate.every - 1}, "
+            "or gate.on_refuse = 'rollback'"
+        )
 
 
 def _one_value(name: str, top: BaseModel, *copies: tuple[str, BaseModel, str]) -> Any:

@@ -182,7 +182,10 @@ class TrainerConfig(BaseModel):
     )
     export_final: bool = Field(True, description="Write a Hugging Face export after the last step (num_steps).")
     export_keep_last: int = Field(2, ge=1, description="Hugging Face exports kept in RUN_DIR/hf/ (the newest N).")
-    seed: int = Field(0, description="Trainer RNG seed (torch's, and numpy's: the order of each step's minibatches).")
+    seed: int = Field(
+        0,
+        description="Trainer RNG seed: torch's at the start, and with the step number the order of that step's minibatches (trainer/loop.py minibatch_order).",
+    )
     num_ranks: int = Field(
         1,
         ge=1,

@@ -69,7 +69,11 @@ def run(config: RunConfig) -> dict:
         )
     if done == config.num_steps:
         print(f"{run_dir} has already finished its {done} steps: nothing to train (raise --num_steps to go on)", flush=True)
-    check_inputs(config)  # before the store starts: a missing file is one line, and no ledger is made
+    vocab = check_inputs(config)  # before the store starts: a missing file is one line, and no ledger is made
+    if config.replay is not None:  # its ledger is seeded from the source's rows before its store opens it
+        from rollbook.run.from_ledger import prepare_ledger
+
+        prepare_ledger(config, vocab)
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
     write_resolved(config, run_dir)
     keys = _run_keys(run_dir)
@@ -116,6 +120,10 @@ def _run_with_store(config: RunConfig, store, keys: dict) -> dict:
         from rollbook.run.online import run_online
 
         summary = run_online(config, client, store.address, keys)
+    elif config.replay is not None:  # train from a finished run's ledger (docs/replay.md)
+        from rollbook.run.from_ledger import run_from_ledger
+
+        summary = run_from_ledger(config, client)
     elif config.placement == "colocated":
         from rollbook.run.colocated import run_colocated
 

@@ -1,6 +1,9 @@
 """Separated placement for ``rollbook run``: the trainer here, a ``rollbook rollout`` worker process
 beside it, weights over shared memory, bounded staleness (asynchronous RL: eta is the run's
-``max_staleness``, 2 unless configured, so the worker generates ahead while the trainer trains)."""
+``max_staleness``, 2 unless configured, so the worker generates ahead while the trainer trains).
+
+With the promotion gate (``[gate] enabled``, rollbook/run/gate.py) the trainer publishes only to the
+held-out evaluator here, and the shared-memory channel carries only the versions the gate promotes."""
 
 from __future__ import annotations
 
@@ -13,7 +16,8 @@ import uuid
 from rollbook import environment as rollbook_env
 from rollbook.config import RunConfig
 from rollbook.lifetime import child_env
-from rollbook.run.driving import drive_run, engine_copy, install_weights
+from rollbook.run.driving import drive_run, engine_copy, install_weights, say
+from rollbook.run.gate import ChannelRollout, build_gate, trainer_publishers
 from rollbook.trainer.drive import Placement
 
 
@@ -33,14 +37,15 @@ def run_separated(config: RunConfig, client, address: str, keys: dict) -> dict:
     publisher = SharedMemoryPublisher(channel, cast_floating(student.state_dict(), config.trainer.dtype), checksum=True)
     evaluator = native_engine(engine_copy(student, config.rollout), config.rollout, version=0)
     judge = RolloutWorker(evaluator, config.rollout, model_id=config.trainer.model_id)
-    trainer = Trainer(
-        config.trainer,
-        client,
-        model=student,
-        teacher=teacher,
-        publishers=[publisher.publish, lambda v, sd: install_weights(evaluator, v, sd)],
-    )
+    to_evaluator = lambda v, sd: install_weights(evaluator, v, sd)  # noqa: E731 - a publisher
+    gated = config.gate.enabled
+    publishers = trainer_publishers(to_evaluator) if gated else [publisher.publish, to_evaluator]
+    trainer = Trainer(config.trainer, client, model=student, teacher=teacher, publishers=publishers)
     trainer.start()
+    gate = None
+    if gated:  # the channel gets the promoted versions only
+        gate = build_gate(config, trainer, client, ChannelRollout(publisher, config.trainer.dtype), evaluator, say=say)
+        gate.start()
     worker_cfg = WorkerConfig(
         server=address,
         weights=f"shm:{channel}",
@@ -57,7 +62,7 @@ def run_separated(config: RunConfig, client, address: str, keys: dict) -> dict:
     )  # the worker role only
     try:
         epochs = config.rollout.dataset is not None and bool(config.rollout.dataset.epochs)
-        return drive_run(config, trainer, Separated(judge, worker, epochs))
+        return drive_run(config, trainer, Separated(judge, worker, epochs, gate=gate))
     finally:
         worker.terminate()
         _wait_or_kill(worker, WORKER_STOP_S)
@@ -67,10 +72,15 @@ def run_separated(config: RunConfig, client, address: str, keys: dict) -> dict:
 class Separated(Placement):
     """Rollout in a ``rollbook rollout`` process beside the trainer: the trainer waits for its batches
     (stopping when the worker ended a dataset's epochs, failing when it died); held-out reward on an
-    engine here that takes every published version."""
+    engine here that takes every published version. With a ``gate`` each step's version is decided
+    after the step (rollbook/run/gate.py)."""
 
-    def __init__(self, judge, worker: subprocess.Popen, epochs: bool):
-        self.judge, self.worker, self.epochs = judge, worker, epochs
+    def __init__(self, judge, worker: subprocess.Popen, epochs: bool, gate=None):
+        self.judge, self.worker, self.epochs, self.gate = judge, worker, epochs, gate
+
+    def stepped(self, stats: dict) -> None:
+        if self.gate is not None:
+            self.gate.after_step(stats)
 
     def evaluate(self) -> dict:
         return self.judge.evaluate()

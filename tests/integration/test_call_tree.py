@@ -148,7 +148,7 @@ def _old_file(db: pathlib.Path) -> None:
         if not any(f"ADD COLUMN IF NOT EXISTS {name} " in ddl for name in ADDED_COLUMNS):
             con.execute(ddl)
     con.execute("INSERT INTO models VALUES (?, 512, 0.0)", [MODEL])
-    con.execute("INSERT INTO policy_versions VALUES (?, 0, 'sha-0', 0.0)", [MODEL])
+    con.execute("INSERT INTO policy_versions (model_id, version, checksum, published_at) VALUES (?, 0, 'sha-0', 0.0)", [MODEL])
     folded = trajectories_table(decode_messages([trajectory_from_dict(traj("old-folded"))]), 1.0)
     con.register("_old", folded.drop_columns(list(ADDED_COLUMNS)))
     con.execute("INSERT INTO trajectories BY NAME SELECT * FROM _old")

@@ -191,6 +191,22 @@ class PublishVersionResponse(_message.Message):
     latest_version: int
     def __init__(self, latest_version: _Optional[int] = ...) -> None: ...
 
+class SetVersionStatusRequest(_message.Message):
+    __slots__ = ("model_id", "version", "status", "gate_json")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    GATE_JSON_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    version: int
+    status: str
+    gate_json: str
+    def __init__(self, model_id: _Optional[str] = ..., version: _Optional[int] = ..., status: _Optional[str] = ..., gate_json: _Optional[str] = ...) -> None: ...
+
+class SetVersionStatusResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class RegisterModelRequest(_message.Message):
     __slots__ = ("model_id", "vocab_size")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]

@@ -84,6 +84,11 @@ class TrajectoryStoreStub:
                 request_serializer=rollbook_dot_v1_dot_rollbook__pb2.GetModelRequest.SerializeToString,
                 response_deserializer=rollbook_dot_v1_dot_rollbook__pb2.GetModelResponse.FromString,
                 _registered_method=True)
+        self.SetVersionStatus = channel.unary_unary(
+                '/rollbook.v1.TrajectoryStore/SetVersionStatus',
+                request_serializer=rollbook_dot_v1_dot_rollbook__pb2.SetVersionStatusRequest.SerializeToString,
+                response_deserializer=rollbook_dot_v1_dot_rollbook__pb2.SetVersionStatusResponse.FromString,
+                _registered_method=True)
 
 
 class TrajectoryStoreServicer:
@@ -151,6 +156,13 @@ class TrajectoryStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SetVersionStatus(self, request, context):
+        """trainer key (the gate's verdict)
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TrajectoryStoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -203,6 +215,11 @@ def add_TrajectoryStoreServicer_to_server(servicer, server):
                     servicer.GetModel,
                     request_deserializer=rollbook_dot_v1_dot_rollbook__pb2.GetModelRequest.FromString,
                     response_serializer=rollbook_dot_v1_dot_rollbook__pb2.GetModelResponse.SerializeToString,
+            ),
+            'SetVersionStatus': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetVersionStatus,
+                    request_deserializer=rollbook_dot_v1_dot_rollbook__pb2.SetVersionStatusRequest.FromString,
+                    response_serializer=rollbook_dot_v1_dot_rollbook__pb2.SetVersionStatusResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -475,6 +492,33 @@ class TrajectoryStore:
             '/rollbook.v1.TrajectoryStore/GetModel',
             rollbook_dot_v1_dot_rollbook__pb2.GetModelRequest.SerializeToString,
             rollbook_dot_v1_dot_rollbook__pb2.GetModelResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetVersionStatus(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rollbook.v1.TrajectoryStore/SetVersionStatus',
+            rollbook_dot_v1_dot_rollbook__pb2.SetVersionStatusRequest.SerializeToString,
+            rollbook_dot_v1_dot_rollbook__pb2.SetVersionStatusResponse.FromString,
             options,
             channel_credentials,
             insecure,
