@@ -98,6 +98,7 @@ class EngineProcess:
     ) -> Future[GenerationResult]:
         """As ``NativeEngine.submit``; ``on_token`` is called from this object's reader thread."""
         future: Future[GenerationResult] = Future()
+        future.set_running_or_notify_cancel()  # the child decodes it whatever the caller does: not cancellable
         with self._lock:
             self._raise_if_dead()
             rid = next(self._ids)

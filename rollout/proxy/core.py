@@ -262,18 +262,22 @@ class Proxy:
         except BaseException:
             await self.gate.release()
             raise
-        if call.turn_plan is None:
-            call.turn_plan = turn
-        elif call.turn_plan.prompt_ids != turn.prompt_ids:  # a retry: the same prompt as its call's first attempt
-            requests = [dataclasses.replace(r, prompt_token_ids=list(call.turn_plan.prompt_ids)) for r in requests]
+        planned = session.plan_turn(call, turn)
+        if planned is not turn and planned.prompt_ids != turn.prompt_ids:  # a retry: the same prompt as its call's first attempt
+            requests = [dataclasses.replace(r, prompt_token_ids=list(planned.prompt_ids)) for r in requests]
         # the caller retried this call: its delivered attempts were not read; any other call: it moved on
         self.release(session, retracted=set(map(id, call.attempts[:-1])))
         if req.stream:
             return self._stream(kind, req, session, call, attempt, requests)
         try:
-            loop = asyncio.get_running_loop()
-            generate = functools.partial(self.engine.generate, requests, seed=req.seed)
-            results: list[GenerationResult] = await loop.run_in_executor(self.pool, generate)
+            submit = getattr(self.engine, "submit", None)
+            if submit is not None:  # into the running batch; awaited here, no thread parked on it
+                futures = [submit(r, seed=req.seed, index=i) for i, r in enumerate(requests)]
+                results: list[GenerationResult] = [await asyncio.wrap_future(f) for f in futures]
+            else:
+                loop = asyncio.get_running_loop()
+                generate = functools.partial(self.engine.generate, requests, seed=req.seed)
+                results = await loop.run_in_executor(self.pool, generate)
         except Exception as exc:
             raise self._engine_error(exc) from None
         finally:

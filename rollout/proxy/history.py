@@ -68,6 +68,11 @@ def _calls(m: Message) -> list[tuple[str, str]]:
     return [(c["function"]["name"], json.dumps(c["function"]["arguments"], sort_keys=True)) for c in m.get("tool_calls") or []]
 
 
+def message_key(m: Message) -> str:
+    """Equal for two messages exactly when ``same_message`` holds."""
+    return json.dumps([m.get("role"), m.get("content") or "", _calls(m)], sort_keys=True)
+
+
 def _common_prefix(a: Sequence[Message], b: Sequence[Message]) -> int:
     n = 0
     for x, y in zip(a, b):
@@ -78,29 +83,54 @@ def _common_prefix(a: Sequence[Message], b: Sequence[Message]) -> int:
 
 
 def _delivered(session: Session) -> list[tuple[Call, list[Reply]]]:
+    """The session's planned calls with a delivered attempt, and its replies."""
     with session.lock:
-        return [
-            (c, c.delivered.replies) for c in session.calls if c.delivered is not None and c.delivered.replies and c.turn_plan
-        ]
+        out = []
+        for c in session.calls:
+            attempt = c.delivered if c.turn_plan else None
+            if attempt is not None and attempt.replies:
+                out.append((c, attempt.replies))
+        return out
+
+
+def _replies(session: Session, call: Call) -> list[Reply]:
+    """The replies of ``call``'s delivered attempt; empty while none was delivered."""
+    with session.lock:
+        attempt = call.delivered
+        return attempt.replies if attempt is not None else []
 
 
 def plan_chat(render: Renderer, session: Session, messages: list[Message], tools: list[dict] | None) -> Turn:
-    """The prompt of a chat call with ``messages`` in ``session`` (module docstring)."""
-    best: tuple[int, Call, int] | None = None  # (shared messages, call, choice) for a branch
-    for call, replies in reversed(_delivered(session)):
-        earlier = call.turn_plan
-        if earlier.messages is None or (earlier.tools or None) != (tools or None):
+    """The prompt of a chat call with ``messages`` in ``session`` (module docstring).
+
+    Only the calls whose history starts with the same first message are looked at, and the cost per
+    call stays flat as a session grows when its conversations differ, or when they repeat one
+    (extensions are looked for among shorter histories only, newest first; the branch parent is the
+    earliest call sharing the most messages, so that scan stops at the first call that shares all)."""
+    candidates = [
+        c
+        for c in (session.calls_starting_with(messages[0]) if messages else [])
+        if c.turn_plan.messages is not None and (c.turn_plan.tools or None) == (tools or None)
+    ]
+    for call in reversed(candidates):  # extend: the newest call whose history + reply the messages continue
+        before = call.turn_plan.messages
+        if len(before) + 1 >= len(messages):
             continue
-        before = earlier.messages
-        for choice, reply in enumerate(replies):
+        for choice, reply in enumerate(_replies(session, call)):
             history = [*before, reply.message]
-            shared = _common_prefix(history, messages)
-            if shared == len(history) and len(messages) > shared:
-                continued = continue_prompt(render, earlier, reply, messages, tools)
+            if _common_prefix(history, messages) == len(history):
+                continued = continue_prompt(render, call.turn_plan, reply, messages, tools)
                 if continued is not None:
                     return Turn(continued, f"turn-{call.turn}.{choice}", False, messages, tools)
-            if shared >= 1 and (best is None or shared >= best[0]):  # newest first: a tie goes to the earlier call
+    best: tuple[int, Call, int] | None = None  # branch: (shared messages, call, choice); earliest call, latest choice
+    for call in candidates:
+        replies = _replies(session, call)
+        for choice in reversed(range(len(replies))):
+            shared = _common_prefix([*call.turn_plan.messages, replies[choice].message], messages)
+            if best is None or shared > best[0]:
                 best = (shared, call, choice)
+        if best is not None and best[0] == len(messages):  # no later call can share more
+            break
     prompt = render.render(messages, tools, True)
     if best is None:
         return Turn(prompt, "", False, messages, tools)

@@ -35,12 +35,15 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rollbook.client import StoreClient, as_trajectory
 from rollbook.rollout.engine import GenerationResult
-from rollbook.rollout.proxy.history import Reply, Turn
+from rollbook.rollout.proxy.history import Reply, Turn, message_key
 from rollbook.v1 import rollbook_pb2 as pb
+
+if TYPE_CHECKING:
+    from rollbook.rollout.proxy.render import Message
 
 log = logging.getLogger("rollbook.proxy")
 
@@ -98,6 +101,11 @@ class Session:
     last_active: float = 0.0  # time.time() of its latest request (completion, reward, end, lookup)
     calls: list[Call] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    # lookups that stay O(1) however long the session: the call of an idempotency key, the latest call
+    # of a body sent without one (retries), the calls whose chat history starts with a given message
+    _by_key: dict[str, Call] = field(default_factory=dict, repr=False)
+    _by_digest: dict[str, Call] = field(default_factory=dict, repr=False)
+    _by_first: dict[str, list[Call]] = field(default_factory=dict, repr=False)
 
     def begin_attempt(self, body: Any, idempotency_key: str | None, retry_count: int, now: float) -> tuple[Call, Attempt]:
         """The call this request belongs to (an existing one for a retry) and its new attempt."""
@@ -105,17 +113,35 @@ class Session:
         with self.lock:
             call = None
             if idempotency_key:
-                call = next((c for c in reversed(self.calls) if c.idempotency_key == idempotency_key), None)
+                call = self._by_key.get(idempotency_key)
             elif retry_count > 0:
-                call = next((c for c in reversed(self.calls) if c.body_hash == digest and c.idempotency_key is None), None)
+                call = self._by_digest.get(digest)
             if call is None:
                 call = Call(turn=len(self.calls), body_hash=digest, idempotency_key=idempotency_key)
                 self.calls.append(call)
+                if idempotency_key:
+                    self._by_key[idempotency_key] = call
+                else:
+                    self._by_digest[digest] = call
             number = len(call.attempts)
             prefix = "chatcmpl" if isinstance(body, dict) and "messages" in body else "cmpl"
             attempt = Attempt(number=number, created_at=now, completion_id=f"{prefix}-{self.session_id}-t{call.turn}-a{number}")
             call.attempts.append(attempt)
             return call, attempt
+
+    def plan_turn(self, call: Call, turn: Turn) -> Turn:
+        """Record ``turn`` as ``call``'s plan unless its first attempt set one; returns the call's plan."""
+        with self.lock:
+            if call.turn_plan is None:
+                call.turn_plan = turn
+                if turn.messages:
+                    self._by_first.setdefault(message_key(turn.messages[0]), []).append(call)
+            return call.turn_plan
+
+    def calls_starting_with(self, first: Message) -> list[Call]:
+        """The chat calls (planned, in turn order) whose rendered messages start with ``first``."""
+        with self.lock:
+            return list(self._by_first.get(message_key(first), ()))
 
     def find_turn(self, call: int | str) -> Call | None:
         with self.lock:

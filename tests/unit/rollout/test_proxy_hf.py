@@ -233,3 +233,72 @@ def test_the_hermes_parser_keeps_a_malformed_block_as_content():
     text = "<tool_call>not json</tool_call> and <tool_call>[1, 2]</tool_call>"
     assert parser.parse(text) == (text, [])
     assert parser.parse('a <tool_call>{"name": "g", "arguments": {}}</tool_call> b') == ("a  b", [{"name": "g", "arguments": {}}])
+
+
+def test_a_long_session_plans_each_call_against_the_conversations_it_shares_a_first_message_with(render, monkeypatch):
+    """An agent that runs many separate conversations in one session: a new call is matched only
+    against the earlier calls whose history starts with its first message, not against every call the
+    session ever made (which made each call's cost grow with the session)."""
+    from rollbook.rollout.proxy import history as history_module
+
+    conversations = 40
+    engine = ScriptedEngine(render, ["ok"] * conversations + ["done"])
+    store = _FakeStore()
+    compared = []
+    real = history_module.same_message
+    monkeypatch.setattr(history_module, "same_message", lambda a, b: compared.append(1) or real(a, b))
+
+    async def scenario():
+        proxy = Proxy(ProxyConfig(), engine, store, admin_key=None, worker_key=None, render=render)
+        session, key = proxy.sessions.start(task_id="t", domain="d", group_id="", group_size=1)
+        for i in range(conversations):
+            await _call(proxy, key, {"messages": [{"role": "user", "content": f"What is {i} times 2?"}]})
+        compared.clear()
+        follow = [
+            {"role": "user", "content": "What is 5 times 2?"},
+            {"role": "assistant", "content": "ok"},
+            {"role": "user", "content": "Sure?"},
+        ]
+        await _call(proxy, key, {"messages": follow})
+        await proxy.end(session)
+        proxy.submitter.close()
+        proxy.close()
+
+    asyncio.run(scenario())
+    rows = _rows(store)
+    last, parent = rows[f"turn-{conversations}.0"], rows["turn-5.0"]
+    assert last["parent_request_id"] == "turn-5.0" and not last["branched"]
+    history = list(parent["prompt_token_ids"]) + list(parent["output_token_ids"])
+    assert list(last["prompt_token_ids"][: len(history)]) == history
+    assert len(compared) <= 3  # the one conversation that shares the first message, not all 40
+
+
+def test_a_session_that_repeats_one_question_branches_each_call_from_the_first_without_rereading_all(render, monkeypatch):
+    """The same one-message chat sent again and again (a group sampled in one session): each call is a
+    branch of the first (the earliest call sharing the most), found without comparing every earlier call."""
+    from rollbook.rollout.proxy import history as history_module
+
+    repeats = 30
+    store = _FakeStore()
+    compared = []
+    real = history_module.same_message
+    monkeypatch.setattr(history_module, "same_message", lambda a, b: compared.append(1) or real(a, b))
+
+    async def scenario():
+        proxy = Proxy(
+            ProxyConfig(), ScriptedEngine(render, ["ok"] * repeats), store, admin_key=None, worker_key=None, render=render
+        )
+        session, key = proxy.sessions.start(task_id="t", domain="d", group_id="", group_size=1)
+        for i in range(repeats):
+            if i == repeats - 1:
+                compared.clear()
+            await _call(proxy, key, {"messages": [{"role": "user", "content": "What is 3 times 7?"}]})
+        await proxy.end(session)
+        proxy.submitter.close()
+        proxy.close()
+        return session.summary()
+
+    summary = asyncio.run(scenario())
+    links = [(c["parent_request_id"], c["branched"]) for c in summary["calls"]]
+    assert links == [("", False)] + [("turn-0.0", True)] * (repeats - 1)
+    assert len(compared) <= 2
