@@ -105,10 +105,11 @@ def copy_weights(source, target) -> None:
         synchronize(device)  # the engine's weights are whole when the update returns
 
 
-def drive_run(config, trainer, placement) -> dict:
+def drive_run(config, trainer, placement, finish=None) -> dict:
     """Train a started ``trainer`` to the run's ``num_steps`` through the drive loop
     (trainer/drive.py) with ``placement``, rows into RUN_DIR/metrics.jsonl (and the trackers), the
-    console lines on stdout; returns the held-out evaluations before the first and after the last step."""
+    console lines on stdout; returns the held-out evaluations before the first and after the last step.
+    ``finish(outcome, metrics)``, when given, runs after the loop while the metrics log is open."""
     from rollbook.trainer.drive import drive
 
     metrics = MetricsLog.for_run(config)
@@ -123,6 +124,8 @@ def drive_run(config, trainer, placement) -> dict:
             poll_interval_s=config.trainer.poll_interval_s,
             say=say,
         )
+        if finish is not None:
+            finish(outcome, metrics)
     finally:
         metrics.close()
     return outcome.summary()

@@ -244,21 +244,10 @@ def drive_replay(config: RunConfig, trainer, placement: FromLedger) -> dict:
     """``drive_run``'s loop (metrics.jsonl, the console lines), then, when the rows ran out before
     ``num_steps`` between evaluations, one more held-out evaluation of the last version (its row in
     metrics.jsonl carries the last step's ``step``, as an evaluation of that step would)."""
-    from rollbook.run.driving import MetricsLog, say
-    from rollbook.trainer.drive import drive, heldout_text
+    from rollbook.run.driving import drive_run, say
+    from rollbook.trainer.drive import heldout_text
 
-    metrics = MetricsLog.for_run(config)
-    try:
-        outcome = drive(
-            trainer,
-            num_steps=config.num_steps,
-            placement=placement,
-            eval_every=config.eval_every,
-            metrics=metrics,
-            max_wait_s=config.trainer.max_wait_s,
-            poll_interval_s=config.trainer.poll_interval_s,
-            say=say,
-        )
+    def finish(outcome, metrics) -> None:
         done = trainer.state.step
         if outcome.stopped is not None and done > 0 and outcome.last.get("step") != done - 1:
             evaluation = placement.evaluate()
@@ -266,6 +255,5 @@ def drive_replay(config: RunConfig, trainer, placement: FromLedger) -> dict:
                 outcome.last = {"step": done - 1, **evaluation}
                 metrics.write(outcome.last)
                 say(f"held-out reward after step {done - 1}: {heldout_text(outcome.last)}")
-    finally:
-        metrics.close()
-    return outcome.summary()
+
+    return drive_run(config, trainer, placement, finish)
