@@ -82,7 +82,7 @@ def _via_file(path: pathlib.Path, args: argparse.Namespace) -> pa.Table | None:
     with tempfile.TemporaryDirectory(prefix="rollbook-query-") as tmp:
         snapshot = pathlib.Path(tmp) / "snapshot.duckdb"
         try:
-            _private_copy(path, snapshot)
+            private_copy(path, snapshot)
         except duckdb.IOException as exc:
             print(f"rollbook query: error: cannot open {path} ({exc}); if a server holds it, use --server", file=sys.stderr)
             return None
@@ -99,7 +99,7 @@ def _via_file(path: pathlib.Path, args: argparse.Namespace) -> pa.Table | None:
     return read_query_chunks(pb.QueryChunk(arrow_ipc=ipc, truncated=cut) for ipc, cut in chunks)
 
 
-def _private_copy(path: pathlib.Path, dest: pathlib.Path) -> None:
+def private_copy(path: pathlib.Path, dest: pathlib.Path) -> None:
     """Copy the ledger (and DuckDB's own .wal) while holding a read-only connection, so no server
     writes meanwhile; then fold the acknowledged log batches DuckDB lacks into the copy (their
     ``status`` NULL) and checkpoint it. The ledger's files are only read."""

@@ -58,14 +58,14 @@ def ledger_answers(db: pathlib.Path) -> dict[str, Any]:
     """``SUMMARY_SQL`` answered on a private, read-only copy of the ledger (``rollbook query --db``'s
     path: the copy includes acknowledged log batches not yet folded into DuckDB, and rows moved into
     the archive are read through the same table names)."""
-    from rollbook.cli.query import _private_copy
+    from rollbook.cli.query import private_copy
     from rollbook.store.archive import connect_snapshot
 
     if not db.exists():
         raise FileNotFoundError(f"no ledger {db}")
     with tempfile.TemporaryDirectory(prefix="rollbook-report-") as tmp:
         snapshot = pathlib.Path(tmp) / "snapshot.duckdb"
-        _private_copy(db, snapshot)
+        private_copy(db, snapshot)
         con = connect_snapshot(snapshot)
         try:
             rows = {name: con.sql(sql).fetchall() for name, sql in SUMMARY_SQL.items()}

@@ -131,7 +131,7 @@ def _seed(config: RunConfig, source: pathlib.Path, sql: str, workdir: pathlib.Pa
     """Copy the source privately, select in the sandbox, seed ``workdir``/rollbook.duckdb."""
     import duckdb
 
-    from rollbook.cli.query import _private_copy
+    from rollbook.cli.query import private_copy
     from rollbook.cli.replay import select_ids
     from rollbook.store import seed
     from rollbook.store.ledger import Ledger
@@ -140,7 +140,7 @@ def _seed(config: RunConfig, source: pathlib.Path, sql: str, workdir: pathlib.Pa
     assert replay is not None
     copy = workdir / "source.duckdb"
     try:
-        _private_copy(source, copy)
+        private_copy(source, copy)
     except duckdb.IOException as exc:
         raise CommandError(
             f"replay.ledger {source} cannot be read ({str(exc).splitlines()[0]}); if a store holds it, stop it first"

@@ -53,13 +53,13 @@ def _normal(value):
 def _sql_answers(db: pathlib.Path, queries: list[str]) -> list[list[tuple]]:
     """Each query as ``rollbook query --db`` answers it: a private copy of the ledger (log folded),
     one sandbox process (store/sandbox.py), the statement fence on."""
-    from rollbook.cli.query import _private_copy
+    from rollbook.cli.query import private_copy
     from rollbook.store.sandbox import FixedSnapshot, SandboxPool
     from rollbook.store.sql import QueryLimits
 
     with tempfile.TemporaryDirectory(prefix="archive-answers-") as tmp:
         copy = pathlib.Path(tmp) / "snapshot.duckdb"
-        _private_copy(db, copy)
+        private_copy(db, copy)
         pool = SandboxPool(QueryLimits(workers=1, queue=0), pathlib.Path(tmp) / "workers", FixedSnapshot(copy))
         try:
             answers = []
