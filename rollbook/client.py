@@ -27,7 +27,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -297,6 +297,39 @@ class StoreClient:
 
     def stats(self) -> pb.GetStatsResponse:
         return self.stub.GetStats(pb.GetStatsRequest(), metadata=self._auth("reader"), timeout=self.timeout_s)
+
+    # ---- governance (admin key; docs/governance.md) -----------------------------------------------
+
+    def govern(
+        self,
+        action: str,
+        *,
+        where: str = "",
+        reason: str = "",
+        model_id: str = "",
+        tenants: Sequence[str] = (),
+        require_consent: bool = False,
+        detectors: Sequence[str] = (),
+        detail: Mapping[str, Any] | None = None,
+    ) -> pb.GovernResponse:
+        """One governance action (admin key): ``hold``/``release`` the ``trajectories`` rows where the
+        SQL predicate ``where`` holds (evaluated in the SQL sandbox), set a model's tenant ``policy``
+        (``tenants`` empty: every tenant; ``detectors``: redaction rules whose hit holds a row), or record an ``export``/``forget`` done elsewhere in the
+        audit table (``detail``). Returns the rows changed and the audit row's id."""
+        return self.stub.Govern(
+            pb.GovernRequest(
+                action=action,
+                predicate=where,
+                reason=reason,
+                model_id=model_id,
+                tenants=list(tenants),
+                require_consent=require_consent,
+                detectors=list(detectors),
+                detail_json=json.dumps(dict(detail)) if detail else "",
+            ),
+            metadata=self._auth("admin"),
+            timeout=max(self.timeout_s or 0, 120),  # a predicate over a large ledger takes a while
+        )
 
     # ---- trainer side -----------------------------------------------------------------------------
 

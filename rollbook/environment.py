@@ -7,6 +7,7 @@
 ``ROLLBOOK_TRAINER_KEY``        trainer role key: PullBatch, AckBatch, PublishVersion, ReportTrainStep
 ``ROLLBOOK_READER_KEY``         reader role key: Query, GetStats
 ``ROLLBOOK_ADMIN_KEY``          admin role key: every RPC, and the only one for RegisterModel
+``ROLLBOOK_KEYS_FILE``          store: TOML key file of tenant-bound keys (docs/governance.md)
 ``ROLLBOOK_TLS_CERT``           server: PEM certificate (with ``ROLLBOOK_TLS_KEY``): serve TLS
 ``ROLLBOOK_TLS_KEY``            server: PEM key of ``ROLLBOOK_TLS_CERT``
 ``ROLLBOOK_TLS_CLIENT_CA``      server: PEM CA of client certificates (mutual TLS)
@@ -40,6 +41,7 @@ ROLES = ("worker", "trainer", "reader", "admin")
 VARIABLES = (
     "ROLLBOOK_SERVER",
     *(f"ROLLBOOK_{role.upper()}_KEY" for role in ROLES),
+    "ROLLBOOK_KEYS_FILE",
     "ROLLBOOK_TLS_CERT",
     "ROLLBOOK_TLS_KEY",
     "ROLLBOOK_TLS_CLIENT_CA",

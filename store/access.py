@@ -1,4 +1,5 @@
-"""Who may call what: the four roles, their keys, and the range checks on every numeric request field.
+"""Who may call what: the four roles, their keys, the tenants keys are bound to, and the range checks
+on every numeric request field.
 
 Each RPC belongs to one role (``RPC_ROLE``); the admin key may call every RPC. A caller sends its key
 as gRPC metadata ``authorization: Bearer <key>``. With the RPC's role key configured:
@@ -8,18 +9,28 @@ A role with no configured key is open (allowed only on loopback: ``check_keys`` 
 rollbook/config/store.py refuses a store config that breaks the key rules). Keys are
 compared in constant time against every configured key (no early exit that would tell which one
 nearly matched), and never logged. docs/security.md has the table.
+
+Two kinds of keys: the four role keys (``ROLLBOOK_*_KEY``; store-wide: tenant ``default``, every
+model, every row) and the keys of a key file (``load_key_file``: each bound to a role, a tenant and
+optionally the models it may submit for or train; a reader key of a tenant sees only that tenant's
+rows). ``authorize`` answers with the ``Caller``: what the handlers need to stamp, filter and refuse
+(docs/governance.md).
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import math
+import os
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from rollbook.config.store import ROLES
+from rollbook.config.store import ROLES, KeyFileError, read_key_file
+from rollbook.store.schema import DEFAULT_TENANT
 
 if TYPE_CHECKING:  # pragma: no cover
     from rollbook.v1 import rollbook_pb2 as pb
@@ -39,6 +50,7 @@ RPC_ROLE = {
     "RegisterModel": "admin",
     "GetModel": "worker",
     "SetVersionStatus": "trainer",
+    "Govern": "admin",
 }
 
 
@@ -60,37 +72,92 @@ def bearer(metadata: Metadata | None) -> bytes | None:
     return None
 
 
-class KeyRing:
-    """The configured role keys; ``authorize`` is called for every RPC (and once per Submit stream)."""
+@dataclass(frozen=True)
+class Caller:
+    """Who is calling, as the handlers need it. ``role`` is None when the RPC's role is open (no key
+    configured: loopback only). ``scoped`` is True for a key-file key: its ``tenant`` bounds what it
+    reads, and ``models`` (None: every model) what it may submit for or train. A role key
+    (``ROLLBOOK_*_KEY``) and an open role are store-wide: tenant ``default``, every model, every row."""
 
-    def __init__(self, keys: dict[str, str | None]):
+    role: str | None
+    tenant: str = DEFAULT_TENANT
+    models: frozenset[str] | None = None
+    scoped: bool = False
+    name: str = ""  # the key's name in the key file (audit rows), or the role
+
+    @property
+    def sees_all(self) -> bool:
+        """Whether this caller reads every tenant's rows (the admin role, a role key, an open role)."""
+        return not self.scoped or self.role == "admin"
+
+    def may_use(self, model_id: str) -> bool:
+        return self.models is None or model_id in self.models
+
+    def check_model(self, rpc: str, model_id: str) -> None:
+        """Raise ``Denied`` (PERMISSION_DENIED) unless this key is bound to ``model_id``."""
+        if not self.may_use(model_id):
+            raise Denied(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"{rpc}: the key {self.name!r} (tenant {self.tenant!r}) is not bound to model {model_id!r}; "
+                f"it may use {', '.join(sorted(self.models or ())) or 'no model'}",
+            )
+
+
+OPEN = Caller(None)
+
+
+def load_key_file(path: str | os.PathLike) -> list[tuple[bytes, Caller]]:
+    """The keys of a key file (``rollbook.config.store.read_key_file``: format, checks), as (SHA-256
+    of the key, the caller it names)."""
+    return [(e.digest, Caller(e.role, e.tenant, e.models, True, e.name)) for e in read_key_file(path)]
+
+
+class KeyRing:
+    """The configured keys: the role keys and a key file's; ``authorize`` is called for every RPC
+    (and once per Submit stream)."""
+
+    def __init__(self, keys: dict[str, str | None], key_file: list[tuple[bytes, Caller]] | None = None):
         unknown = set(keys) - set(ROLES)
         if unknown:
             raise ValueError(f"unknown roles {sorted(unknown)}")
-        self._keys = {role: key.encode() for role in ROLES if (key := keys.get(role))}
+        self._entries = [
+            (hashlib.sha256(key.encode()).digest(), Caller(role, name=role)) for role in ROLES if (key := keys.get(role))
+        ]
+        for hashed, caller in key_file or ():
+            if any(hmac.compare_digest(hashed, h) for h, _ in self._entries):
+                raise KeyFileError(f"key {caller.name!r} of the key file is also a role key (ROLLBOOK_*_KEY)")
+            self._entries.append((hashed, caller))
+        self._roles = {caller.role for _, caller in self._entries}
+        self.multi_tenant = bool(key_file)
 
     def is_open(self, role: str) -> bool:
-        return role not in self._keys
+        return role not in self._roles
 
-    def role_of(self, given: bytes | None) -> str | None:
+    def caller_of(self, given: bytes | None) -> Caller | None:
         if given is None:
             return None
+        hashed = hashlib.sha256(given).digest()
         found = None
-        for role, key in self._keys.items():  # every key, no early exit
-            if hmac.compare_digest(given, key):
-                found = role
+        for h, caller in self._entries:  # every key, no early exit
+            if hmac.compare_digest(hashed, h):
+                found = caller
         return found
 
-    def authorize(self, rpc: str, metadata: Metadata | None) -> str | None:
-        """The caller's role (None when the RPC's role is open); raises ``Denied``."""
+    def role_of(self, given: bytes | None) -> str | None:
+        caller = self.caller_of(given)
+        return caller.role if caller else None
+
+    def authorize(self, rpc: str, metadata: Metadata | None) -> Caller:
+        """The caller (``OPEN`` when the RPC's role is open); raises ``Denied``."""
         need = RPC_ROLE[rpc]
         if self.is_open(need):
-            return None
+            return OPEN
         given = bearer(metadata)
-        role = self.role_of(given)
-        if role == need or role == "admin":
-            return role
-        if role is None:
+        caller = self.caller_of(given)
+        role = caller.role if caller else None
+        if caller is not None and (role == need or role == "admin"):
+            return caller
+        if caller is None:
             what = "no key" if given is None else "a key that is no role's key"
             raise Denied(
                 grpc.StatusCode.UNAUTHENTICATED,

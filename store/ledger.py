@@ -20,6 +20,7 @@ import contextlib
 import json
 import logging
 import math
+import os
 import pathlib
 import threading
 import time
@@ -32,7 +33,10 @@ import numpy as np
 import pyarrow as pa
 
 from rollbook.config import IngestConfig, ValidatorConfig
-from rollbook.store import archive, schema, wal
+from rollbook.fsync import fsync_dir
+from rollbook.store import archive, governance, schema, wal
+from rollbook.store.access import OPEN, Caller
+from rollbook.store.detect import DetectorError, Scanner
 from rollbook.store.prepare import Prepared, prepare
 from rollbook.store.schema import DDL
 from rollbook.store.sql import SANDBOX_CONFIG
@@ -128,6 +132,10 @@ _CATALOG = "rollbook"
 ROW_GROUP_ROWS = 2048  # DuckDB's smallest row group
 
 
+def _quote(path: pathlib.Path) -> str:
+    return str(path).replace("'", "''")
+
+
 def _connect(db_path: pathlib.Path) -> duckdb.DuckDBPyConnection:
     """The ledger's DuckDB connection, locked down like every query connection (``SANDBOX_CONFIG``).
 
@@ -199,6 +207,7 @@ class Ledger:
         fold_bytes: int = 256 << 20,
         fold_max_delay_s: float = 10.0,
         validate: bool = True,
+        detector_tokenizers: dict[str, pathlib.Path] | None = None,
     ):
         self.db_path = pathlib.Path(db_path).absolute()  # the SQL sandbox's workers run elsewhere
         self.db_path.parent.mkdir(parents=True, exist_ok=True)
@@ -219,6 +228,8 @@ class Ledger:
         archive.recover(self.con)  # a move a crash cut short: its files go, its rows never left
         self.registry = _Registry()
         self._load_registry()
+        self.policies = governance.load_policies(self.con)  # model_id -> Policy (copied on change: read without a lock)
+        self.scanner = Scanner(detector_tokenizers)  # decodes rows for the policies' detector rules
         self._seen: dict[str, str] = {}  # trajectory_id -> first status (ACCEPTED / REJECTED)
         self._inflight: dict[str, Future] = {}
         self._index_lock = threading.Lock()
@@ -226,6 +237,7 @@ class Ledger:
         self.counters = {"duplicates": 0}
         self._generation = 0  # bumped by every committed write to DuckDB (snapshots compare it)
         self._close_hooks: list = []
+        self._forget_hooks: list = []
         self._archive_lock = threading.Lock()  # one move at a time (Ledger.age)
         self.wal_root = wal.log_root(self.db_path)
         self._unfolded: list[wal.LoggedCommit] = []
@@ -244,10 +256,20 @@ class Ledger:
 
     # ---- public API -----------------------------------------------------------------------------
 
-    def submit(self, trajectories: Sequence[pb.Trajectory]) -> list[Outcome]:
-        """Validate, deduplicate and durably commit one batch; blocks until the group is fsync'd."""
+    def submit(self, trajectories: Sequence[pb.Trajectory], caller: Caller = OPEN) -> list[Outcome]:
+        """Validate, deduplicate and durably commit one batch submitted by ``caller`` (its tenant
+        stamps the rows); blocks until the group is fsync'd."""
         return self.commit(
-            prepare(decode_messages(trajectories), self.registry, self.ingest_config, validate=self.validate, now=time.time())
+            prepare(
+                decode_messages(trajectories),
+                self.registry,
+                self.ingest_config,
+                validate=self.validate,
+                now=time.time(),
+                caller=caller,
+                policies=self.policies,
+                scanner=self.scanner,
+            )
         )
 
     def commit(self, prepared: Prepared) -> list[Outcome]:
@@ -399,9 +421,11 @@ class Ledger:
 
     # ---- validator: rewards, batches, leases --------------------------------------------------
 
-    def set_reward(self, reward: float, *, trajectory_id: str = "", session_id: str = "") -> str:
+    def set_reward(self, reward: float, *, trajectory_id: str = "", session_id: str = "", tenant: str | None = None) -> str:
         """Record a (delayed) reward; with ``session_id``, for the session's last interaction.
-        Raises ``InvalidReward``, ``UnknownTrajectory`` or ``NotRewardable`` with the reason."""
+        ``tenant``: the caller's, when its key is bound to one: another tenant's rows are unknown to
+        it (the same answer as an id never seen). Raises ``InvalidReward``, ``UnknownTrajectory`` or
+        ``NotRewardable`` with the reason."""
         if not math.isfinite(reward):
             raise InvalidReward(f"{Reason.NONFINITE_REWARD}: reward = {reward}")
         if abs(reward) > self.ingest_config.max_abs_reward:  # the ingest rule's bound and detail
@@ -420,10 +444,10 @@ class Ledger:
                 found = con.execute(
                     """WITH attempts AS (
                           SELECT trajectory_id, model_id, request_id, consumed, created_at, status, NULL AS reason
-                          FROM trajectories WHERE session_id = $1
+                          FROM trajectories WHERE session_id = $1 AND ($2 IS NULL OR tenant = $2)
                           UNION ALL
                           SELECT trajectory_id, model_id, request_id, consumed, created_at, NULL AS status, reason
-                          FROM rejections WHERE session_id = $1 AND trajectory_id <> ''),
+                          FROM rejections WHERE session_id = $1 AND trajectory_id <> '' AND ($2 IS NULL OR tenant = $2)),
                         calls AS (
                           SELECT *, row_number() OVER (
                             PARTITION BY model_id, CASE WHEN request_id = '' THEN 'traj:' || trajectory_id ELSE request_id END
@@ -431,7 +455,7 @@ class Ledger:
                           FROM attempts)
                         SELECT trajectory_id, status, reason, created_at FROM calls WHERE rk = 1
                         ORDER BY created_at DESC NULLS LAST, trajectory_id DESC LIMIT 1""",
-                    [session_id],
+                    [session_id, tenant],
                 ).fetchone()
                 # a call moved into the archive was trained: when it is the session's last, the reward
                 # is for it and goes nowhere, never to an earlier call still in the ledger
@@ -452,15 +476,22 @@ class Ledger:
                 found = found[:2]
             else:
                 found = con.execute(
-                    "SELECT trajectory_id, status FROM trajectories WHERE trajectory_id = ?", [trajectory_id]
+                    "SELECT trajectory_id, status FROM trajectories WHERE trajectory_id = $1 AND ($2 IS NULL OR tenant = $2)",
+                    [trajectory_id, tenant],
                 ).fetchone()
                 if found is None:
                     rejected = con.execute(
-                        "SELECT reason FROM rejections WHERE trajectory_id = ? LIMIT 1", [trajectory_id]
+                        "SELECT reason FROM rejections WHERE trajectory_id = $1 AND ($2 IS NULL OR tenant = $2) LIMIT 1",
+                        [trajectory_id, tenant],
                     ).fetchone()
                     if rejected:
                         raise NotRewardable(f"trajectory {trajectory_id!r} was rejected ({rejected[0]}); it will never train")
-                    if con.execute("SELECT 1 FROM _archive_index WHERE trajectory_id = ? LIMIT 1", [trajectory_id]).fetchone():
+                    if (
+                        tenant is None
+                        and con.execute(
+                            "SELECT 1 FROM _archive_index WHERE trajectory_id = ? LIMIT 1", [trajectory_id]
+                        ).fetchone()
+                    ):
                         raise NotRewardable(
                             f"trajectory {trajectory_id!r} was trained and moved to the archive; its reward can no longer change"
                         )
@@ -472,8 +503,8 @@ class Ledger:
                 raise NotRewardable(f"trajectory {tid!r} is already {status} to a trainer; its reward can no longer change")
             con.execute("UPDATE trajectories SET reward = ?, original_reward = ? WHERE trajectory_id = ?", [reward, reward, tid])
             con.execute(
-                "INSERT INTO rewards VALUES (?, ?, ?, ?, ?)",
-                [tid, session_id, reward, "session" if session_id else "trajectory", now],
+                "INSERT INTO rewards (trajectory_id, session_id, reward, source, set_at, tenant) VALUES (?, ?, ?, ?, ?, ?)",
+                [tid, session_id, reward, "session" if session_id else "trajectory", now, tenant or schema.DEFAULT_TENANT],
             )
             groups.settle(con, self.validator_config, now)
         return tid
@@ -504,6 +535,217 @@ class Ledger:
             con.execute(
                 "INSERT INTO train_steps VALUES (?, ?, ?, ?, ?, ?, ?)",
                 [step, trainer_id, version, lease_id, started_at, finished_at, stats_json],
+            )
+
+    # ---- governance (store/governance.py, docs/governance.md) ----------------------------------
+
+    def set_eligibility(self, ids: Sequence[str], state: str, *, reason: str, caller: Caller, predicate: str) -> tuple[int, str]:
+        """Hold (``state`` 'held') or release ('eligible') the rows among ``ids`` (those a predicate
+        matched in the SQL sandbox) and append the audit row, in one transaction; a release settles
+        the groups at once (the released rows re-enter the validator's flow). Returns (rows changed,
+        audit id)."""
+        if state not in ("held", "eligible"):
+            raise governance.GovernError(f"state must be 'held' or 'eligible', got {state!r}")
+        if not reason.strip():
+            raise governance.GovernError("a reason is required")
+        self.flush()
+        now = time.time()
+        with self._transaction() as con:
+            n = governance.set_eligibility(con, ids, state, reason, governance.actor(caller), now, groups.GROUP_KEY)
+            audit_id = governance.audit(
+                con, caller, "hold" if state == "held" else "release", predicate=predicate, reason=reason, rows=n, at=now
+            )
+            if state == "eligible" and n:
+                groups.settle(con, self.validator_config, now)
+        return n, audit_id
+
+    def set_policy(
+        self,
+        model_id: str,
+        tenants: Sequence[str] | None,
+        require_consent: bool,
+        *,
+        caller: Caller,
+        detectors: Sequence[str] = (),
+    ) -> tuple[int, str]:
+        """Set ``model_id``'s policy (``tenants`` None: every tenant; ``detectors``: ``rollbook.redact``
+        rules whose hit in a row's decoded text holds it) and hold the rows not yet trained that it
+        does not allow (the ingest rules hold new ones). Returns (rows held, audit id)."""
+        if self.registry.vocab_size(model_id) is None:
+            raise ModelNotRegistered(f"model {model_id!r} is not registered")
+        detectors = tuple(detectors)
+        if detectors:
+            try:
+                self.scanner.rules(detectors)
+                self.scanner.decoder(model_id)
+            except DetectorError as exc:
+                raise governance.GovernError(str(exc)) from None
+        policy = governance.Policy(None if tenants is None else frozenset(tenants), require_consent, detectors)
+        self.flush()
+        now = time.time()
+        with self._transaction() as con:
+            con.execute(
+                "INSERT OR REPLACE INTO model_policies VALUES (?, ?, ?, ?, ?, ?)",
+                [
+                    model_id,
+                    None if tenants is None else sorted(policy.tenants or ()),
+                    require_consent,
+                    governance.actor(caller),
+                    now,
+                    list(detectors) or None,
+                ],
+            )
+            clauses = []
+            if policy.tenants is not None:
+                clauses.append("NOT list_contains($tenants::VARCHAR[], tenant)")
+            if require_consent:
+                clauses.append("coalesce(metadata['consent'], '') <> 'true'")
+            waiting = """FROM trajectories WHERE model_id = $model AND status IN ('pending', 'ready', 'leased')
+                          AND eligibility = 'eligible'"""
+            params = {"model": model_id, **({"tenants": sorted(policy.tenants or ())} if policy.tenants is not None else {})}
+            ids = [
+                tid
+                for (tid,) in con.execute(
+                    f"SELECT trajectory_id {waiting} AND ({' OR '.join(clauses) or 'false'})", params
+                ).fetchall()
+            ]
+            if detectors:  # the stored rows' texts, scanned as the ingest rule scans new ones
+                rows = con.execute(
+                    f"SELECT trajectory_id, prompt_token_ids, output_token_ids {waiting}", {"model": model_id}
+                ).fetchall()
+                prompts = self.scanner.hits(model_id, detectors, [r[1] for r in rows])
+                outputs = self.scanner.hits(model_id, detectors, [r[2] for r in rows])
+                ids += [r[0] for r, p, o in zip(rows, prompts, outputs) if (p or o) and r[0] not in ids]
+            reason = f"policy of model {model_id!r}: {policy.describe()}"
+            n = governance.set_eligibility(con, ids, "held", reason, governance.actor(caller), now, groups.GROUP_KEY)
+            audit_id = governance.audit(
+                con,
+                caller,
+                "policy",
+                reason=reason,
+                model_id=model_id,
+                rows=n,
+                detail={"tenants": tenants, "require_consent": require_consent, "detectors": list(detectors)},
+                at=now,
+            )
+            policies = dict(self.policies)
+            policies[model_id] = policy
+            self.policies = policies
+        return n, audit_id
+
+    def forget(self, ids: Sequence[str], *, reason: str, caller: Caller, predicate: str) -> tuple[int, str, dict]:
+        """Remove the content of the trajectories among ``ids`` everywhere the store keeps it: their
+        rows (a tombstone each instead: id, content hash, tenant, when, why), the write-ahead log
+        segments that logged them, archived Parquet files that hold them, the database file's free
+        blocks (the file is rewritten) and the SQL snapshots (dropped; the next query takes a new
+        one). Appends the audit row. Returns (rows forgotten, audit id, lineage: what trained them,
+        ``governance.lineage_report`` without the trainer's files).
+
+        Ingest pauses meanwhile (the commit lock is held: acknowledgements wait), as do pulls,
+        rewards and queries' snapshots; the cost is one copy of the database file."""
+        if not reason.strip():
+            raise governance.GovernError("a reason is required")
+        now = time.time()
+        with self._archive_lock, self._commit_lock, self._db_lock:
+            self._fold()  # every acknowledged batch is in DuckDB now: the log holds nothing unfolded
+            con = self.con
+            con.register("_lineage_ids", governance._ids_table(ids))
+            try:
+                lineage_rows = con.sql(governance.LINEAGE_SQL.format(ids="_lineage_ids")).to_arrow_table().to_pylist()
+            finally:
+                con.unregister("_lineage_ids")
+            with self._transaction() as con:
+                audit_id = governance.audit(con, caller, "forget", predicate=predicate, reason=reason, at=now)
+                n = governance.forget_rows(con, ids, reason, audit_id, now)
+                n += self._forget_archived(con, ids, reason, audit_id, now)
+                # the audit row is this action's own, written first so the tombstones can name it
+                con.execute("UPDATE audit SET num_rows = ? WHERE audit_id = ?", [n, audit_id])
+            self.wal.rotate()  # the segments that logged the rows: all folded, so all removable
+            self._drop_folded_segments(include_current=False)
+            self._rewrite_file()
+            self._generation += 1
+        for hook in self._forget_hooks:
+            hook()
+        return n, audit_id, governance.lineage_report(lineage_rows, ids)
+
+    def _forget_archived(self, con: duckdb.DuckDBPyConnection, ids: Sequence[str], reason: str, audit_id: str, now: float) -> int:
+        """Tombstones for the archived rows among ``ids``, and their archive files rewritten without them."""
+        import pyarrow.compute as pc
+        import pyarrow.parquet as pq
+
+        wanted = pa.array(list(ids), pa.string())
+        n = 0
+        for (path,) in con.execute("SELECT path FROM archive_files WHERE table_name = 'trajectories'").fetchall():
+            table = pq.read_table(path)
+            gone = pc.is_in(table.column("trajectory_id"), value_set=wanted)
+            if not pc.any(gone).as_py():
+                continue
+            con.register("_archived_rows", table.filter(gone))
+            try:
+                n += governance.forget_rows(con, ids, reason, audit_id, now, source="_archived_rows")
+            finally:
+                con.unregister("_archived_rows")
+            kept = table.filter(pc.invert(gone))
+            target = pathlib.Path(path)
+            size = archive._write_file(kept, archive.temporary_name(target))
+            os.replace(archive.temporary_name(target), target)
+            tokens = int(pc.sum(kept.column("num_output_tokens")).as_py() or 0)
+            con.execute(
+                "UPDATE archive_files SET num_rows = ?, num_output_tokens = ?, num_bytes = ? WHERE path = ?",
+                [kept.num_rows, tokens, size, path],
+            )
+        return n
+
+    def _rewrite_file(self) -> None:
+        """Copy the database into a fresh file and put it in the ledger's place: deleted rows leave
+        their bytes in DuckDB's free blocks, and a forgotten row must leave none. Under the ledger's
+        lock; the ledger's connection is closed and reopened around the swap."""
+        fresh = self.db_path.with_name(self.db_path.name + ".rewrite")
+        for leftover in (fresh, fresh.with_name(fresh.name + ".wal")):
+            leftover.unlink(missing_ok=True)
+        self.con.execute("CHECKPOINT")
+        self.con.close()
+        try:
+            copier = duckdb.connect()
+            try:
+                copier.execute(f"ATTACH '{_quote(self.db_path)}' AS old (READ_ONLY)")
+                copier.execute(f"ATTACH '{_quote(fresh)}' AS new")
+                copier.execute("COPY FROM DATABASE old TO new")
+                copier.execute("DETACH old")
+                copier.execute("CHECKPOINT new")
+                copier.execute("DETACH new")
+            finally:
+                copier.close()
+            with open(fresh, "rb+") as f:
+                os.fsync(f.fileno())
+            self._own_file.close()
+            os.replace(fresh, self.db_path)
+            fsync_dir(self.db_path.parent)
+        finally:
+            self.con = _connect(self.db_path)
+            self._own_file = open(self.db_path, "rb")
+
+    def on_forget(self, hook: Callable[[], None]) -> None:
+        """Call ``hook()`` after each ``forget`` (the SQL sandbox drops its snapshots)."""
+        self._forget_hooks.append(hook)
+
+    def record_audit(
+        self,
+        caller: Caller,
+        action: str,
+        *,
+        predicate: str = "",
+        reason: str = "",
+        model_id: str = "",
+        rows: int = 0,
+        detail: dict | None = None,
+    ) -> str:
+        """Append an audit row for an action done outside the ledger (an export); returns its id."""
+        if action not in governance.ACTIONS:
+            raise governance.GovernError(f"action must be one of {', '.join(governance.ACTIONS)}, got {action!r}")
+        with self._transaction() as con:
+            return governance.audit(
+                con, caller, action, predicate=predicate, reason=reason, model_id=model_id, rows=rows, detail=detail
             )
 
     def transaction(self) -> contextlib.AbstractContextManager[duckdb.DuckDBPyConnection]:
@@ -543,9 +785,18 @@ class Ledger:
         """Counters over the whole ledger (folds first, so every acknowledged row counts), rows moved
         into the archive included (``archived`` says how many of them)."""
         self.flush()
+        with self._db_lock:  # a forget swaps the connection; the cursor must not outlive it
+            return self._stats()
+
+    def _stats(self) -> dict:
         cur = self.cursor()
         try:
-            accepted, tokens = one_row(cur.execute("SELECT count(*), coalesce(sum(num_output_tokens), 0) FROM trajectories"))
+            accepted, tokens, held = one_row(
+                cur.execute(
+                    "SELECT count(*), coalesce(sum(num_output_tokens), 0), count(*) FILTER (WHERE eligibility = 'held') "
+                    "FROM trajectories"
+                )
+            )
             by_reason = cur.execute(
                 "SELECT reason, count(*), coalesce(sum(num_output_tokens), 0) FROM rejections GROUP BY reason"
             ).fetchall()
@@ -558,6 +809,7 @@ class Ledger:
             "archived": archived,
             "archive_files": archive_files,
             "duplicates": self.counters["duplicates"],
+            "held": int(held),
             "rejected": sum(int(n) for _, n, _ in by_reason),
             "rejected_tokens": sum(int(t) for _, _, t in by_reason),
             "rejected_by_reason": {r: int(n) for r, n, _ in by_reason},
@@ -733,7 +985,10 @@ class Ledger:
         try:
             if trajs:
                 cur.register("_fold_traj", pa.concat_tables(trajs))
-                cur.execute("INSERT INTO trajectories BY NAME SELECT * FROM _fold_traj")
+                cur.execute(
+                    "INSERT INTO trajectories BY NAME SELECT *, 'ingest' AS eligibility_set_by, "
+                    "received_at AS eligibility_set_at FROM _fold_traj"
+                )
                 cur.unregister("_fold_traj")
             if rejs:
                 cur.register("_fold_rej", pa.concat_tables(rejs))
@@ -791,4 +1046,6 @@ class Ledger:
             self._seen[tid] = ACCEPTED
         for (tid,) in self.con.execute("SELECT trajectory_id FROM _archive_index").fetchall():
             self._seen[tid] = ACCEPTED  # moved into the archive: still an id seen
+        for (tid,) in self.con.execute("SELECT trajectory_id FROM tombstones").fetchall():
+            self._seen[tid] = ACCEPTED  # forgotten: its id stays taken, so a retry cannot bring the content back
         self.con.execute("CHECKPOINT")

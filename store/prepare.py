@@ -26,6 +26,9 @@ from google.protobuf.message import Message as ProtoMessage
 from google.protobuf.unknown_fields import UnknownFieldSet
 
 from rollbook.config import IngestConfig
+from rollbook.store.access import OPEN, Caller
+from rollbook.store.detect import Scanner
+from rollbook.store.governance import Policy, hold_reasons
 from rollbook.store.tables import rejections_table, trajectories_table
 from rollbook.trajectories import Ragged, TrajectoryColumns, decode_messages, varint_bytes
 from rollbook.v1 import ingest_view_pb2 as view_pb
@@ -58,22 +61,52 @@ class Prepared:
     rejections: pa.Table | None
 
 
-def prepare(batch: TrajectoryColumns, registry: Registry, config: IngestConfig, *, validate: bool, now: float) -> Prepared:
+def prepare(
+    batch: TrajectoryColumns,
+    registry: Registry,
+    config: IngestConfig,
+    *,
+    validate: bool,
+    now: float,
+    caller: Caller = OPEN,
+    policies: dict[str, Policy] | None = None,
+    scanner: Scanner | None = None,
+) -> Prepared:
+    """Validate and convert ``batch`` as submitted by ``caller``: a key bound to models may submit
+    for those alone (``Denied``, PERMISSION_DENIED, for the whole batch: nothing is stored); every
+    row is stamped with the key's tenant, and the models' ``policies`` may hold valid rows from
+    training (store/governance.py ``hold_reasons``)."""
+    if caller.models is not None:
+        for model_id in sorted(set(batch.column("model_id"))):
+            caller.check_model("Submit", model_id)
     checked = ingest.check_batch(batch, registry, config) if validate else [None] * len(batch)
     verdicts = [None if v is None else (str(v[0]), v[1]) for v in checked]
     bad = [(i, v[0], v[1]) for i, v in enumerate(verdicts) if v is not None]
     keep = np.array([v is None for v in verdicts], dtype=bool) if bad else None
+    held = hold_reasons(batch, caller.tenant, policies, scanner, [v is None for v in verdicts]) if policies else None
     return Prepared(
         ids=batch.ids,
         verdicts=verdicts,
-        trajectories=trajectories_table(batch, now, keep) if len(bad) < len(batch) else None,
-        rejections=rejections_table(batch, bad, "ingest", now) if bad else None,
+        trajectories=trajectories_table(batch, now, keep, tenant=caller.tenant, held=held) if len(bad) < len(batch) else None,
+        rejections=rejections_table(batch, bad, "ingest", now, tenant=caller.tenant) if bad else None,
     )
 
 
-def prepare_bytes(data: bytes, registry: Registry, config: IngestConfig, *, validate: bool, now: float) -> Prepared:
-    """``prepare`` for a serialized ``SubmitRequest``; raises ``MalformedRequest``."""
-    return prepare(decode_request(data), registry, config, validate=validate, now=now)
+def prepare_bytes(
+    data: bytes,
+    registry: Registry,
+    config: IngestConfig,
+    *,
+    validate: bool,
+    now: float,
+    caller: Caller = OPEN,
+    policies: dict[str, Policy] | None = None,
+    scanner: Scanner | None = None,
+) -> Prepared:
+    """``prepare`` for a serialized ``SubmitRequest``; raises ``MalformedRequest`` (and ``Denied``)."""
+    return prepare(
+        decode_request(data), registry, config, validate=validate, now=now, caller=caller, policies=policies, scanner=scanner
+    )
 
 
 def decode_request(data: bytes) -> TrajectoryColumns:

@@ -93,7 +93,11 @@ class Snapshot:
 
 class Snapshots:
     """The current read-only snapshot of a ledger; a new one only when the ledger changed and the
-    current one is at least ``max_age_s`` old. Old snapshots are deleted once no query uses them."""
+    current one is at least ``max_age_s`` old. Old snapshots are deleted once no query uses them.
+
+    A tenant's reader (``acquire(scope)``) gets a snapshot of its own, derived from the current one
+    (store/governance.py ``build_tenant_snapshot``: only that tenant's rows are in the file), made
+    once per base snapshot and scope."""
 
     def __init__(self, source: SnapshotSource, directory: pathlib.Path, max_age_s: float = 0.0):
         self.source = source
@@ -101,11 +105,13 @@ class Snapshots:
         self.max_age_s = max_age_s
         self.directory.mkdir(parents=True, exist_ok=True)
         self._current: Snapshot | None = None
+        self._scoped: dict[tuple[str, frozenset[str] | None], tuple[Snapshot, Snapshot]] = {}  # scope -> (base, derived)
         self._lock = threading.Lock()
         self._serial = 0
         self.taken = 0  # snapshots made (tests and stats)
 
-    def acquire(self) -> Snapshot:
+    def acquire(self, scope: tuple[str, frozenset[str] | None] | None = None) -> Snapshot:
+        """The current snapshot; with ``scope`` = (tenant, bound models or None), that tenant's view of it."""
         with self._lock:
             cur = self._current
             if cur is None or (self.source.changed_since(cur.generation) and time.monotonic() - cur.taken >= self.max_age_s):
@@ -116,12 +122,32 @@ class Snapshots:
                 new = Snapshot(path, generation)
                 self._current = new
                 if cur is not None:
-                    cur.retired = True
-                    if cur.refs == 0:
-                        cur.remove()
+                    self._retire(cur)
                 cur = new
+            if scope is not None:
+                cur = self._derived(cur, scope)
             cur.refs += 1
             return cur
+
+    def _derived(self, base: Snapshot, scope: tuple[str, frozenset[str] | None]) -> Snapshot:
+        from rollbook.store.governance import build_tenant_snapshot
+
+        known = self._scoped.get(scope)
+        if known is not None and known[0] is base:
+            return known[1]
+        self._serial += 1
+        path = self.directory / f"snapshot-{self._serial}-{scope[0]}.duckdb"
+        build_tenant_snapshot(base.path, path, scope[0], scope[1])
+        derived = Snapshot(path, base.generation)
+        self._scoped[scope] = (base, derived)
+        if known is not None:
+            self._retire(known[1])
+        return derived
+
+    def _retire(self, snap: Snapshot) -> None:
+        snap.retired = True
+        if snap.refs == 0:
+            snap.remove()
 
     def release(self, snap: Snapshot) -> None:
         with self._lock:
@@ -129,8 +155,21 @@ class Snapshots:
             if snap.retired and snap.refs == 0:
                 snap.remove()
 
+    def drop(self) -> None:
+        """Retire every snapshot (each is deleted once no query reads it): the next query takes a new one."""
+        with self._lock:
+            for _, derived in self._scoped.values():
+                self._retire(derived)
+            self._scoped.clear()
+            if self._current is not None:
+                self._retire(self._current)
+                self._current = None
+
     def close(self) -> None:
         with self._lock:
+            for _, derived in self._scoped.values():
+                derived.remove()
+            self._scoped.clear()
             if self._current is not None:
                 self._current.remove()
                 self._current = None
@@ -142,10 +181,15 @@ class FixedSnapshot:
     def __init__(self, path: pathlib.Path):
         self.snap = Snapshot(path, 0)
 
-    def acquire(self) -> Snapshot:
+    def acquire(self, scope: tuple[str, frozenset[str] | None] | None = None) -> Snapshot:
+        if scope is not None:
+            raise ValueError("a fixed snapshot has no tenant views")
         return self.snap
 
     def release(self, snap: Snapshot) -> None:
+        pass
+
+    def drop(self) -> None:
         pass
 
     def close(self) -> None:
@@ -269,9 +313,17 @@ class SandboxPool:
         self._closed = False
         self.respawns = 0
 
-    def run(self, sql: str, *, max_rows: int = 0, timeout_s: float = 0.0) -> Iterator[tuple[bytes, bool]]:
+    def run(
+        self,
+        sql: str,
+        *,
+        max_rows: int = 0,
+        timeout_s: float = 0.0,
+        scope: tuple[str, frozenset[str] | None] | None = None,
+    ) -> Iterator[tuple[bytes, bool]]:
         """Yield ``(arrow_ipc, truncated)`` chunks; ``truncated`` is True only on the last chunk
-        when a cap cut the result. Raises ``QueryError`` (its ``code`` says which status)."""
+        when a cap cut the result. ``scope`` (tenant, bound models): run over that tenant's view of
+        the ledger. Raises ``QueryError`` (its ``code`` says which status)."""
         timeout = self.limits.timeout(timeout_s)
         rows = self.limits.rows(max_rows)
         deadline = time.monotonic() + timeout
@@ -279,7 +331,7 @@ class SandboxPool:
         try:
             started = time.monotonic()
             try:
-                snap = self.snapshots.acquire()
+                snap = self.snapshots.acquire(scope)
             except Exception as exc:  # disk full, ...: the query fails, the store goes on
                 log.exception("could not snapshot the ledger for a query")
                 raise QueryError(f"could not snapshot the ledger for this query: {exc}", INTERNAL) from exc

@@ -12,6 +12,11 @@ import pyarrow as pa
 
 from rollbook.store import reward_versions
 
+# Trajectory.metadata (a string map) as stored
+METADATA_TYPE = pa.map_(pa.string(), pa.string())
+# the tenant of a row stored before tenants existed, and of every caller of a single-tenant store
+DEFAULT_TENANT = "default"
+
 # Invariants (enforced at ingest by rollbook.validator):
 #   len(output_logprobs) == len(output_versions) == len(output_token_ids) == num_output_tokens > 0
 #   min_version == min(output_versions), max_version == max(output_versions)
@@ -47,6 +52,12 @@ TRAJECTORY_SCHEMA = pa.schema(
         # the call tree of a session, last (see ADDED_COLUMNS)
         ("parent_request_id", pa.string()),
         ("branched", pa.bool_()),
+        # governance (docs/governance.md): the submitting key's tenant, the call's metadata, and the
+        # training eligibility the ingest rules gave the row ('eligible' or 'held', with a reason)
+        ("tenant", pa.string()),
+        ("metadata", METADATA_TYPE),
+        ("eligibility", pa.string()),
+        ("eligibility_reason", pa.string()),
     ]
 )
 
@@ -69,6 +80,7 @@ REJECTION_SCHEMA = pa.schema(
         ("created_at", pa.float64()),
         ("parent_request_id", pa.string()),
         ("branched", pa.bool_()),
+        ("tenant", pa.string()),
     ]
 )
 
@@ -77,7 +89,15 @@ REJECTION_SCHEMA = pa.schema(
 # call, not branched). Every file gets them through ALTER TABLE (DDL below), a new one too, so that
 # old and new files have one column order (in `trajectories` they come after `status`); a log
 # segment written before them replays with these values (store/wal.py).
-ADDED_COLUMNS: dict[str, str | bool] = {"parent_request_id": "", "branched": False}
+ADDED_COLUMNS: dict[str, str | bool | None] = {
+    "parent_request_id": "",
+    "branched": False,
+    # governance: a row stored before tenants is the default tenant's, eligible, with no metadata
+    "tenant": DEFAULT_TENANT,
+    "metadata": None,
+    "eligibility": "eligible",
+    "eligibility_reason": "",
+}
 
 _DUCK_TYPES = {
     pa.string(): "VARCHAR",
@@ -90,6 +110,7 @@ _DUCK_TYPES = {
     pa.list_(pa.int32()): "INTEGER[]",
     pa.list_(pa.float32()): "FLOAT[]",
     pa.list_(pa.int64()): "BIGINT[]",
+    METADATA_TYPE: "MAP(VARCHAR, VARCHAR)",
 }
 
 
@@ -97,7 +118,9 @@ def _columns_ddl(schema: pa.Schema) -> str:
     return ",\n  ".join(f"{f.name} {_DUCK_TYPES[f.type]}" for f in schema if f.name not in ADDED_COLUMNS)
 
 
-def _sql_literal(value: str | bool) -> str:
+def _sql_literal(value: str | bool | None) -> str:
+    if value is None:
+        return "NULL"
     return ("true" if value else "false") if isinstance(value, bool) else "'" + value.replace("'", "''") + "'"
 
 
@@ -106,6 +129,7 @@ def _add_columns_ddl(table: str, schema: pa.Schema) -> list[str]:
         f"ALTER TABLE {table} ADD COLUMN IF NOT EXISTS {name} {_DUCK_TYPES[schema.field(name).type]} "
         f"DEFAULT {_sql_literal(value)}"
         for name, value in ADDED_COLUMNS.items()
+        if name in schema.names
     ]
 
 
@@ -131,6 +155,26 @@ DDL = [
     *_add_columns_ddl("rejections", REJECTION_SCHEMA),
     """CREATE TABLE IF NOT EXISTS rewards (
   trajectory_id VARCHAR, session_id VARCHAR, reward DOUBLE, source VARCHAR, set_at DOUBLE)""",
+    # the tenant of the key that set the reward (every file; a reward set before tenants: the default's)
+    f"ALTER TABLE rewards ADD COLUMN IF NOT EXISTS tenant VARCHAR DEFAULT '{DEFAULT_TENANT}'",
+    # who last changed a row's eligibility, and when (NULL: the ingest rules, at received_at)
+    "ALTER TABLE trajectories ADD COLUMN IF NOT EXISTS eligibility_set_by VARCHAR",
+    "ALTER TABLE trajectories ADD COLUMN IF NOT EXISTS eligibility_set_at DOUBLE",
+    # each model's tenant policy (docs/governance.md): the tenants whose rows may train it (NULL:
+    # every tenant), whether a row needs metadata consent = 'true', and the detector rules whose hit holds a row
+    """CREATE TABLE IF NOT EXISTS model_policies (
+  model_id VARCHAR PRIMARY KEY, tenants VARCHAR[], require_consent BOOLEAN, set_by VARCHAR, set_at DOUBLE,
+  detectors VARCHAR[])""",
+    # every governance action, appended and never updated: who (the key's role and tenant), when,
+    # what, over which predicate, why, and how many rows it changed
+    # what is left of a forgotten trajectory (`rollbook forget`): its id (still an idempotency key),
+    # a hash of its content, whose it was, when and why it went
+    """CREATE TABLE IF NOT EXISTS tombstones (
+  trajectory_id VARCHAR, content_sha256 VARCHAR, tenant VARCHAR, model_id VARCHAR, forgotten_at DOUBLE,
+  reason VARCHAR, audit_id VARCHAR)""",
+    """CREATE TABLE IF NOT EXISTS audit (
+  audit_id VARCHAR, acted_at DOUBLE, actor_role VARCHAR, actor_tenant VARCHAR, action VARCHAR, predicate VARCHAR,
+  reason VARCHAR, model_id VARCHAR, num_rows BIGINT, detail JSON)""",
     _GROUPS_DDL,
     """CREATE TABLE IF NOT EXISTS models (
   model_id VARCHAR PRIMARY KEY, vocab_size UINTEGER, registered_at DOUBLE)""",
@@ -179,6 +223,9 @@ TABLES = [
     "leases",
     "train_steps",
     "archive_files",
+    "model_policies",
+    "audit",
+    "tombstones",
 ]
 
 # Named reward versions (store/reward_versions.py, ``rollbook replay reward``): documented, readable tables.

@@ -26,7 +26,7 @@ import grpc
 
 from rollbook.config import StoreConfig
 from rollbook.config.store import is_loopback
-from rollbook.store.access import KeyRing
+from rollbook.store.access import KeyRing, load_key_file
 from rollbook.store.archive import Schedule
 from rollbook.store.ledger import Ledger
 from rollbook.store.service import AsyncStore, Pools, StreamLimits, TrajectoryStoreService, handlers
@@ -64,12 +64,18 @@ def query_limits(config: StoreConfig) -> QueryLimits:
 
 
 def env_values() -> dict:
-    """The StoreConfig fields the environment sets: the four keys, the TLS files,
+    """The StoreConfig fields the environment sets: the four keys, the key file, the TLS files,
     ``ROLLBOOK_BENCH_NOVALIDATE`` and ``ROLLBOOK_QUERY_<FIELD>`` (read in rollbook/environment.py)."""
     from rollbook import environment as env
 
     tls = env.server_tls()
-    values: dict[str, Any] = {**env.keys(), "tls_cert": tls["cert"], "tls_key": tls["key"], "tls_client_ca": tls["client_ca"]}
+    values: dict[str, Any] = {
+        **env.keys(),
+        "keys_file": env.get("ROLLBOOK_KEYS_FILE"),
+        "tls_cert": tls["cert"],
+        "tls_key": tls["key"],
+        "tls_client_ca": tls["client_ca"],
+    }
     values = {k: v for k, v in values.items() if v is not None}
     if not env.validate_evidence():
         values["validate_evidence"] = False
@@ -117,7 +123,11 @@ class StoreServer:
 def create_server(config: StoreConfig, ledger: Ledger | None = None) -> tuple[StoreServer, int, Ledger]:
     """The server (not started), its port and its ledger."""
     ledger = ledger or Ledger(
-        config.db, ingest_config=config.ingest, validator_config=config.validator, validate=config.validate_evidence
+        config.db,
+        ingest_config=config.ingest,
+        validator_config=config.validator,
+        validate=config.validate_evidence,
+        detector_tokenizers=config.detector_tokenizers,
     )
     if config.ageing.interval_s > 0:  # [store.ageing]: trained rows into Parquet, stopped when the ledger closes
         Schedule(ledger, config.ageing).start()
@@ -133,7 +143,7 @@ def create_server(config: StoreConfig, ledger: Ledger | None = None) -> tuple[St
     )
     store = AsyncStore(
         service,
-        KeyRing(config.keys()),
+        KeyRing(config.keys(), load_key_file(config.keys_file) if config.keys_file is not None else None),
         StreamLimits(config.max_submit_streams, config.max_submit_streams_per_host, config.stream_idle_timeout_s),
         pools,
     )

@@ -29,7 +29,8 @@ from typing import TYPE_CHECKING, Any, NoReturn, TypeAlias, TypeVar
 import grpc
 import pyarrow as pa
 
-from rollbook.store.access import Denied, KeyRing, field_error
+from rollbook.store.access import OPEN, Caller, Denied, KeyRing, field_error
+from rollbook.store.governance import GovernError
 from rollbook.store.ledger import (
     InvalidReward,
     InvalidStatus,
@@ -105,6 +106,7 @@ DOMAIN_STATUS: dict[type[Exception], grpc.StatusCode] = {
     NotRewardable: grpc.StatusCode.FAILED_PRECONDITION,
     ModelNotRegistered: grpc.StatusCode.FAILED_PRECONDITION,
     ModelConflict: grpc.StatusCode.FAILED_PRECONDITION,
+    GovernError: grpc.StatusCode.INVALID_ARGUMENT,
     LeaseError: grpc.StatusCode.FAILED_PRECONDITION,  # expired and re-leased (after its subclasses above)
 }
 
@@ -125,10 +127,10 @@ class Abort(Exception):
 class SyncContext:
     """What a blocking handler body gets instead of a ``grpc.ServicerContext``."""
 
-    def __init__(self, metadata: Sequence[tuple[str, str | bytes]] | None = (), peer: str = "", role: str | None = None):
+    def __init__(self, metadata: Sequence[tuple[str, str | bytes]] | None = (), peer: str = "", caller: Caller = OPEN):
         self._metadata = tuple(metadata or ())
         self._peer = peer
-        self.role = role  # the caller's authenticated role (None: the RPC's role is open)
+        self.caller = caller  # who is calling (store/access.py: role, tenant, bound models)
 
     def abort(self, code: grpc.StatusCode, details: str) -> NoReturn:
         raise Abort(code, details)
@@ -153,6 +155,8 @@ class TrajectoryStoreService:
         (``DOMAIN_STATUS``), anything else propagates (INTERNAL)."""
         try:
             return getattr(self, rpc)(request, context)
+        except Denied as exc:
+            raise Abort(exc.code, exc.message) from None
         except tuple(DOMAIN_STATUS) as exc:
             code = status_of(exc)
             assert code is not None  # exc is one of DOMAIN_STATUS's classes
@@ -160,14 +164,17 @@ class TrajectoryStoreService:
 
     # ---- Submit ---------------------------------------------------------------------------------
 
-    def submit_batch(self, data: bytes) -> pb.SubmitResponse:
-        """One Submit batch (raw bytes): prepared (parsed, decoded, validated, converted),
-        deduplicated and group-committed across streams (the ledger's leader/follower commit),
-        answered. Runs on the ingest pool; a stream's batches run one after another, in order."""
+    def submit_batch(self, data: bytes, caller: Caller = OPEN) -> pb.SubmitResponse:
+        """One Submit batch (raw bytes) from ``caller``: prepared (parsed, decoded, checked against
+        the models the key is bound to, validated, stamped with its tenant, converted), deduplicated
+        and group-committed across streams (the ledger's leader/follower commit), answered. Runs on
+        the ingest pool; a stream's batches run one after another, in order."""
         try:
-            prepared = self._prepare(data)
+            prepared = self._prepare(data, caller)
         except MalformedRequest as exc:
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+        except Denied as exc:
+            raise Abort(exc.code, exc.message) from None
         try:
             outcomes = self.ledger.commit(prepared)
         except Exception as exc:  # commit failed: nothing in this batch was acknowledged
@@ -175,9 +182,15 @@ class TrajectoryStoreService:
             raise Abort(grpc.StatusCode.UNAVAILABLE, f"commit failed, retry: {exc}") from None
         return pb.SubmitResponse(verdicts=[_verdict(o) for o in outcomes])
 
-    def _prepare(self, data: bytes) -> Prepared:
+    def _prepare(self, data: bytes, caller: Caller) -> Prepared:
         return prepare_bytes(
-            data, self.ledger.registry, self.ledger.ingest_config, validate=self.ledger.validate, now=time.time()
+            data,
+            self.ledger.registry,
+            self.ledger.ingest_config,
+            validate=self.ledger.validate,
+            now=time.time(),
+            caller=caller,
+            policies=self.ledger.policies,
         )
 
     # ---- control --------------------------------------------------------------------------------
@@ -191,6 +204,7 @@ class TrajectoryStoreService:
 
     def PublishVersion(self, message: Request[pb.PublishVersionRequest], context: SyncContext) -> pb.PublishVersionResponse:
         request = _parsed(message, context, pb.PublishVersionRequest)
+        context.caller.check_model("PublishVersion", request.model_id)
         if request.version < 0:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"version must be >= 0, got {request.version}")
         latest = self.ledger.publish_version(
@@ -206,6 +220,7 @@ class TrajectoryStoreService:
         request = _parsed(message, context, pb.SetVersionStatusRequest)
         if not request.model_id:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "model_id is required")
+        context.caller.check_model("SetVersionStatus", request.model_id)
         self.ledger.set_version_status(request.model_id, request.version, request.status, request.gate_json)
         return pb.SetVersionStatusResponse()
 
@@ -213,6 +228,7 @@ class TrajectoryStoreService:
         request = _parsed(message, context, pb.GetModelRequest)
         if not request.model_id:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "model_id is required")
+        context.caller.check_model("GetModel", request.model_id)
         entry = self.ledger.model_entry(request.model_id)
         return pb.GetModelResponse(
             model_id=entry.model_id,
@@ -227,15 +243,26 @@ class TrajectoryStoreService:
     def Query(self, message: Request[pb.QueryRequest], context: SyncContext) -> Generator[pb.QueryChunk, None, None]:
         request = _parsed(message, context, pb.QueryRequest)
         # Runs in a sandbox process over a snapshot (store/sandbox.py, docs/sql.md); the timeout
-        # and caps are the server's (a NaN, inf, negative or zero timeout means the default).
+        # and caps are the server's (a NaN, inf, negative or zero timeout means the default). A
+        # tenant's reader queries a snapshot that holds its tenant's rows alone (docs/governance.md).
+        caller = context.caller
+        scope = None if caller.sees_all else (caller.tenant, caller.models)
         try:
-            for ipc, truncated in self.sandbox.run(request.sql, max_rows=request.max_rows, timeout_s=request.timeout_seconds):
+            for ipc, truncated in self.sandbox.run(
+                request.sql, max_rows=request.max_rows, timeout_s=request.timeout_seconds, scope=scope
+            ):
                 yield pb.QueryChunk(arrow_ipc=ipc, truncated=truncated)
         except QueryError as exc:
             context.abort(getattr(grpc.StatusCode, exc.code, grpc.StatusCode.INVALID_ARGUMENT), str(exc))
 
     def GetStats(self, message: Request[pb.GetStatsRequest], context: SyncContext) -> pb.GetStatsResponse:
         _parsed(message, context, pb.GetStatsRequest)  # no fields; only its parse is checked
+        if not context.caller.sees_all:
+            context.abort(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"GetStats counts every tenant's rows; the key {context.caller.name!r} reads tenant "
+                f"{context.caller.tenant!r} alone: use Query (e.g. SELECT count(*) FROM trajectories)",
+            )
         stats = self.ledger.stats()
         return pb.GetStatsResponse(
             accepted=stats["accepted"],
@@ -251,11 +278,24 @@ class TrajectoryStoreService:
 
     def SetReward(self, message: Request[pb.SetRewardRequest], context: SyncContext) -> pb.SetRewardResponse:
         request = _parsed(message, context, pb.SetRewardRequest)
-        tid = self.ledger.set_reward(request.reward, trajectory_id=request.trajectory_id, session_id=request.session_id)
+        caller = context.caller
+        tid = self.ledger.set_reward(
+            request.reward,
+            trajectory_id=request.trajectory_id,
+            session_id=request.session_id,
+            tenant=None if caller.sees_all else caller.tenant,
+        )
         return pb.SetRewardResponse(trajectory_id=tid)
 
     def PullBatch(self, message: Request[pb.PullBatchRequest], context: SyncContext) -> pb.PullBatchResponse:
         request = _parsed(message, context, pb.PullBatchRequest)
+        if context.caller.models is not None:
+            if not request.model_id:
+                context.abort(
+                    grpc.StatusCode.PERMISSION_DENIED,
+                    f"PullBatch: the key {context.caller.name!r} is bound to models; name one (model_id)",
+                )
+            context.caller.check_model("PullBatch", request.model_id)
         batch = self.ledger.pull_batch(request)  # the message as it came (validator.pull.check_request)
         payload = _ipc(batch.table.to_batches() or [pa.RecordBatch.from_pylist([], schema=batch.table.schema)])
         return pb.PullBatchResponse(
@@ -287,6 +327,77 @@ class TrajectoryStoreService:
         )
         return pb.ReportTrainStepResponse()
 
+    # ---- governance ----------------------------------------------------------------------------
+
+    def Govern(self, message: Request[pb.GovernRequest], context: SyncContext) -> pb.GovernResponse:
+        request = _parsed(message, context, pb.GovernRequest)
+        caller, action = context.caller, request.action
+        if action in ("hold", "release"):
+            if not request.predicate.strip():
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{action} needs a predicate (--where)")
+            ids = self._matching_ids(request.predicate)
+            n, audit_id = self.ledger.set_eligibility(
+                ids, "held" if action == "hold" else "eligible", reason=request.reason, caller=caller, predicate=request.predicate
+            )
+        elif action == "policy":
+            if not request.model_id:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, "policy needs a model_id")
+            n, audit_id = self.ledger.set_policy(
+                request.model_id,
+                list(request.tenants) or None,
+                request.require_consent,
+                caller=caller,
+                detectors=list(request.detectors),
+            )
+        elif action == "forget":
+            if not request.predicate.strip():
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, "forget needs a predicate (--where)")
+            ids = self._matching_ids(request.predicate)
+            n, audit_id, lineage = self.ledger.forget(ids, reason=request.reason, caller=caller, predicate=request.predicate)
+            return pb.GovernResponse(rows=n, audit_id=audit_id, lineage_json=json.dumps(lineage, sort_keys=True))
+        elif action == "export":
+            try:
+                detail = json.loads(request.detail_json or "{}")
+            except json.JSONDecodeError as exc:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"detail_json is not JSON: {exc}")
+            if not isinstance(detail, dict):
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, "detail_json must be one JSON object")
+            n = detail.get("rows", 0) if isinstance(detail.get("rows", 0), int) else 0
+            audit_id = self.ledger.record_audit(
+                caller, action, predicate=request.predicate, reason=request.reason, rows=n, detail=detail
+            )
+        else:
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"action must be hold, release, policy, export or forget; got {action!r}"
+            )
+        return pb.GovernResponse(rows=n, audit_id=audit_id)
+
+    GOVERN_PAGE = 100_000
+
+    def _matching_ids(self, predicate: str) -> list[str]:
+        """The ids of ``trajectories`` rows where ``predicate`` holds, evaluated in the SQL sandbox
+        over a snapshot of every tenant's rows (the predicate never runs on the ledger itself), in
+        pages of ``GOVERN_PAGE`` ids."""
+        ids: list[str] = []
+        last = ""
+        size = self.query_limits.rows(self.GOVERN_PAGE)  # the server's row cap may be lower
+        while True:
+            sql = (
+                f"SELECT trajectory_id FROM trajectories WHERE ({predicate}\n) AND trajectory_id > "
+                f"'{last.replace(chr(39), chr(39) * 2)}' ORDER BY trajectory_id LIMIT {size}"
+            )
+            try:
+                page: list[str] = []
+                for ipc, _truncated in self.sandbox.run(sql, max_rows=size):
+                    table = pa.ipc.open_stream(ipc).read_all()
+                    page.extend(table.column(0).to_pylist())
+            except QueryError as exc:
+                raise GovernError(f"the predicate failed in the SQL sandbox: {exc}") from None
+            ids.extend(page)
+            if len(page) < size or not page:
+                return ids
+            last = page[-1]
+
 
 def _sandbox(ledger: Ledger, limits: QueryLimits) -> SandboxPool:
     """The query sandbox: worker processes over snapshots in ``<db>.sandbox/`` (same file system
@@ -298,6 +409,7 @@ def _sandbox(ledger: Ledger, limits: QueryLimits) -> SandboxPool:
     workdir.mkdir(mode=0o700)
     pool = SandboxPool(limits, workdir / "workers", Snapshots(ledger, workdir / "snapshots", limits.snapshot_max_age_s))
     ledger.on_close(pool.close)
+    ledger.on_forget(pool.snapshots.drop)  # a snapshot may hold forgotten rows
     return pool
 
 
@@ -358,14 +470,14 @@ class AsyncStore:
     async def _admit(self, rpc: str, request: Any, context: grpc.aio.ServicerContext) -> SyncContext:
         metadata = context.invocation_metadata()
         try:
-            role = self.keys.authorize(rpc, metadata)
+            caller = self.keys.authorize(rpc, metadata)
         except Denied as exc:
             await context.abort(exc.code, exc.message)
         if request is not None and not isinstance(request, _Malformed):
             error = field_error(rpc, request)
             if error:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, error)
-        return SyncContext(metadata, context.peer(), role)
+        return SyncContext(metadata, context.peer(), caller)
 
     def unary(self, rpc: str, pool: Executor) -> Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]:
         """The async handler of the unary RPC ``rpc``: admit, then its body on ``pool``."""
@@ -401,7 +513,7 @@ class AsyncStore:
         coroutine waits (no thread is held between batches). A stream over the per-host or total
         limit is refused with RESOURCE_EXHAUSTED; one that sends nothing (or reads no answer) for
         ``stream_idle_timeout_s`` is closed with DEADLINE_EXCEEDED (a client retries it)."""
-        await self._admit("Submit", None, context)
+        admitted = await self._admit("Submit", None, context)
         host = context.peer().rsplit(":", 1)[0]
         limits = self.limits
         if self.open_streams >= limits.max_submit_streams:
@@ -429,7 +541,7 @@ class AsyncStore:
                 if data is grpc.aio.EOF:
                     return
                 try:
-                    response = await loop.run_in_executor(self.pools.ingest, self.service.submit_batch, data)
+                    response = await loop.run_in_executor(self.pools.ingest, self.service.submit_batch, data, admitted.caller)
                 except Abort as exc:
                     await context.abort(exc.code, exc.details)
                 try:
@@ -474,5 +586,6 @@ def handlers(store: AsyncStore) -> grpc.GenericRpcHandler:
             "ReportTrainStep": unary("ReportTrainStep", pb.ReportTrainStepRequest, control),
             "GetModel": unary("GetModel", pb.GetModelRequest, control),
             "SetVersionStatus": unary("SetVersionStatus", pb.SetVersionStatusRequest, control),
+            "Govern": unary("Govern", pb.GovernRequest, control),
         },
     )

@@ -9,15 +9,23 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from rollbook.store.schema import REJECTION_SCHEMA, TRAJECTORY_SCHEMA
+from rollbook.store.schema import DEFAULT_TENANT, REJECTION_SCHEMA, TRAJECTORY_SCHEMA
 from rollbook.trajectories import Ragged, TrajectoryColumns
 from rollbook.v1 import rollbook_pb2 as pb
 
 
-def trajectories_table(batch: TrajectoryColumns, received_at: float, keep: np.ndarray | None = None) -> pa.Table:
+def trajectories_table(
+    batch: TrajectoryColumns,
+    received_at: float,
+    keep: np.ndarray | None = None,
+    *,
+    tenant: str = DEFAULT_TENANT,
+    held: Sequence[str | None] | None = None,
+) -> pa.Table:
     """The rows of ``batch`` (those where ``keep`` is True, or all) -> one Arrow table
-    (``original_reward`` = the reward as submitted). Kept rows must have equal-length token, log-prob
-    and version arrays (the evidence rules guarantee it)."""
+    (``original_reward`` = the reward as submitted), stamped with the submitting key's ``tenant``.
+    ``held[i]`` is the reason the ingest rules hold row ``i`` from training (None: eligible). Kept
+    rows must have equal-length token, log-prob and version arrays (the evidence rules guarantee it)."""
     lists = {
         "prompt_token_ids": batch.prompt.to_arrow(pa.int32()),
         "output_token_ids": batch.tokens.to_arrow(pa.int32()),
@@ -39,6 +47,16 @@ def trajectories_table(batch: TrajectoryColumns, received_at: float, keep: np.nd
         column, versions = batch.column, batch.versions
     lengths = versions.lengths
     cols: dict[str, Any] = {name: column(name) for name in _SCALAR_COLUMNS}
+    n = len(cols["trajectory_id"])
+    reasons = [None] * n if held is None else (list(held) if keep is None or keep.all() else [held[int(i)] for i in idx])
+    cols.update(
+        {
+            "tenant": [tenant] * n,
+            "metadata": [list(m.items()) or None for m in column("metadata")],
+            "eligibility": ["eligible" if r is None else "held" for r in reasons],
+            "eligibility_reason": [r or "" for r in reasons],
+        }
+    )
     cols.update(lists)
     cols.update(
         {
@@ -47,7 +65,7 @@ def trajectories_table(batch: TrajectoryColumns, received_at: float, keep: np.nd
             "min_version": pa.array(versions.reduce(np.minimum, 0), mask=lengths == 0),
             "max_version": pa.array(versions.reduce(np.maximum, 0), mask=lengths == 0),
             "original_reward": cols["reward"],
-            "received_at": np.full(len(cols["trajectory_id"]), received_at),
+            "received_at": np.full(n, received_at),
         }
     )
     return pa.Table.from_pydict(cols, schema=TRAJECTORY_SCHEMA)
@@ -55,12 +73,17 @@ def trajectories_table(batch: TrajectoryColumns, received_at: float, keep: np.nd
 
 # the stored columns that are the message's own scalar fields
 _SCALAR_COLUMNS = [
-    f.name for f in TRAJECTORY_SCHEMA if f.name in pb.Trajectory.DESCRIPTOR.fields_by_name and not pa.types.is_list(f.type)
+    f.name
+    for f in TRAJECTORY_SCHEMA
+    if f.name in pb.Trajectory.DESCRIPTOR.fields_by_name and not pa.types.is_list(f.type) and not pa.types.is_map(f.type)
 ]
 
 
-def rejections_table(batch: TrajectoryColumns, rejected: Sequence[tuple[int, str, str]], stage: str, at: float) -> pa.Table:
-    """(row index, reason, detail) triples of ``batch`` -> one Arrow table in ``REJECTION_SCHEMA``."""
+def rejections_table(
+    batch: TrajectoryColumns, rejected: Sequence[tuple[int, str, str]], stage: str, at: float, *, tenant: str = DEFAULT_TENANT
+) -> pa.Table:
+    """(row index, reason, detail) triples of ``batch`` -> one Arrow table in ``REJECTION_SCHEMA``,
+    stamped with the submitting key's ``tenant``."""
     rows = [i for i, _, _ in rejected]
     num_tokens = batch.tokens.lengths
     cols = {
@@ -86,6 +109,7 @@ def rejections_table(batch: TrajectoryColumns, rejected: Sequence[tuple[int, str
             "stage": [stage] * len(rejected),
             "num_output_tokens": [int(num_tokens[i]) for i in rows],
             "rejected_at": [at] * len(rejected),
+            "tenant": [tenant] * len(rejected),
         }
     )
     return pa.Table.from_pydict(cols, schema=REJECTION_SCHEMA)

@@ -58,7 +58,7 @@ def reject_rows(
             """INSERT INTO rejections BY NAME
                SELECT t.trajectory_id, ? AS reason, r.detail, ? AS stage, t.session_id, t.group_id, t.request_id,
                       t.model_id, t.domain, t.worker_id, t.num_output_tokens::BIGINT AS num_output_tokens, ? AS rejected_at,
-                      t.consumed, t.created_at, t.parent_request_id, t.branched
+                      t.consumed, t.created_at, t.parent_request_id, t.branched, t.tenant
                FROM trajectories t JOIN _reject r USING (trajectory_id)""",
             [str(reason), stage, now],
         )
@@ -69,7 +69,8 @@ def reject_rows(
 
 def settle(con: duckdb.DuckDBPyConnection, config: ValidatorConfig, now: float) -> dict[str, int]:
     """Resolve retry orphans, then promote complete groups to ``ready``; returns counts."""
-    (pending,) = one_row(con.execute("SELECT count(*) FROM trajectories WHERE status = 'pending'"))
+    # held rows (store/governance.py) wait outside the flow: not counted, never promoted
+    (pending,) = one_row(con.execute("SELECT count(*) FROM trajectories WHERE status = 'pending' AND eligibility = 'eligible'"))
     # even with nothing pending: a consumed attempt rejected after its unconsumed retry became ready
     # orphans that retry (checked from the consumed rejections, usually none, not from every ready row)
     if pending == 0 and not _ready_attempt_of_a_rejected_consumed_call(con):
@@ -148,7 +149,7 @@ _GROUP_STATE = f"""
            greatest(max(group_size), 1) AS expected, count(*) AS members,
            count(original_reward) AS rewarded, min(received_at) AS first_at,
            bool_or(status = 'pending') AS has_pending
-    FROM trajectories GROUP BY gkey"""
+    FROM trajectories WHERE eligibility = 'eligible' GROUP BY gkey"""
 
 
 def _incomplete_groups(con: duckdb.DuckDBPyConnection, config: ValidatorConfig, now: float) -> int:
@@ -165,7 +166,7 @@ def _incomplete_groups(con: duckdb.DuckDBPyConnection, config: ValidatorConfig, 
             f"""WITH g AS ({_GROUP_STATE})
                 SELECT t.trajectory_id, 'no reward after {config.group_timeout_s:g} s; policy keep serves the rest' AS detail
                 FROM trajectories t JOIN g ON g.gkey = {_t_key()}
-                WHERE g.has_pending AND t.status = 'pending' AND t.original_reward IS NULL
+                WHERE g.has_pending AND t.status = 'pending' AND t.eligibility = 'eligible' AND t.original_reward IS NULL
                   AND g.first_at < {now - config.group_timeout_s!r}""",
             Reason.INCOMPLETE_GROUP,
             "group",
@@ -176,7 +177,7 @@ def _incomplete_groups(con: duckdb.DuckDBPyConnection, config: ValidatorConfig, 
         f"""WITH g AS ({_GROUP_STATE})
             SELECT t.trajectory_id, {detail} AS detail
             FROM trajectories t JOIN g ON g.gkey = {_t_key()}
-            WHERE g.has_pending AND t.status = 'pending' AND {condition}""",
+            WHERE g.has_pending AND t.status = 'pending' AND t.eligibility = 'eligible' AND {condition}""",
         Reason.INCOMPLETE_GROUP,
         "group",
         now,
@@ -195,7 +196,7 @@ def _promote_ready(con: duckdb.DuckDBPyConnection, config: ValidatorConfig, now:
     (n,) = one_row(
         con.execute(
             f"""UPDATE trajectories SET status = 'ready'
-            WHERE status = 'pending' AND {GROUP_KEY} IN (SELECT gkey FROM _ready)"""
+            WHERE status = 'pending' AND eligibility = 'eligible' AND {GROUP_KEY} IN (SELECT gkey FROM _ready)"""
         )
     )
     con.execute(
@@ -241,7 +242,8 @@ def reject_stale(
             SELECT trajectory_id, {GROUP_KEY} AS gkey, {GROUP_NAME} AS gname,
                    'trainer version ' || $1 || ' minus oldest token version ' || min_version || ' = ' ||
                    ($1 - min_version) || ' > max_staleness ' || $2 AS detail
-            FROM trajectories WHERE status IN ('pending', 'ready') AND $1 - min_version > $2 AND model_id = $3""",
+            FROM trajectories WHERE status IN ('pending', 'ready') AND eligibility = 'eligible' AND $1 - min_version > $2
+              AND model_id = $3""",
         [trainer_version, max_staleness, model_id],
     )
     n = reject_rows(con, "SELECT trajectory_id, detail FROM _stale", Reason.STALE, "pull", now)
@@ -255,7 +257,7 @@ def reject_stale(
                 JOIN (SELECT gkey, any_value(gname) AS gname, count(*) AS n, min(trajectory_id) AS example
                       FROM _stale GROUP BY gkey) s
                   ON s.gkey = {_t_key()}
-                WHERE t.status IN ('pending', 'ready')""",
+                WHERE t.status IN ('pending', 'ready') AND t.eligibility = 'eligible'""",
             Reason.INCOMPLETE_GROUP,
             "pull",
             now,

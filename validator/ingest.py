@@ -66,6 +66,11 @@ STRING_FIELDS = (
 )
 
 
+# Trajectory.metadata: at most this many entries, keys at most this long (values: max_id_length)
+MAX_METADATA_ENTRIES = 32
+MAX_METADATA_KEY = 64
+
+
 def check(row: _RowLike, registry: Registry, config: IngestConfig) -> Verdict:
     """The first broken rule for this trajectory, or ``None``."""
     return _structure(row, config) or _evidence(row, config) or _against_registry(row, registry)
@@ -136,6 +141,13 @@ def _scalar_suspects(batch: TrajectoryColumns, config: IngestConfig) -> np.ndarr
     suspect |= ~np.isfinite(np.fromiter(batch.column("created_at"), np.float64, n))
     suspect |= np.fromiter(batch.column("group_size"), np.int64, n) > config.max_group_size
     orphan_branch = (b and not p for b, p in zip(batch.column("branched"), batch.column("parent_request_id")))
+    limit = config.max_id_length
+    bad_metadata = (
+        bool(md)
+        and (len(md) > MAX_METADATA_ENTRIES or any(not k or len(k) > MAX_METADATA_KEY or len(v) > limit for k, v in md.items()))
+        for md in batch.column("metadata")
+    )
+    suspect |= np.fromiter(bad_metadata, bool, n)
     return suspect | np.fromiter(orphan_branch, bool, n)
 
 
@@ -159,6 +171,14 @@ def _structure(row: _RowLike, config: IngestConfig) -> Verdict:
     for name in STRING_FIELDS:
         if len(getattr(m, name)) > config.max_id_length:
             return Reason.OVERSIZED, f"{name} is {len(getattr(m, name))} chars, over the limit of {config.max_id_length}"
+    metadata = m.metadata
+    if len(metadata) > MAX_METADATA_ENTRIES:
+        return Reason.OVERSIZED, f"metadata has {len(metadata)} entries, over the limit of {MAX_METADATA_ENTRIES}"
+    for key, value in metadata.items():
+        if not key or len(key) > MAX_METADATA_KEY:
+            return Reason.OVERSIZED, f"metadata key {key[:MAX_METADATA_KEY]!r} must be 1 to {MAX_METADATA_KEY} chars"
+        if len(value) > config.max_id_length:
+            return Reason.OVERSIZED, f"metadata[{key!r}] is {len(value)} chars, over the limit of {config.max_id_length}"
     n = len(row.tokens)
     if n > config.max_output_tokens:
         return Reason.OVERSIZED, f"output has {n} tokens, over the limit of {config.max_output_tokens}"

@@ -160,7 +160,7 @@ def _pick_groups(con: duckdb.DuckDBPyConnection, req: pb.PullBatchRequest, versi
     picked = con.sql(
         f"""WITH ready AS (
               SELECT rowid AS row_id, trajectory_id, received_at, {GROUP_KEY} AS gkey, {scored} AS scored
-              FROM trajectories WHERE status = 'ready' {model_filter}),
+              FROM trajectories WHERE status = 'ready' AND eligibility = 'eligible' {model_filter}),
             g AS (SELECT gkey, count(*) AS n, min(received_at) AS first_at FROM ready GROUP BY gkey HAVING bool_and(scored)),
             ordered AS (
               SELECT gkey, row_number() OVER (ORDER BY first_at, gkey) AS rank,

@@ -31,6 +31,9 @@ import argparse
 import sys
 
 from rollbook.cli.age import add_parser as add_age_parser
+from rollbook.cli.export_data import add_parser as add_export_data_parser
+from rollbook.cli.govern import add_lineage_parsers
+from rollbook.cli.govern import add_parser as add_govern_parser
 from rollbook.cli.replay import add_parser as add_replay_parser
 from rollbook.cli.store_flags import client_flags, store_client
 from rollbook.environment import DEFAULT_SERVER
@@ -45,6 +48,7 @@ _SERVE_FLAGS = {
     "trainer_key": "trainer_key",
     "reader_key": "reader_key",
     "admin_key": "admin_key",
+    "keys_file": "keys_file",
     "tls_cert": "tls_cert",
     "tls_key": "tls_key",
     "tls_client_ca": "tls_client_ca",
@@ -362,6 +366,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--reader-key", default=None, help="Query/GetStats key (default: env ROLLBOOK_READER_KEY)")
     p.add_argument("--admin-key", default=None, help="key for every RPC incl. RegisterModel (default: env ROLLBOOK_ADMIN_KEY)")
+    p.add_argument(
+        "--keys-file",
+        default=None,
+        help="TOML key file (mode 0600): keys bound to a role, a tenant and models (default: env ROLLBOOK_KEYS_FILE; "
+        "docs/governance.md)",
+    )
     p.add_argument("--tls-cert", default=None, help="PEM server certificate: serve TLS (default: env ROLLBOOK_TLS_CERT)")
     p.add_argument("--tls-key", default=None, help="PEM key of --tls-cert (default: env ROLLBOOK_TLS_KEY)")
     p.add_argument(
@@ -450,6 +460,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_age_parser(sub)  # rollbook store age (rollbook/cli/age.py)
     add_replay_parser(sub)  # rollbook replay reward (rollbook/cli/replay.py)
+    add_govern_parser(sub)  # rollbook govern hold/release/policy (rollbook/cli/govern.py)
+    add_lineage_parsers(sub)  # rollbook lineage, rollbook forget (rollbook/cli/govern.py)
+    add_export_data_parser(sub)  # rollbook export-data (rollbook/cli/export_data.py)
 
     p = sub.add_parser(
         "run",

@@ -142,7 +142,9 @@ def _fold_unfolded_log(con: duckdb.DuckDBPyConnection, path: pathlib.Path) -> No
         if not tables:
             continue
         con.register(f"_unfolded_{kind}", pa.concat_tables(tables))
-        status = ", NULL::VARCHAR AS status" if kind == "trajectories" else ""  # not yet seen by the validator
+        # not yet seen by the validator; eligibility as the ingest rules set it (a fold's columns)
+        status = ", NULL::VARCHAR AS status, 'ingest' AS eligibility_set_by, received_at AS eligibility_set_at"
+        status = status if kind == "trajectories" else ""
         con.execute(f"INSERT INTO {kind} BY NAME SELECT *{status} FROM _unfolded_{kind}")
         con.unregister(f"_unfolded_{kind}")
     if batches:

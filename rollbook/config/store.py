@@ -11,10 +11,16 @@ shared; store/access.py holds the keys at run time) and whether an address is lo
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import ipaddress
+import os
 import pathlib
+import re
+import stat
+import tomllib
 import warnings
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -40,12 +46,12 @@ def weak_key_reason(key: str) -> str | None:
     return None
 
 
-def check_keys(keys: dict[str, str | None], *, loopback: bool) -> None:
+def check_keys(keys: dict[str, str | None], *, loopback: bool, covered: frozenset[str] = frozenset()) -> None:
     """Off loopback every role needs its own key of reasonable strength (``secrets.token_hex(16)``
     is one); raises ``ValueError`` with a one-line message naming the env variable to fix. On
     loopback a missing key leaves its role open, but a configured key still may not hold whitespace
     nor be shared by two roles."""
-    missing = [r for r in ROLES if not keys.get(r)]
+    missing = [r for r in ROLES if not keys.get(r) and r not in covered]
     if not loopback and missing:
         names = ", ".join(f"ROLLBOOK_{r.upper()}_KEY" for r in missing)
         raise ValueError(
@@ -68,6 +74,93 @@ def check_keys(keys: dict[str, str | None], *, loopback: bool) -> None:
                 raise ValueError(
                     f"ROLLBOOK_{a.upper()}_KEY and ROLLBOOK_{b.upper()}_KEY are the same key; each role needs its own"
                 )
+
+
+# ---- key files: keys bound to a tenant ---------------------------------------------------------------
+
+# tenant and key names: what may appear in a snapshot's file name and an audit row
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+
+
+class KeyFileError(ValueError):
+    """A key file that cannot be used, with the line to fix."""
+
+
+@dataclass(frozen=True)
+class KeyEntry:
+    """One key of a key file: the SHA-256 of the secret, and what it is bound to."""
+
+    name: str
+    role: str
+    tenant: str
+    models: frozenset[str] | None  # None: every model
+    digest: bytes
+
+
+def read_key_file(path: str | os.PathLike) -> list[KeyEntry]:
+    """The keys of a TOML key file. The file must be a regular file readable by its owner alone
+    (mode 0600 or 0400): it holds secrets. Format (docs/governance.md)::
+
+        [[keys]]
+        name = "team-a-worker"      # shown in audit rows; unique
+        role = "worker"             # worker | trainer | reader | admin
+        tenant = "team-a"
+        models = ["math-a"]         # optional: the models it may submit for or train (absent: every one)
+        key = "..."                 # the secret itself, or instead:
+        key_sha256 = "..."          # its SHA-256 in hex (the file then holds no secret)
+    """
+    path = pathlib.Path(path)
+    try:
+        info = path.stat()
+    except OSError as exc:
+        raise KeyFileError(f"key file {path}: {exc.strerror}") from None
+    if not stat.S_ISREG(info.st_mode):
+        raise KeyFileError(f"key file {path} is not a regular file")
+    if info.st_mode & 0o077:
+        raise KeyFileError(f"key file {path} has mode {stat.S_IMODE(info.st_mode):04o}; it holds keys: chmod 600 {path}")
+    try:
+        doc = tomllib.loads(path.read_text())
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise KeyFileError(f"key file {path} is not TOML: {exc}") from None
+    if set(doc) - {"keys"} or not isinstance(doc.get("keys"), list) or not doc["keys"]:
+        raise KeyFileError(f"key file {path}: expected one or more [[keys]] tables and nothing else")
+    entries: list[KeyEntry] = []
+    for i, entry in enumerate(doc["keys"], 1):
+        where = f"key file {path}, [[keys]] #{i}"
+        if not isinstance(entry, dict):
+            raise KeyFileError(f"{where}: not a table")
+        extra = set(entry) - {"name", "role", "tenant", "models", "key", "key_sha256"}
+        if extra:
+            raise KeyFileError(f"{where}: unknown field(s) {sorted(extra)}")
+        name, role, tenant = entry.get("name"), entry.get("role"), entry.get("tenant")
+        for field, value in (("name", name), ("tenant", tenant)):
+            if not isinstance(value, str) or not _NAME.match(value):
+                raise KeyFileError(f"{where}: {field} must be 1-64 characters of letters, digits, '.', '_' or '-'")
+        assert isinstance(name, str) and isinstance(tenant, str)  # checked just above
+        where = f"{where} ({name})"
+        if any(e.name == name for e in entries):
+            raise KeyFileError(f"{where}: the name is used twice")
+        if role not in ROLES:
+            raise KeyFileError(f"{where}: role must be one of {', '.join(ROLES)}, got {role!r}")
+        models = entry.get("models")
+        if models is not None and (not isinstance(models, list) or not all(isinstance(m, str) and m for m in models)):
+            raise KeyFileError(f"{where}: models must be a list of model ids")
+        key, hexdigest = entry.get("key"), entry.get("key_sha256")
+        if (key is None) == (hexdigest is None):
+            raise KeyFileError(f"{where}: give exactly one of key and key_sha256")
+        if key is not None:
+            reason = weak_key_reason(key) if isinstance(key, str) else "is not a string"
+            if reason:
+                raise KeyFileError(f"{where}: the key {reason}")
+            digest = hashlib.sha256(key.encode()).digest()
+        else:
+            if not isinstance(hexdigest, str) or not re.fullmatch(r"[0-9a-fA-F]{64}", hexdigest):
+                raise KeyFileError(f"{where}: key_sha256 must be 64 hex digits")
+            digest = bytes.fromhex(hexdigest)
+        if any(hmac.compare_digest(digest, e.digest) for e in entries):
+            raise KeyFileError(f"{where}: the same key appears twice")
+        entries.append(KeyEntry(name, role, tenant, None if models is None else frozenset(models), digest))
+    return entries
 
 
 def is_loopback(host: str) -> bool:
@@ -270,6 +363,16 @@ class StoreConfig(BaseModel):
     trainer_key: str | None = _key_field("trainer", "PullBatch, AckBatch, PublishVersion and ReportTrainStep")
     reader_key: str | None = _key_field("reader", "Query and GetStats")
     admin_key: str | None = _key_field("admin", "RegisterModel and every other RPC")
+    detector_tokenizers: dict[str, pathlib.Path] = Field(
+        default_factory=dict,
+        description="model_id -> a directory holding tokenizer.json (or the file): how the store decodes that model's "
+        "rows when its policy names detector rules (`rollbook govern policy --detect`; docs/governance.md).",
+    )
+    keys_file: pathlib.Path | None = Field(
+        None,
+        description="TOML file (mode 0600) of keys bound to a role, a tenant and optionally the models they may use "
+        "(env ROLLBOOK_KEYS_FILE; docs/governance.md). Its keys count for their roles; the role keys stay store-wide.",
+    )
     tls_cert: pathlib.Path | None = Field(
         None, description="PEM certificate (chain) of the server; with tls_key turns TLS on (env ROLLBOOK_TLS_CERT)."
     )
@@ -372,7 +475,10 @@ class StoreConfig(BaseModel):
     @model_validator(mode="after")
     def _access(self) -> "StoreConfig":
         loopback = is_loopback(self.host)
-        check_keys(self.keys(), loopback=loopback)
+        covered: frozenset[str] = frozenset()
+        if self.keys_file is not None:
+            covered = frozenset(entry.role for entry in read_key_file(self.keys_file))
+        check_keys(self.keys(), loopback=loopback, covered=covered)
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("tls_cert and tls_key go together (--tls-cert/--tls-key, env ROLLBOOK_TLS_CERT/ROLLBOOK_TLS_KEY)")
         if self.tls_client_ca is not None and self.tls_cert is None:

@@ -8,7 +8,14 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Trajectory(_message.Message):
-    __slots__ = ("trajectory_id", "session_id", "group_id", "group_size", "request_id", "attempt", "consumed", "task_id", "domain", "model_id", "prompt_token_ids", "output_token_ids", "output_logprobs", "output_versions", "temperature", "top_p", "top_k", "finish_reason", "reward", "worker_id", "created_at", "parent_request_id", "branched")
+    __slots__ = ("trajectory_id", "session_id", "group_id", "group_size", "request_id", "attempt", "consumed", "task_id", "domain", "model_id", "prompt_token_ids", "output_token_ids", "output_logprobs", "output_versions", "temperature", "top_p", "top_k", "finish_reason", "reward", "worker_id", "created_at", "parent_request_id", "branched", "metadata")
+    class MetadataEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     TRAJECTORY_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
@@ -32,6 +39,7 @@ class Trajectory(_message.Message):
     CREATED_AT_FIELD_NUMBER: _ClassVar[int]
     PARENT_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     BRANCHED_FIELD_NUMBER: _ClassVar[int]
+    METADATA_FIELD_NUMBER: _ClassVar[int]
     trajectory_id: str
     session_id: str
     group_id: str
@@ -55,7 +63,8 @@ class Trajectory(_message.Message):
     created_at: float
     parent_request_id: str
     branched: bool
-    def __init__(self, trajectory_id: _Optional[str] = ..., session_id: _Optional[str] = ..., group_id: _Optional[str] = ..., group_size: _Optional[int] = ..., request_id: _Optional[str] = ..., attempt: _Optional[int] = ..., consumed: _Optional[bool] = ..., task_id: _Optional[str] = ..., domain: _Optional[str] = ..., model_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., output_logprobs: _Optional[_Iterable[float]] = ..., output_versions: _Optional[_Iterable[int]] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., finish_reason: _Optional[str] = ..., reward: _Optional[float] = ..., worker_id: _Optional[str] = ..., created_at: _Optional[float] = ..., parent_request_id: _Optional[str] = ..., branched: _Optional[bool] = ...) -> None: ...
+    metadata: _containers.ScalarMap[str, str]
+    def __init__(self, trajectory_id: _Optional[str] = ..., session_id: _Optional[str] = ..., group_id: _Optional[str] = ..., group_size: _Optional[int] = ..., request_id: _Optional[str] = ..., attempt: _Optional[int] = ..., consumed: _Optional[bool] = ..., task_id: _Optional[str] = ..., domain: _Optional[str] = ..., model_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., output_logprobs: _Optional[_Iterable[float]] = ..., output_versions: _Optional[_Iterable[int]] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., finish_reason: _Optional[str] = ..., reward: _Optional[float] = ..., worker_id: _Optional[str] = ..., created_at: _Optional[float] = ..., parent_request_id: _Optional[str] = ..., branched: _Optional[bool] = ..., metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class SubmitRequest(_message.Message):
     __slots__ = ("trajectories",)
@@ -260,6 +269,36 @@ class ReportTrainStepRequest(_message.Message):
 class ReportTrainStepResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class GovernRequest(_message.Message):
+    __slots__ = ("action", "predicate", "reason", "model_id", "tenants", "require_consent", "detail_json", "detectors")
+    ACTION_FIELD_NUMBER: _ClassVar[int]
+    PREDICATE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    TENANTS_FIELD_NUMBER: _ClassVar[int]
+    REQUIRE_CONSENT_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_JSON_FIELD_NUMBER: _ClassVar[int]
+    DETECTORS_FIELD_NUMBER: _ClassVar[int]
+    action: str
+    predicate: str
+    reason: str
+    model_id: str
+    tenants: _containers.RepeatedScalarFieldContainer[str]
+    require_consent: bool
+    detail_json: str
+    detectors: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, action: _Optional[str] = ..., predicate: _Optional[str] = ..., reason: _Optional[str] = ..., model_id: _Optional[str] = ..., tenants: _Optional[_Iterable[str]] = ..., require_consent: _Optional[bool] = ..., detail_json: _Optional[str] = ..., detectors: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class GovernResponse(_message.Message):
+    __slots__ = ("rows", "audit_id", "lineage_json")
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    AUDIT_ID_FIELD_NUMBER: _ClassVar[int]
+    LINEAGE_JSON_FIELD_NUMBER: _ClassVar[int]
+    rows: int
+    audit_id: str
+    lineage_json: str
+    def __init__(self, rows: _Optional[int] = ..., audit_id: _Optional[str] = ..., lineage_json: _Optional[str] = ...) -> None: ...
 
 class GetStatsRequest(_message.Message):
     __slots__ = ()

@@ -89,6 +89,11 @@ class TrajectoryStoreStub:
                 request_serializer=rollbook_dot_v1_dot_rollbook__pb2.SetVersionStatusRequest.SerializeToString,
                 response_deserializer=rollbook_dot_v1_dot_rollbook__pb2.SetVersionStatusResponse.FromString,
                 _registered_method=True)
+        self.Govern = channel.unary_unary(
+                '/rollbook.v1.TrajectoryStore/Govern',
+                request_serializer=rollbook_dot_v1_dot_rollbook__pb2.GovernRequest.SerializeToString,
+                response_deserializer=rollbook_dot_v1_dot_rollbook__pb2.GovernResponse.FromString,
+                _registered_method=True)
 
 
 class TrajectoryStoreServicer:
@@ -163,6 +168,13 @@ class TrajectoryStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Govern(self, request, context):
+        """admin key (eligibility holds, tenant policies, audit)
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TrajectoryStoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -220,6 +232,11 @@ def add_TrajectoryStoreServicer_to_server(servicer, server):
                     servicer.SetVersionStatus,
                     request_deserializer=rollbook_dot_v1_dot_rollbook__pb2.SetVersionStatusRequest.FromString,
                     response_serializer=rollbook_dot_v1_dot_rollbook__pb2.SetVersionStatusResponse.SerializeToString,
+            ),
+            'Govern': grpc.unary_unary_rpc_method_handler(
+                    servicer.Govern,
+                    request_deserializer=rollbook_dot_v1_dot_rollbook__pb2.GovernRequest.FromString,
+                    response_serializer=rollbook_dot_v1_dot_rollbook__pb2.GovernResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -519,6 +536,33 @@ class TrajectoryStore:
             '/rollbook.v1.TrajectoryStore/SetVersionStatus',
             rollbook_dot_v1_dot_rollbook__pb2.SetVersionStatusRequest.SerializeToString,
             rollbook_dot_v1_dot_rollbook__pb2.SetVersionStatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Govern(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rollbook.v1.TrajectoryStore/Govern',
+            rollbook_dot_v1_dot_rollbook__pb2.GovernRequest.SerializeToString,
+            rollbook_dot_v1_dot_rollbook__pb2.GovernResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -8,7 +8,7 @@ import grpc
 import pytest
 
 from rollbook.config.store import check_keys, weak_key_reason
-from rollbook.store.access import RPC_ROLE, Denied, KeyRing, field_error
+from rollbook.store.access import OPEN, RPC_ROLE, Denied, KeyRing, field_error
 from rollbook.v1 import rollbook_pb2 as pb
 
 KEYS = {
@@ -28,7 +28,7 @@ def test_each_rpc_takes_its_role_and_admin_and_denies_the_others(rpc):
     ring = KeyRing(KEYS)
     for role, key in KEYS.items():
         if role in (RPC_ROLE[rpc], "admin"):
-            assert ring.authorize(rpc, _md(key)) == role
+            assert ring.authorize(rpc, _md(key)).role == role
         else:
             with pytest.raises(Denied) as err:
                 ring.authorize(rpc, _md(key))
@@ -41,7 +41,7 @@ def test_each_rpc_takes_its_role_and_admin_and_denies_the_others(rpc):
 
 def test_a_role_without_a_key_is_open_but_the_others_are_not():
     ring = KeyRing({"admin": KEYS["admin"]})
-    assert ring.authorize("Submit", []) is None
+    assert ring.authorize("Submit", []) is OPEN
     with pytest.raises(Denied):
         ring.authorize("RegisterModel", [])
 
