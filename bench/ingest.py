@@ -37,11 +37,19 @@ and compete for the same cores: the sustained rate.
     python bench/ingest.py --num-trajectories 6000 --num-processes 4 --systems rollbook,ray_queue
     python bench/ingest.py --profile runs/profile      # also py-spy the server (collapsed stacks)
     python bench/ingest.py --json --secure             # also rollbook with all four role keys and TLS
+    python bench/ingest.py --json --governed --systems rollbook   # also rollbook with tenants and ingest-time rules
 
 ``--secure`` adds ``rollbook_secure_tok_s``: the validated rollbook run again, measured in the same
 rounds, against a store with all four role keys and a TLS certificate (a throwaway CA made with
 ``openssl``; the clients send the worker key over TLS), and ``security_cost``
 (``1 - rollbook_secure / rollbook``).
+
+``--governed`` adds ``rollbook_governed_tok_s``: the validated run again, in the same rounds, against
+a store with a key file (the clients send a worker key bound to a tenant and the model: every row is
+checked against the key's models and stamped with its tenant) and a policy on the model that allows
+that tenant and requires consent (the ingest rules check every row's tenant and its
+``metadata['consent']``, which each row carries), and ``governance_cost``
+(``1 - rollbook_governed / rollbook``; docs/governance.md).
 """
 
 from __future__ import annotations
@@ -100,11 +108,14 @@ def main(argv: list[str] | None = None) -> int:
         "rollbook": lambda: run_rollbook(args, counts, run, validate=True),
         "rollbook_novalidate": lambda: run_rollbook(args, counts, run, validate=False),
         "rollbook_secure": lambda: run_rollbook(args, counts, run, validate=True, secure=True),
+        "rollbook_governed": lambda: run_rollbook(args, counts, run, validate=True, governed=True),
         "arrow_ipc_fsync": lambda: run_arrow_ipc(args, counts, run),
     }
     samples: dict[str, list[float] | None] = {name: [] if name in systems else None for name in SYSTEMS}
     if args.secure:
         samples["rollbook_secure"] = []
+    if args.governed:
+        samples["rollbook_governed"] = []
     for _ in range(args.repeats):
         for name, once in measure.items():
             if samples.get(name) is not None:
@@ -135,9 +146,15 @@ def summarize(tok_s: dict[str, float | None], args: argparse.Namespace) -> dict[
         if "rollbook_secure" in tok_s
         else {}
     )
+    governed = (
+        {"governance_cost": round(1 - tok_s["rollbook_governed"] / rb, 3) if rb and tok_s["rollbook_governed"] else None}
+        if "rollbook_governed" in tok_s
+        else {}
+    )
     return {
         **{f"{name}_tok_s": round(v) if v is not None else None for name, v in tok_s.items()},
         **secure,
+        **governed,
         "rollbook_over_ray": ratio(rb, tok_s["ray_queue"]),
         "rollbook_over_ceiling": ratio(rb, tok_s["arrow_ipc_fsync"]),
         "validation_cost": round(1 - rb / nv, 3) if rb and nv else None,
@@ -154,9 +171,10 @@ def split(total: int, parts: int) -> list[int]:
     return [total // parts + (i < total % parts) for i in range(parts)]
 
 
-def make_trajectories(num: int, num_tokens: int, *, worker: int, run: str) -> list[pb.Trajectory]:
+def make_trajectories(num: int, num_tokens: int, *, worker: int, run: str, consent: bool = False) -> list[pb.Trajectory]:
     """Valid evidence: in-vocabulary tokens, finite negative log-probs, one version switch mid-sequence
-    between published versions, sampling parameters and a reward."""
+    between published versions, sampling parameters and a reward (``consent``: and metadata
+    ``{"consent": "true"}``)."""
     rng = np.random.default_rng(worker)
     prompts = rng.integers(0, VOCAB_SIZE, (num, NUM_PROMPT_TOKENS), dtype=np.int32)
     tokens = rng.integers(0, VOCAB_SIZE, (num, num_tokens), dtype=np.int32)
@@ -186,6 +204,7 @@ def make_trajectories(num: int, num_tokens: int, *, worker: int, run: str) -> li
             reward=rewards[i],
             worker_id=f"worker-{worker}",
             created_at=time.time(),
+            metadata={"consent": "true"} if consent else None,
         )
         for i in range(num)
     ]
@@ -194,15 +213,24 @@ def make_trajectories(num: int, num_tokens: int, *, worker: int, run: str) -> li
 # ---- rollbook ------------------------------------------------------------------------------------
 
 
-def run_rollbook(args: argparse.Namespace, counts: list[int], run: str, *, validate: bool, secure: bool = False) -> float | None:
+def run_rollbook(
+    args: argparse.Namespace, counts: list[int], run: str, *, validate: bool, secure: bool = False, governed: bool = False
+) -> float | None:
     """Tokens/s through ``rollbook serve``; None when asked not to validate and the store validates anyway.
-    ``secure``: all four role keys and TLS (the clients send the worker key and check the certificate)."""
-    label = "rollbook_secure" if secure else "rollbook" if validate else "rollbook_novalidate"
-    with running_store(args.work_dir, label, novalidate=not validate, secure=secure) as (server, address, client):
+    ``secure``: all four role keys and TLS (the clients send the worker key and check the certificate).
+    ``governed``: a tenant-bound worker key and a consent policy on the model (rows carry consent)."""
+    label = (
+        "rollbook_secure" if secure else "rollbook_governed" if governed else "rollbook" if validate else "rollbook_novalidate"
+    )
+    with running_store(args.work_dir, label, novalidate=not validate, secure=secure, governed=governed) as (
+        server,
+        address,
+        client,
+    ):
         profiler = _py_spy(server.pid, args.profile, label) if args.profile else None
         server_cpu = _cpu_seconds(server.pid)
         try:
-            access = (client.worker_key, client.tls.ca) if secure else None
+            access = (client.worker_key, client.tls.ca if secure else None, governed) if secure or governed else None
             seconds, client_cpu = run_clients(_rollbook_client, counts, (address, args.num_tokens, run, args.batch_size, access))
         finally:
             _stop_py_spy(profiler)
@@ -215,7 +243,11 @@ def run_rollbook(args: argparse.Namespace, counts: list[int], run: str, *, valid
                 f"expected {sum(counts)} / {tokens}"
             )
         _progress(f"{label}: counters checked")
-        if validate and not secure:
+        if governed:
+            held = client.stats().stats_json
+            if json.loads(held).get("held"):
+                raise RuntimeError(f"{label}: the ingest rules held rows that carry consent")
+        if validate and not secure and not governed:
             PULL_RESULTS["pull_tok_s"] = round(measure_pull(client, tokens))
         if _probe_validates(client, run) != validate:
             if validate:
@@ -230,7 +262,7 @@ def run_rollbook(args: argparse.Namespace, counts: list[int], run: str, *, valid
 
 @contextlib.contextmanager
 def running_store(
-    work_dir: str | None, label: str, *, novalidate: bool, secure: bool = False
+    work_dir: str | None, label: str, *, novalidate: bool, secure: bool = False, governed: bool = False
 ) -> Iterator[tuple[subprocess.Popen, str, Any]]:
     """A ``rollbook serve`` on a fresh DuckDB file with the bench model registered and its versions
     published; yields the process, its address and a ``StoreClient`` holding every key. ``secure``:
@@ -252,6 +284,16 @@ def running_store(
         env["ROLLBOOK_BENCH_NOVALIDATE"] = "1"
     with tempfile.TemporaryDirectory(prefix=f"{label}-", dir=work_dir) as tmp:
         tls = None
+        worker_key = None
+        if governed:  # a key file: the clients' worker key, bound to a tenant and the bench model
+            worker_key = secrets.token_hex(16)
+            key_file = pathlib.Path(tmp) / "keys.toml"
+            key_file.write_text(
+                f'[[keys]]\nname = "bench-worker"\nrole = "worker"\ntenant = "bench"\nmodels = ["{MODEL_ID}"]\n'
+                f'key = "{worker_key}"\n'
+            )
+            key_file.chmod(0o600)
+            env["ROLLBOOK_KEYS_FILE"] = str(key_file)
         if secure:
             certs = make_test_certificates(pathlib.Path(tmp) / "certs")
             env.update(ROLLBOOK_TLS_CERT=certs.server_cert, ROLLBOOK_TLS_KEY=certs.server_key)
@@ -263,12 +305,15 @@ def running_store(
                 client.register_model(MODEL_ID, vocab_size=VOCAB_SIZE)
                 for v in VERSIONS:
                     client.publish_version(MODEL_ID, v, checksum=f"bench-{v}")
+                if governed:
+                    client.govern("policy", model_id=MODEL_ID, tenants=["bench"], require_consent=True)
+                    client.worker_key = worker_key
                 yield server, address, client
         finally:
             server.send_signal(signal.SIGTERM)
             server.wait(timeout=120)
             _progress(f"{label}: store stopped")
-        if not novalidate and server.returncode == 0:
+        if not novalidate and not secure and not governed and server.returncode == 0:  # the run whose pull was measured
             PULL_RESULTS["duckdb_scan_tok_s"] = round(measure_duckdb_scan(pathlib.Path(tmp) / "rollbook.duckdb"))
             PULL_RESULTS["pull_over_scan"] = round(PULL_RESULTS["pull_tok_s"] / PULL_RESULTS["duckdb_scan_tok_s"], 3)
 
@@ -294,7 +339,7 @@ def _rollbook_client(
     num_tokens: int,
     run: str,
     batch_size: int,
-    access: tuple[str, str] | None,
+    access: tuple[str, str | None, bool] | None,
     barrier,
     results,
 ) -> None:
@@ -303,8 +348,8 @@ def _rollbook_client(
     from rollbook.client import StoreClient
     from rollbook.tls import ClientTLS
 
-    msgs = make_trajectories(num, num_tokens, worker=worker, run=run)
-    worker_key, ca = access or (None, None)
+    worker_key, ca, governed = access or (None, None, False)
+    msgs = make_trajectories(num, num_tokens, worker=worker, run=run, consent=governed)
     with StoreClient(address, worker_key=worker_key, tls=ClientTLS(ca) if ca else None) as client:
         grpc.channel_ready_future(client.channel).result(timeout=30)
         barrier.wait(BARRIER_TIMEOUT_S)
@@ -579,6 +624,12 @@ def _parser() -> argparse.ArgumentParser:
         "--secure",
         action="store_true",
         help="also measure rollbook with all four role keys and TLS (rollbook_secure_tok_s, security_cost), in the same rounds",
+    )
+    p.add_argument(
+        "--governed",
+        action="store_true",
+        help="also measure rollbook with a tenant-bound key and a consent policy on the model "
+        "(rollbook_governed_tok_s, governance_cost), in the same rounds",
     )
     p.add_argument(
         "--num-trajectories",
