@@ -34,7 +34,7 @@ def test_separated_ppo_raises_the_sampled_heldout_reward(tmp_path):
     check_heldout_rises("check-separated", tmp_path / "run")
 
 
-def test_the_quick_start_in_bfloat16_learns_and_exports_bfloat16(tmp_path):
+def test_bfloat16_learns_and_exports_bfloat16(tmp_path):
     import torch
     from transformers import AutoModelForCausalLM
 
