@@ -110,7 +110,9 @@ def test_there_are_at_least_fifty_harmful_programs():
 
 @pytest.fixture(scope="module")
 def harmful_results():
-    with RewardPool({"code": CONFIG}, max_workers=2) as pool:
+    # four at once: most harmful programs wait out the wall timeout asleep or blocked, so two at a
+    # time spent ~20 s of the suite waiting
+    with RewardPool({"code": CONFIG}, max_workers=4) as pool:
         started = time.monotonic()
         futures = {name: pool.submit("code", f"```python\n{src}\n```", {"tests": TESTS}) for name, src in HARMFUL.items()}
         results = {name: pool.result(f) for name, f in futures.items()}
