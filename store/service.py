@@ -382,9 +382,10 @@ class TrajectoryStoreService:
         last = ""
         size = self.query_limits.rows(self.GOVERN_PAGE)  # the server's row cap may be lower
         while True:
+            # the predicate inside its own subquery: whatever it says, the paging applies to its rows
             sql = (
-                f"SELECT trajectory_id FROM trajectories WHERE ({predicate}\n) AND trajectory_id > "
-                f"'{last.replace(chr(39), chr(39) * 2)}' ORDER BY trajectory_id LIMIT {size}"
+                f"SELECT trajectory_id FROM (SELECT trajectory_id FROM trajectories WHERE ({predicate}\n)) "
+                f"WHERE trajectory_id > '{last.replace(chr(39), chr(39) * 2)}' ORDER BY trajectory_id LIMIT {size}"
             )
             try:
                 page: list[str] = []
@@ -396,6 +397,8 @@ class TrajectoryStoreService:
             ids.extend(page)
             if len(page) < size or not page:
                 return ids
+            if page[-1] <= last:  # a page that does not advance would repeat forever
+                raise GovernError("the predicate's rows do not page by trajectory_id; narrow it")
             last = page[-1]
 
 
