@@ -390,13 +390,14 @@ def archived_totals(con: duckdb.DuckDBPyConnection) -> tuple[int, int, int]:
 # ---- reading (a snapshot with its archive) -------------------------------------------------------------
 
 
-def recorded_files(con: duckdb.DuckDBPyConnection) -> dict[str, list[str]]:
+def recorded_files(con: duckdb.DuckDBPyConnection, table: str = "archive_files") -> dict[str, list[str]]:
     """The recorded archive files per table, in the order they were moved (empty for a file made
-    before the archive existed)."""
+    before the archive existed); ``table``: where ``archive_files`` is (``base.main.archive_files``
+    for an attached file)."""
     import duckdb
 
     try:
-        rows = con.execute("SELECT table_name, path FROM archive_files ORDER BY move_id, path").fetchall()
+        rows = con.execute(f"SELECT table_name, path FROM {table} ORDER BY move_id, path").fetchall()
     except duckdb.CatalogException:
         return {}
     files: dict[str, list[str]] = {}

@@ -41,7 +41,7 @@ class Scanner:
         if path is None:
             raise DetectorError(
                 f"the store has no tokenizer for model {model_id!r} to decode its rows with: start it with "
-                f"--detector_tokenizers.{model_id} DIR (a directory holding tokenizer.json)"
+                f'[detector_tokenizers] "{model_id}" = "DIR" in its --config (a directory holding tokenizer.json)'
             )
         try:
             from tokenizers import Tokenizer

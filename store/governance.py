@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import duckdb
 
+from rollbook.store import archive
 from rollbook.store.detect import DETECTOR_HIT, DetectorError, Scanner
 from rollbook.store.detect import describe as describe_hits
 
@@ -320,7 +321,7 @@ def build_tenant_snapshot(base: pathlib.Path, dest: pathlib.Path, tenant: str, m
                 "AND NOT starts_with(table_name, '_') ORDER BY table_name"
             ).fetchall()
         ]
-        files = _recorded(con)
+        files = archive.recorded_files(con, "base.main.archive_files")
         params = {"tenant": tenant}
         con.execute(
             "CREATE TABLE trajectories AS SELECT * FROM base.trajectories WHERE coalesce(tenant, 'default') = $tenant", params
@@ -355,17 +356,6 @@ def build_tenant_snapshot(base: pathlib.Path, dest: pathlib.Path, tenant: str, m
         con.execute("CHECKPOINT")
     finally:
         con.close()
-
-
-def _recorded(con: duckdb.DuckDBPyConnection) -> dict[str, list[str]]:
-    try:
-        rows = con.execute("SELECT table_name, path FROM base.main.archive_files ORDER BY move_id, path").fetchall()
-    except duckdb.CatalogException:
-        return {}
-    files: dict[str, list[str]] = {}
-    for table, path in rows:
-        files.setdefault(table, []).append(path)
-    return files
 
 
 def _literal(text: str) -> str:

@@ -339,26 +339,15 @@ def server_source(args: argparse.Namespace, server: str) -> contextlib.AbstractC
 @contextlib.contextmanager
 def file_source(db: pathlib.Path, timeout_s: float) -> Iterator[RunSQL]:
     """Pages from a private copy of the ledger file (its unfolded log folded in), queried by one
-    sandbox process: ``rollbook query --db``'s path. The ledger's files are only read."""
-    import tempfile
-
-    import duckdb
+    sandbox process: ``rollbook query --db``'s path (``rollbook.cli.query.sandbox_over_copy``). The
+    ledger's files are only read."""
     import pyarrow as pa
 
-    from rollbook.cli.query import private_copy
-    from rollbook.store.sandbox import FixedSnapshot, SandboxPool
+    from rollbook.cli.query import sandbox_over_copy
     from rollbook.store.sql import INVALID, TIMEOUT, QueryError, QueryLimits
 
-    if not db.is_file():
-        raise CommandError(f"no such ledger file {db}")
-    with tempfile.TemporaryDirectory(prefix="rollbook-export-") as tmp:
-        snapshot = pathlib.Path(tmp) / "snapshot.duckdb"
-        try:
-            private_copy(db, snapshot)
-        except duckdb.IOException as exc:
-            raise CommandError(f"cannot open {db} ({exc}); if a server holds it, use --server") from None
-        limits = QueryLimits(workers=1, queue=0, max_rows=PAGE_ROWS, timeout_s=timeout_s or QueryLimits.timeout_s)
-        pool = SandboxPool(limits, pathlib.Path(tmp) / "workers", FixedSnapshot(snapshot))
+    limits = QueryLimits(workers=1, queue=0, max_rows=PAGE_ROWS, timeout_s=timeout_s or QueryLimits.timeout_s)
+    with sandbox_over_copy(db, limits) as pool:
 
         def run(sql: str) -> tuple[pa.Table, bool]:
             try:
@@ -373,10 +362,7 @@ def file_source(db: pathlib.Path, timeout_s: float) -> Iterator[RunSQL]:
             table = pa.concat_tables(tables) if tables else pa.table({"trajectory_id": pa.array([], pa.string())})
             return table, any(cut for _, cut in chunks)
 
-        try:
-            yield run
-        finally:
-            pool.close()
+        yield run
 
 
 # ---- the command -------------------------------------------------------------------------------

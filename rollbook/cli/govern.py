@@ -227,24 +227,13 @@ def run_lineage(args: argparse.Namespace) -> int:
 def _on_file(db: pathlib.Path, table_of: Callable[[Callable[[str], Any]], Any]) -> Any:
     """``table_of(run)`` over a private copy of a stopped store's ledger, in one SQL sandbox process."""
     import io
-    import tempfile
 
-    import duckdb
     import pyarrow as pa
 
-    from rollbook.cli.query import private_copy
-    from rollbook.store.sandbox import FixedSnapshot, SandboxPool
-    from rollbook.store.sql import QueryError, QueryLimits
+    from rollbook.cli.query import sandbox_over_copy
+    from rollbook.store.sql import QueryError
 
-    if not db.is_file():
-        raise CommandError(f"no such ledger file {db}")
-    with tempfile.TemporaryDirectory(prefix="rollbook-lineage-") as tmp:
-        snapshot = pathlib.Path(tmp) / "snapshot.duckdb"
-        try:
-            private_copy(db, snapshot)
-        except duckdb.IOException as exc:
-            raise CommandError(f"cannot open {db} ({exc}); if a server holds it, use --server") from None
-        pool = SandboxPool(QueryLimits(workers=1, queue=0), pathlib.Path(tmp) / "workers", FixedSnapshot(snapshot))
+    with sandbox_over_copy(db) as pool:
 
         def run(sql: str) -> pa.Table:
             try:
@@ -255,7 +244,4 @@ def _on_file(db: pathlib.Path, table_of: Callable[[Callable[[str], Any]], Any]) 
                 raise CommandError("the lineage is longer than the sandbox's row cap; narrow the selection")
             return pa.concat_tables([pa.ipc.open_stream(io.BytesIO(ipc)).read_all() for ipc, _ in chunks if ipc])
 
-        try:
-            return table_of(run)
-        finally:
-            pool.close()
+        return table_of(run)

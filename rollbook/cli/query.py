@@ -10,18 +10,25 @@ without writing to the ledger's files.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import json
 import pathlib
 import sys
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import pyarrow as pa
 
-if TYPE_CHECKING:  # pragma: no cover
-    import duckdb
 from rollbook import environment as env
 from rollbook.environment import DEFAULT_SERVER
+from rollbook.errors import CommandError
+
+if TYPE_CHECKING:  # pragma: no cover
+    import duckdb
+
+    from rollbook.store.sandbox import SandboxPool
+    from rollbook.store.sql import QueryLimits
 
 
 def run_query_command(args: argparse.Namespace) -> int:
@@ -65,35 +72,45 @@ def _via_server(server: str, args: argparse.Namespace, *, fallback: bool) -> pa.
             raise SystemExit(1) from None
 
 
-def _via_file(path: pathlib.Path, args: argparse.Namespace) -> pa.Table | None:
-    """The same sandbox as the server (rollbook.store.sandbox): a private copy of the file, with
-    the unfolded log folded into the copy, queried by a limited read-only worker process."""
+@contextlib.contextmanager
+def sandbox_over_copy(path: pathlib.Path, limits: QueryLimits | None = None) -> Iterator[SandboxPool]:
+    """The same sandbox as the server's (rollbook.store.sandbox) over the file of a stopped store: a
+    private copy in a temporary folder (``private_copy``: the unfolded log folded in), queried by one
+    limited read-only worker process. Raises ``CommandError`` for a missing file or one a running
+    store holds. ``rollbook query --db``, ``rollbook export-data --db`` and ``rollbook lineage --db``."""
     import tempfile
 
     import duckdb
 
-    from rollbook.client import read_query_chunks
     from rollbook.store.sandbox import FixedSnapshot, SandboxPool
-    from rollbook.store.sql import QueryError, QueryLimits
+    from rollbook.store.sql import QueryLimits
 
-    if not path.exists():
-        print(f"rollbook query: error: no such ledger file {path}", file=sys.stderr)
-        return None
-    with tempfile.TemporaryDirectory(prefix="rollbook-query-") as tmp:
+    if not path.is_file():
+        raise CommandError(f"no such ledger file {path}")
+    with tempfile.TemporaryDirectory(prefix="rollbook-copy-") as tmp:
         snapshot = pathlib.Path(tmp) / "snapshot.duckdb"
         try:
             private_copy(path, snapshot)
         except duckdb.IOException as exc:
-            print(f"rollbook query: error: cannot open {path} ({exc}); if a server holds it, use --server", file=sys.stderr)
-            return None
-        pool = SandboxPool(QueryLimits(workers=1, queue=0), pathlib.Path(tmp) / "workers", FixedSnapshot(snapshot))
+            raise CommandError(f"cannot open {path} ({exc}); if a server holds it, use --server") from None
+        pool = SandboxPool(limits or QueryLimits(workers=1, queue=0), pathlib.Path(tmp) / "workers", FixedSnapshot(snapshot))
         try:
-            chunks = list(pool.run(args.sql, max_rows=args.max_rows, timeout_s=args.timeout))
-        except QueryError as exc:
-            print(f"rollbook query: error: {exc}", file=sys.stderr)
-            return None
+            yield pool
         finally:
             pool.close()
+
+
+def _via_file(path: pathlib.Path, args: argparse.Namespace) -> pa.Table | None:
+    """``args.sql`` over the file (``sandbox_over_copy``); None, with the reason on stderr, when it cannot run."""
+    from rollbook.client import read_query_chunks
+    from rollbook.store.sql import QueryError
+
+    try:
+        with sandbox_over_copy(path) as pool:
+            chunks = list(pool.run(args.sql, max_rows=args.max_rows, timeout_s=args.timeout))
+    except (CommandError, QueryError) as exc:
+        print(f"rollbook query: error: {exc}", file=sys.stderr)
+        return None
     from rollbook.v1 import rollbook_pb2 as pb
 
     return read_query_chunks(pb.QueryChunk(arrow_ipc=ipc, truncated=cut) for ipc, cut in chunks)

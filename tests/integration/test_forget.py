@@ -119,3 +119,9 @@ def test_forgotten_rows_leave_no_byte_behind_and_lineage_names_what_trained_them
     finally:
         store.stop()
     assert _hits(db) == {}
+    # the stopped store's file answers the same way (a private copy, the SQL sandbox)
+    lineage = _cli("lineage", "--where", "task_id = 'clean'", "--db", str(db), "--run-dir", str(run_dir))
+    assert lineage.returncode == 0, lineage.stderr
+    report = json.loads(lineage.stdout)
+    assert report["steps"] == [0] and report["trained"] == 8
+    assert report["checkpoints"] == [str(run_dir / "checkpoints" / f"step-00000{n}") for n in (1, 2)]
