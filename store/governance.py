@@ -174,7 +174,7 @@ def set_eligibility(
     other = "eligible" if state == "held" else "held"
     # a release never overrides a model's policy: rows it does not allow stay held
     allowed = "" if state == "held" else f"AND NOT ({POLICY_FORBIDS})"
-    con.register("_govern_ids", _ids_table(ids))
+    con.register("_govern_ids", ids_table(ids))
     try:
         changed = con.execute(
             f"""UPDATE trajectories SET eligibility = ?, eligibility_reason = ?, eligibility_set_by = ?, eligibility_set_at = ?
@@ -185,7 +185,7 @@ def set_eligibility(
     finally:
         con.unregister("_govern_ids")
     if state == "held" and changed:
-        con.register("_govern_groups", _ids_table([g for (g,) in changed], "gkey"))
+        con.register("_govern_groups", ids_table([g for (g,) in changed], "gkey"))
         try:
             con.execute(
                 f"UPDATE trajectories SET status = 'pending' WHERE status = 'ready' AND {group_key} IN (SELECT gkey FROM _govern_groups)"
@@ -195,7 +195,7 @@ def set_eligibility(
     return len(changed)
 
 
-def _ids_table(values: Iterable[str], name: str = "trajectory_id") -> Any:
+def ids_table(values: Iterable[str], name: str = "trajectory_id") -> Any:
     import pyarrow as pa
 
     return pa.table({name: pa.array(list(values), pa.string())})
@@ -239,19 +239,23 @@ def lineage_report(rows: list[dict[str, Any]], ids: Sequence[str], run_dir: path
         },
     }
     if run_dir is not None:
-        first = steps[0] if steps else None
-        for key, sub in (("checkpoints", "checkpoints"), ("hf_exports", "hf")):
-            found = []
-            if first is not None and (run_dir / sub).is_dir():
-                for d in sorted((run_dir / sub).glob("step-*")):
-                    try:
-                        n = int(d.name.removeprefix("step-"))
-                    except ValueError:
-                        continue
-                    if n > first:
-                        found.append(str(d))
-            report[key] = found
+        report.update(trainer_files(steps, run_dir))
     return report
+
+
+def trainer_files(steps: Sequence[int], run_dir: pathlib.Path) -> dict[str, list[str]]:
+    """The checkpoints (``checkpoints/step-N``) and Hugging Face exports (``hf/step-N``) of the trainer's
+    ``run_dir`` made after the first of ``steps``: ``step-N`` holds N steps, so step s is in every N > s."""
+    files: dict[str, list[str]] = {"checkpoints": [], "hf_exports": []}
+    if not steps:
+        return files
+    first = min(steps)
+    for key, folder in (("checkpoints", run_dir / "checkpoints"), ("hf_exports", run_dir / "hf")):
+        for d in sorted(folder.glob("step-*")) if folder.is_dir() else []:
+            n = d.name.removeprefix("step-")
+            if n.isdigit() and int(n) > first:
+                files[key].append(str(d))
+    return files
 
 
 def forget_rows(
@@ -261,7 +265,7 @@ def forget_rows(
     ``source`` (``trajectories``, or a registered table of archived rows) among ``ids``, and delete
     those of ``trajectories``; returns how many tombstones. Inside the caller's transaction; the bytes
     leave the file only when the file is rewritten (``Ledger.forget``)."""
-    con.register("_forget_ids", _ids_table(ids))
+    con.register("_forget_ids", ids_table(ids))
     try:
         (n,) = con.execute(
             f"""INSERT INTO tombstones

@@ -649,7 +649,7 @@ class Ledger:
         with self._archive_lock, self._commit_lock, self._db_lock:
             self._fold()  # every acknowledged batch is in DuckDB now: the log holds nothing unfolded
             con = self.con
-            con.register("_lineage_ids", governance._ids_table(ids))
+            con.register("_lineage_ids", governance.ids_table(ids))
             try:
                 lineage_rows = con.sql(governance.LINEAGE_SQL.format(ids="_lineage_ids")).to_arrow_table().to_pylist()
             finally:

@@ -155,7 +155,7 @@ def add_lineage_parsers(sub: argparse._SubParsersAction) -> None:
 
 def run_forget(args: argparse.Namespace) -> int:
     from rollbook.client import StoreClient
-    from rollbook.store.governance import lineage_report
+    from rollbook.store.governance import trainer_files
 
     with StoreClient.from_env(args.server, admin_key=args.admin_key or None) as client:
         if client.admin_key is None:
@@ -166,14 +166,7 @@ def run_forget(args: argparse.Namespace) -> int:
             raise CommandError(unreachable(exc, args.server) or _status(exc)) from None
     lineage = json.loads(done.lineage_json or "{}")
     if args.run_dir is not None:  # the trainer's files: the store does not know where they are
-        ids = list(lineage.get("per_row", {}))
-        rows = [
-            {"trajectory_id": tid, "lease_id": "", "acked": True, "trained_step": s, "produced_version": 0, "model_id": ""}
-            for tid, steps in lineage.get("per_row", {}).items()
-            for s in steps
-        ]
-        files = lineage_report(rows, ids, pathlib.Path(args.run_dir))
-        lineage.update({k: files[k] for k in ("checkpoints", "hf_exports")})
+        lineage.update(trainer_files(lineage.get("steps", []), pathlib.Path(args.run_dir)))
     print(json.dumps({"action": "forget", "rows": done.rows, "audit_id": done.audit_id, "lineage": lineage}))
     return 0
 

@@ -26,6 +26,7 @@ import pytest
 
 from rollbook.cli import export_data as cli
 from rollbook.tokenizers import CharTokenizer
+from tests.integration import procs
 from tests.integration.procs import ADMIN_KEY, InProcessStore, child_env, rows
 
 MODEL = "chat-model"
@@ -49,27 +50,16 @@ COUNTS = {"email": 2, "phone": 3, "api_key": 3, "ipv4": 0, "ipv6": 0}
 
 def trajectory(tid: str, prompt: str, output: str) -> dict:
     ids = TOK.encode(output, add_eos=True)
-    return {
-        "trajectory_id": tid,
-        "session_id": f"s-{tid}",
-        "group_id": "",
-        "group_size": 1,
-        "request_id": f"r-{tid}",
-        "consumed": True,
-        "task_id": "task",
-        "domain": "other" if tid == "t-other" else "chat",
-        "model_id": MODEL,
-        "prompt_token_ids": TOK.encode(prompt, add_bos=True),
-        "output_token_ids": ids,
-        "output_logprobs": [-0.5] * len(ids),
-        "output_versions": [0] * len(ids),
-        "temperature": 1.0,
-        "top_p": 1.0,
-        "finish_reason": "stop",
-        "reward": 1.0,
-        "worker_id": "w0",
-        "created_at": 1.0,
-    }
+    return procs.trajectory(
+        tid,
+        model_id=MODEL,
+        domain="other" if tid == "t-other" else "chat",
+        prompt_token_ids=TOK.encode(prompt, add_bos=True),
+        output_token_ids=ids,
+        output_logprobs=[-0.5] * len(ids),
+        output_versions=[0] * len(ids),
+        created_at=1.0,
+    )
 
 
 def fill(store: InProcessStore) -> None:
