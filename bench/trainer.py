@@ -14,15 +14,25 @@ and position ids), the same device, dtype and AdamW optimizer, alternating in on
   computed before the step.
 - ``bare``: per micro-batch the decoder's hidden states, the LM head on every output position at
   once, ``cross_entropy`` on the output tokens, backward; then the same AdamW step.
+- ``whole``: the trainer's own update (``Trainer.update`` in trainer/loop.py, the code ``rollbook
+  train`` runs) on the same sequences as a pulled batch: decoupled PPO + MOPD (``distill_coef`` 1,
+  the two teachers), proximal log-probs as configured (``--proximal``, default ``recompute``), the
+  teacher scoring each micro-batch, gradient clipping, AdamW, the step's statistics.
 
 ``--dtype bfloat16`` runs both under autocast with float32 master weights (rollbook/devices.py), as
-the trainer does; the teachers are held in bfloat16. ``--model qwen2-0.5b`` builds a Qwen2 model of
+the trainer does; the teachers are held in bfloat16, as they are under a float32 student with
+``--teacher-dtype bfloat16`` (``trainer.teacher_dtype``). ``--model qwen2-0.5b`` builds a Qwen2 model of
 the 0.5B shape (24 layers, hidden 896, 151,936-token vocabulary) from a config in code.
 
-``step_over_bare`` is the overhead of the RL machinery (target <= 1.15). The two forward-only passes
-a step needs are reported apart: ``proximal_recompute_s`` (the trainer's own no-grad forward, which
-``trainer/proximal.py``'s log-linear approximation avoids) and ``teacher_score_s`` (two teachers,
-domain routing: each scores only its half of the sequences). Times are medians over ``--repeats``
+``whole_over_bare`` is what a user pays for the RL + MOPD step over the SFT step they know (target
+<= 1.3: a bare step plus the teacher's forward). ``step_over_bare`` is the loss machinery's share
+alone (target <= 1.15). The forward-only passes are timed apart, on the same micro-batches:
+``teacher_score_s`` (two teachers, domain routing: each scores only its half of the sequences) and
+``proximal_recompute_s``, the no-grad forward of the whole batch that a proximal recompute would be
+(the trainer runs none with one minibatch: the first minibatch's training forward gives it). The
+breakdown ``whole_shares`` divides ``whole_s`` into the student's forward + backward + AdamW
+(``step_s``), the teacher's forward (``teacher_score_s``) and the rest (packing, the proximal and
+statistics bookkeeping, gradient clipping). Times are medians over ``--repeats``
 after one warm-up of each, measurements interleaved so that load from other processes hits all
 alike; ``step_over_bare_cpu`` is the same ratio in process CPU time, steadier on a shared machine.
 The default (8192 tokens in 8 micro-batches of 1024) runs in under a minute on 2 idle cores. On an
@@ -58,12 +68,19 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N (rollbook/devices.py)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the trainer's dtype")
     parser.add_argument(
+        "--teacher-dtype", default=None, choices=["float32", "bfloat16"], help="trainer.teacher_dtype (default: --dtype)"
+    )
+    parser.add_argument(
         "--model",
         default="tiny",
         choices=["tiny", "qwen2-0.5b"],
         help="tiny: the Llama of --hidden-size etc.; qwen2-0.5b: that shape",
     )
     parser.add_argument("--chunk-tokens", type=int, default=1024, help="trainer.logprob_chunk_tokens")
+    parser.add_argument(
+        "--proximal", default="recompute", choices=["recompute", "loglinear", "behavior"], help="the whole step's loss.proximal"
+    )
+    parser.add_argument("--num-minibatches", type=int, default=1, help="the whole step's trainer.num_minibatches")
     args = parser.parse_args()
     if args.prompt_len < 1 or args.output_len < 1 or args.repeats < 1:
         parser.error("--prompt-len, --output-len and --repeats must be >= 1")
@@ -78,6 +95,7 @@ def main() -> None:
     import torch
 
     from rollbook import devices
+    from rollbook.trainer.loop import _Rows
     from rollbook.trainer.packing import packed_logprobs
     from rollbook.trainer.teachers import DomainRouter, LocalTeacher
 
@@ -88,11 +106,14 @@ def main() -> None:
     model = devices.place_trained(build_model(args, 0), device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
     teachers = {
-        name: LocalTeacher(devices.place(build_model(args, seed), device, args.dtype)) for name, seed in (("a", 1), ("b", 2))
+        name: LocalTeacher(devices.place(build_model(args, seed), device, args.teacher_dtype or args.dtype))
+        for name, seed in (("a", 1), ("b", 2))
     }
     teacher = DomainRouter(teachers)
-    batches, domains = make_batches(args, torch, vocab)
+    batches, domains, table = make_batches(args, torch, vocab)
     batches = [b.to(device) for b in batches]
+    trainer = whole_step_trainer(args, model, teacher)
+    rows = _Rows.from_table(table)
     autocast = lambda: devices.autocast(device, args.dtype)  # noqa: E731
 
     proximal = [None] * len(batches)
@@ -114,12 +135,15 @@ def main() -> None:
         with autocast():
             bare_step(model, optimizer, batches)
 
+    def whole() -> None:
+        trainer.update(rows)
+
     def sync() -> None:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
     # in a real step's order: the step consumes the proximal and teacher log-probs just computed
-    runs = {"proximal": recompute_proximal, "teacher": score_teachers, "step": step, "bare": bare}
+    runs = {"proximal": recompute_proximal, "teacher": score_teachers, "step": step, "bare": bare, "whole": whole}
     timings = {name: [] for name in runs}
     cpu_times = {name: [] for name in runs}
     for repeat in range(args.repeats + 1):  # repeat 0 is the warm-up
@@ -137,6 +161,7 @@ def main() -> None:
         "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "dtype": args.dtype,
+        "teacher_dtype": args.teacher_dtype or args.dtype,
         "model": args.model,
         "num_parameters": sum(p.numel() for p in model.parameters()),
         "tokens_per_step": sum(b.num_tokens for b in batches),
@@ -150,6 +175,16 @@ def main() -> None:
         "repeats": args.repeats,
         "step_s": round(median["step"], 3),
         "bare_s": round(median["bare"], 3),
+        "whole_s": round(median["whole"], 3),
+        "whole_over_bare": round(median["whole"] / median["bare"], 3),
+        "whole_over_bare_cpu": round(statistics.median(cpu_times["whole"]) / statistics.median(cpu_times["bare"]), 3),
+        "whole_shares": {
+            "student_fwd_bwd_adamw": round(median["step"] / median["whole"], 3),
+            "teacher_forward": round(median["teacher"] / median["whole"], 3),
+            "rest": round(1 - (median["step"] + median["teacher"]) / median["whole"], 3),
+        },
+        "proximal": args.proximal,
+        "num_minibatches": args.num_minibatches,
         "step_over_bare": round(median["step"] / median["bare"], 3),
         "step_over_bare_cpu": round(statistics.median(cpu_times["step"]) / statistics.median(cpu_times["bare"]), 3),
         "proximal_recompute_s": round(median["proximal"], 3),
@@ -186,7 +221,11 @@ def build_model(args: argparse.Namespace, seed: int):
 
 
 def make_batches(args: argparse.Namespace, torch, vocab: int):
-    """Random prompts and outputs with engine-like evidence (behavior log-probs near the model's)."""
+    """Random prompts and outputs with engine-like evidence (behavior log-probs near the model's): the
+    packed micro-batches, their sequences' domains, and the same rows as the pulled batch's Arrow
+    table the trainer reads (``Trainer.update``)."""
+    import pyarrow as pa
+
     from rollbook.trainer.packing import pack_sequences
 
     gen = torch.Generator().manual_seed(0)
@@ -198,8 +237,44 @@ def make_batches(args: argparse.Namespace, torch, vocab: int):
     batches = pack_sequences(
         prompts, outputs, max_tokens=args.max_tokens, behavior_logprobs=behavior, advantages=advantages, temperatures=[1.0] * n
     )
-    domains = [["a" if i % 2 == 0 else "b" for i in b.sequence_ids.tolist()] for b in batches]
-    return batches, domains
+    domain_of = ["a" if i % 2 == 0 else "b" for i in range(n)]
+    domains = [[domain_of[i] for i in b.sequence_ids.tolist()] for b in batches]
+    table = pa.table(
+        {
+            "prompt_token_ids": prompts,
+            "output_token_ids": outputs,
+            "output_logprobs": behavior,
+            "output_versions": [[0] * args.output_len] * n,
+            "advantage": pa.array(advantages, pa.float32()),
+            "temperature": [1.0] * n,
+            "domain": domain_of,
+        }
+    )
+    return batches, domains, table
+
+
+def whole_step_trainer(args: argparse.Namespace, model, teacher):
+    """The trainer ``rollbook train`` runs, on the benchmark's model and teachers (no store: only its
+    ``update`` is called), with the step's settings: MOPD on, the packing and chunking of the others."""
+    import tempfile
+
+    from rollbook.config import TrainerConfig
+    from rollbook.trainer.loop import Trainer
+
+    config = TrainerConfig.model_validate(
+        {
+            "run_dir": tempfile.mkdtemp(prefix="rollbook-bench-trainer-"),
+            "device": args.device,
+            "dtype": args.dtype,
+            "teacher_dtype": args.teacher_dtype,
+            "lr": 1e-5,
+            "micro_batch_tokens": args.max_tokens,
+            "logprob_chunk_tokens": args.chunk_tokens,
+            "num_minibatches": args.num_minibatches,
+            "loss": {"distill_coef": 1.0, "proximal": args.proximal},
+        }
+    )
+    return Trainer(config, None, model=model, teacher=teacher)
 
 
 def rl_step(model, optimizer, batches, proximal, teacher_logp, chunk_tokens: int) -> None:

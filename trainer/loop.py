@@ -6,11 +6,14 @@ publish the next policy version.
 
 One step (``Trainer.step``):
 1. ``PullBatch`` at the trainer's version ``v`` with staleness bound ``eta`` (whole groups, leased);
-2. proximal log-probs: recomputed with the current weights before any update (no grad), or AReaL's
-   log-linear approximation between the behavior and the current log-probs;
+2. the proximal log-probs of the rows trained after the first optimizer update, recomputed with the
+   weights before it (no grad; none with one minibatch, the default: the first minibatch's training
+   forward runs those weights and gives its own, ``Trainer._step_inputs``), or AReaL's log-linear
+   approximation between the behavior and each training forward's log-probs;
 3. ``num_minibatches`` optimizer updates over the batch (packed micro-batches, token-weighted
-   gradient accumulation) on ``rl_coef * decoupled_ppo + distill_coef * mopd + kl_coef * kl``
-   (the KL penalty to the frozen reference policy, scored like the proximal log-probs);
+   gradient accumulation) on ``rl_coef * decoupled_ppo + distill_coef * mopd + kl_coef * kl``; the
+   frozen teacher and KL reference score each micro-batch on its own packing before the student's
+   forward;
 4. the step's statistics to ``train_steps`` (``ReportTrainStep``), then a checkpoint holding the
    lease, then ``AckBatch``, then a Hugging Face export when one is due (``trainer.export``), then
    version ``v + 1`` to every weight publisher and ``PublishVersion`` (the time this takes, publishers,
@@ -133,6 +136,23 @@ class _Rows:
         return losses.sequence_mean_weights(self.seq_of_token)
 
 
+@dataclass
+class _StepInputs:
+    """The per-token tensors a step's losses take besides the student's log-probs (``Trainer._step_inputs``);
+    the NaN entries of ``proximal``, ``teacher`` and ``reference`` are filled micro-batch by micro-batch."""
+
+    proximal_mode: str  # loss.proximal
+    proximal: torch.Tensor
+    alpha: torch.Tensor | None  # loglinear's per-token interpolation weight
+    teacher: torch.Tensor | None  # distillation: the teacher's log-probs of the sampled tokens
+    reference: torch.Tensor | None  # the KL penalty: the reference policy's
+    weights: torch.Tensor | None  # sequence_mean's per-token weights
+
+    def fused_proximal(self, minibatch: int) -> bool:
+        """Does minibatch number ``minibatch`` take its proximal log-probs from its own training forward?"""
+        return self.proximal_mode == "loglinear" or (self.proximal_mode == "recompute" and minibatch == 0)
+
+
 class Trainer:
     def __init__(
         self,
@@ -157,6 +177,8 @@ class Trainer:
         # the device and dtype are checked here too (a test, a library user): one line, before any work
         self.device = devices.resolve_device(config.device)
         devices.resolve_dtype(config.dtype, self.device)
+        if config.teacher_dtype is not None:
+            devices.resolve_dtype(config.teacher_dtype, self.device)
         self.model = devices.place_trained(model, self.device)  # float32 master weights; forwards under autocast
         self.teacher = teacher
         # the KL reference (None while loss.kl_coef is 0) is built here, before start() restores a
@@ -308,18 +330,13 @@ class Trainer:
         cfg = self.config
         lr = self._apply_lr()
         local = self._local_rows(rows)  # this rank's share (None: no group for it this step)
-        proximal = teacher = reference = weights = None
-        if local is not None:
-            proximal = self._proximal(local)
-            teacher = self._teacher_logprobs(local) if cfg.loss.distill_coef > 0 else None
-            reference = self._reference_logprobs(local) if self.reference is not None else None
-            if any(_aggregations(cfg.loss)):
-                weights = local.sequence_weights()
         order = minibatch_order(cfg.seed, self.state.step, len(local.outputs) if local is not None else 0)
+        minibatches = np.array_split(order, cfg.num_minibatches)
+        inputs = self._step_inputs(local, minibatches) if local is not None else None
         parts: list[dict[str, float]] = []  # one per micro-batch, reduced by reduce_stats
         grad_norms: list[float] = []
         moved: dict[str, float] = {}  # perf/onload_s, perf/offload_s with trainer.offload_optimizer
-        for minibatch in np.array_split(order, cfg.num_minibatches):
+        for number, minibatch in enumerate(minibatches):
             # what the losses average over: sequences and tokens, summed over the ranks
             units = (len(minibatch), len(local.token_slice(minibatch))) if local is not None and len(minibatch) else (0, 0)
             totals = self._sum_over_ranks(units)
@@ -328,8 +345,9 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
             batches = self._micro_batches(local, minibatch) if local is not None and units[0] else iter(())
             for seqs, idx, packed in self._paced(batches):
-                assert local is not None and proximal is not None
-                stats = self._micro_step(local, seqs, idx, packed, totals, proximal, teacher, reference, weights)
+                assert local is not None and inputs is not None
+                fuse = inputs.fused_proximal(number)
+                stats = self._micro_step(local, seqs, idx, packed, totals, inputs, fuse)
                 parts.append({k: float(v) for k, v in stats.items()})
             self._reduce_gradients()
             grad_norms.append(self._clip_gradients())
@@ -338,15 +356,15 @@ class Trainer:
             self.optimizer.step()
         if self.offload and self._offloaded is None:  # not when it stayed off (a step without an update)
             moved["perf/offload_s"] = self._move_optimizer_state(onload=False)
-        if local is not None and proximal is not None and len(local.behavior):
+        if local is not None and inputs is not None and len(local.behavior):
             parts.append(
                 {
-                    "proximal/behavior_gap": float((proximal - local.behavior).abs().mean()),
+                    "proximal/behavior_gap": float((inputs.proximal - local.behavior).abs().mean()),
                     "proximal/num_valid_tokens": len(local.behavior),
                 }
             )
-        if teacher is not None and local is not None and proximal is not None:
-            parts += _teacher_gap_by_domain(local, teacher, proximal)
+            if inputs.teacher is not None:
+                parts += _teacher_gap_by_domain(local, inputs.teacher, inputs.proximal)
         out = reduce_stats(self._gather_stats(parts))
         out["grad/norm"] = float(np.mean(grad_norms)) if grad_norms else 0.0  # identical on every rank
         out["optim/lr"] = lr
@@ -354,6 +372,35 @@ class Trainer:
         if self.offload:
             out.update({"perf/onload_s": 0.0, "perf/offload_s": 0.0, **moved})  # 0.0: nothing was off the device
         return out
+
+    def _step_inputs(self, rows: _Rows, minibatches: list[np.ndarray]) -> "_StepInputs":
+        """What the step's losses take besides the student's own log-probs: the proximal log-probs as
+        far as they must exist before the first update, and the buffers the micro-batches fill.
+
+        The proximal policy is the weights before this step's first update, so the first minibatch's
+        training forward IS its proximal forward: those log-probs are the forward's own, detached, and
+        only the later minibatches' rows are recomputed first (none with one minibatch, the default).
+        ``loglinear`` interpolates from every training forward and recomputes nothing. The teacher and
+        the KL reference are frozen: they score each micro-batch as it is trained, on its packing."""
+        cfg = self.config
+        mode = cfg.loss.proximal
+        alpha = None
+        if mode == "behavior":  # not decoupled: clip pi_theta / pi_behavior, weight 1
+            proximal = rows.behavior.clone()
+        else:
+            proximal = torch.full_like(rows.behavior, float("nan"))  # filled by _micro_step where fused
+            if mode == "loglinear":
+                alpha = loglinear_alpha(rows.versions, self.state.version, self.state.version + 1)
+            else:
+                later = [int(s) for m in minibatches[1:] for s in m]
+                self._recompute_proximal(rows, later, proximal)
+        teacher = None
+        if cfg.loss.distill_coef > 0:
+            assert self.teacher is not None  # __init__ refuses distillation without one
+            teacher = torch.full_like(rows.behavior, float("nan"))
+        reference = torch.full_like(rows.behavior, float("nan")) if self.reference is not None else None
+        weights = rows.sequence_weights() if any(_aggregations(cfg.loss)) else None
+        return _StepInputs(mode, proximal, alpha, teacher, reference, weights)
 
     def _move_optimizer_state(self, *, onload: bool) -> float:
         """Bring the AdamW state back to its device (``onload``) or move it to host memory
@@ -413,37 +460,51 @@ class Trainer:
         the checkpoint, the export and the published version: the trainer's own here."""
         return self.model, self.optimizer
 
-    def _micro_step(self, rows: _Rows, seqs, idx, packed, totals, proximal, teacher, reference, weights) -> dict:
+    def _micro_step(self, rows: _Rows, seqs, idx, packed, totals, inputs: "_StepInputs", fuse_proximal: bool) -> dict:
         """One packed micro-batch of a minibatch (``totals``: its sequences and tokens over every rank):
-        the loss, scaled to the micro-batch's share, backward; returns the loss's statistics.
+        the frozen scorers' log-probs of it, the student's forward, the loss, scaled to the micro-batch's
+        share, backward; returns the loss's statistics.
 
-        With ``loss.distill_estimator = "full"`` the teacher runs here, on the micro-batch, and the
-        reverse KL to it comes per output position from ``packed_logprobs_and_kl`` (whole distributions
-        exist ``logprob_chunk_tokens`` rows at a time); ``teacher[idx]`` receives its log-probs of the
-        sampled tokens, for the per-domain teacher gap."""
+        ``fuse_proximal``: the weights have not moved yet this step (the first minibatch), so the
+        proximal log-probs are this forward's own, detached (``_step_inputs``). With
+        ``loss.distill_estimator = "full"`` the reverse KL to the teacher comes per output position from
+        ``packed_logprobs_and_kl`` (whole distributions exist ``logprob_chunk_tokens`` rows at a time);
+        ``inputs.teacher[idx]`` receives its log-probs of the sampled tokens either way, for the
+        per-domain teacher gap."""
         loss_cfg = self.config.loss
         chunk = self.config.logprob_chunk_tokens
         per_sequence, distill_per_sequence = _aggregations(loss_cfg)
+        teacher, reference, weights = inputs.teacher, inputs.reference, inputs.weights
+        domains = [rows.domains[s] for s in seqs]
         distill_kl = None
+        if reference is not None:
+            with torch.no_grad():
+                reference[idx] = packed_logprobs(self.reference, packed, rows.temperatures[idx], chunk_tokens=chunk)  # type: ignore[arg-type]  # set when reference is
         if teacher is not None and loss_cfg.distill_estimator == "full":
             from rollbook.trainer.teachers import full_scorer
 
-            distributions = full_scorer(self.teacher).score_full(packed, [rows.domains[s] for s in seqs])  # type: ignore[arg-type]  # set when teacher is
+            distributions = full_scorer(self.teacher).score_full(packed, domains)  # type: ignore[arg-type]  # set when teacher is
             logp, distill_kl, teacher_tokens = packed_logprobs_and_kl(
                 self.model, packed, rows.temperatures[idx], distributions, chunk_tokens=chunk
             )
             teacher[idx] = teacher_tokens.to(teacher)
-            teacher_logp = teacher[idx]
         else:
+            if teacher is not None:
+                with torch.no_grad():
+                    teacher[idx] = self.teacher.score(packed, domains).to(teacher)  # type: ignore[union-attr]  # set when teacher is
             logp = packed_logprobs(self.model, packed, rows.temperatures[idx], chunk_tokens=chunk)
-            teacher_logp = teacher[idx] if teacher is not None else None
+        if fuse_proximal:
+            current = logp.detach().to(inputs.proximal)
+            if inputs.alpha is not None:
+                current = loglinear_proximal_logprobs(rows.behavior[idx], current, inputs.alpha[idx])
+            inputs.proximal[idx] = current
         share = _micro_share(len(seqs), len(idx), totals, per_sequence)
         loss, stats = self._loss(
             logp,
-            proximal[idx],
+            inputs.proximal[idx],
             rows.behavior[idx],
             rows.advantages[idx],
-            teacher_logp,
+            teacher[idx] if teacher is not None else None,
             reference[idx] if reference is not None else None,
             weights[idx] if weights is not None and per_sequence else None,
             weights[idx] if weights is not None and distill_per_sequence else None,
@@ -533,46 +594,12 @@ class Trainer:
             yield members, rows.token_slice(members), packed
 
     @torch.no_grad()
-    def _proximal(self, rows: _Rows) -> torch.Tensor:
-        all_seqs = list(range(len(rows.outputs)))
-        if self.config.loss.proximal == "behavior":  # not decoupled: clip pi_theta / pi_behavior, weight 1
-            return rows.behavior.clone()
-        if self.config.loss.proximal == "loglinear":
-            current = torch.empty_like(rows.behavior)
-            for _, idx, packed in self._paced(self._micro_batches(rows, all_seqs)):
-                current[idx] = packed_logprobs(
-                    self.model, packed, rows.temperatures[idx], chunk_tokens=self.config.logprob_chunk_tokens
-                )
-            alpha = loglinear_alpha(rows.versions, self.state.version, self.state.version + 1)
-            return loglinear_proximal_logprobs(rows.behavior, current, alpha)
-        out = torch.empty_like(rows.behavior)
-        for _, idx, packed in self._paced(self._micro_batches(rows, all_seqs)):
+    def _recompute_proximal(self, rows: _Rows, seqs: Sequence[int], out: torch.Tensor) -> None:
+        """The proximal log-probs of ``seqs`` (rows a later minibatch trains, after the weights moved)
+        into ``out``: a no-grad forward with the weights before the step's first update. Every rank
+        runs it (sharded ranks keep their passes in step, ``_paced``), with or without rows."""
+        for _, idx, packed in self._paced(self._micro_batches(rows, seqs) if len(seqs) else iter(())):
             out[idx] = packed_logprobs(self.model, packed, rows.temperatures[idx], chunk_tokens=self.config.logprob_chunk_tokens)
-        return out
-
-    @torch.no_grad()
-    def _teacher_logprobs(self, rows: _Rows) -> torch.Tensor:
-        """The teacher's log-probs of every sampled token of the batch; with the full-vocabulary
-        estimator only a buffer that ``_micro_step`` fills (the teacher runs there)."""
-        out, teacher = torch.empty_like(rows.behavior), self.teacher
-        assert teacher is not None  # __init__ refuses distillation without one
-        if self.config.loss.distill_estimator == "full":
-            return out.fill_(float("nan"))
-        for members, idx, packed in self._micro_batches(rows, list(range(len(rows.outputs)))):
-            out[idx] = teacher.score(packed, [rows.domains[s] for s in members])
-        return out
-
-    @torch.no_grad()
-    def _reference_logprobs(self, rows: _Rows) -> torch.Tensor:
-        """The reference policy's log-probs of the sampled tokens, on the same packed micro-batches and
-        at the same temperatures as the student's (so a reference equal to the student scores 0 KL)."""
-        assert self.reference is not None
-        out = torch.empty_like(rows.behavior)
-        for _, idx, packed in self._micro_batches(rows, list(range(len(rows.outputs)))):
-            out[idx] = packed_logprobs(
-                self.reference, packed, rows.temperatures[idx], chunk_tokens=self.config.logprob_chunk_tokens
-            )
-        return out
 
     def _publish(self, model: torch.nn.Module | None = None) -> None:
         """Publish the current version; ``model``: ``_full_state``'s, when the step already has it.

@@ -169,7 +169,7 @@ def build_reference(config: TrainerConfig, student: torch.nn.Module) -> torch.nn
 
 
 def _placed(model: PreTrainedModel, config: TrainerConfig) -> PreTrainedModel:
-    """A teacher on the trainer's device, held in its dtype (it only runs forward)."""
+    """A teacher on the trainer's device, held in ``teacher_dtype`` (default: the trainer's dtype; it only runs forward)."""
     from rollbook.devices import place
 
-    return place(model, config.device, config.dtype)  # type: ignore[return-value]  # .to() returns the model itself
+    return place(model, config.device, config.teacher_dtype or config.dtype)  # type: ignore[return-value]  # .to() returns the model itself

@@ -1,9 +1,11 @@
 """Log-linear approximation of the proximal policy's log-probs (AReaL's ``loglinear`` method).
 
 Decoupled PPO (AReaL Eq. 5, https://arxiv.org/abs/2505.24298) needs the proximal policy: the
-trainer's weights before this update. Recomputing it costs one forward pass per step; AReaL reports
-that interpolating it instead, between the behavior log-probs (from the store) and the current
-log-probs (from the training forward pass), trains 1.27x faster with comparable reward:
+trainer's weights before this update. Recomputing it costs a no-grad forward pass of every row trained
+after the step's first optimizer update (``rollbook.trainer.loop`` takes the first minibatch's from its
+own training forward, so with one minibatch nothing is recomputed); AReaL reports that interpolating it
+instead, between the behavior log-probs (from the store) and the current log-probs (from the training
+forward pass), trains 1.27x faster with comparable reward:
 
     log pi_prox ~ log pi_behav + alpha * (log pi_current - log pi_behav)
     alpha = (v_prox - v_behav) / (v_current - v_behav)          per token, in [0, 1]

@@ -178,6 +178,28 @@ def test_an_export_serves_as_a_teacher_and_as_a_reference(tmp_path):
         assert torch.allclose(packed_logprobs(reference, packed, 1.0), expected, atol=1e-6)
 
 
+def test_teacher_dtype_holds_the_teachers_in_bfloat16_under_a_float32_student(tmp_path):
+    """``trainer.teacher_dtype = "bfloat16"``: the teacher's weights are bfloat16, it scores in float32
+    log-probs close to the float32 teacher's, and the KL reference stays in the trainer's dtype."""
+    from rollbook.trainer.model_builders import build_reference, build_teachers
+    from rollbook.trainer.packing import pack_sequences
+
+    trainer = _train(tmp_path / "run", num_steps=1)
+    export = str(tmp_path / "run" / "hf" / "step-000001")
+    loss = {"distill_coef": 1.0, "kl_coef": 0.1}
+    half = TrainerConfig(teachers=[{"path": export}], reference=export, teacher_dtype="bfloat16", loss=loss)
+    full = build_teachers(TrainerConfig(teachers=[{"path": export}], loss=loss))
+    teacher = build_teachers(half)
+    assert {p.dtype for p in teacher.model.parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in build_reference(half, trainer.model).parameters()} == {torch.float32}
+    packed = pack_sequences([[1, 4, 5]], [[6, 7, 2]], max_tokens=64)[0]
+    scores = teacher.score(packed, ["d"])
+    assert scores.dtype == torch.float32
+    torch.testing.assert_close(scores, full.score(packed, ["d"]), rtol=0, atol=0.1)
+    with pytest.raises(ValueError, match="teacher_dtype"):
+        TrainerConfig(teacher_dtype="float16")
+
+
 def test_teacher_temperature_divides_the_teachers_logits_when_they_score(tmp_path):
     from rollbook.trainer.model_builders import build_teachers
     from rollbook.trainer.packing import pack_sequences, packed_logprobs

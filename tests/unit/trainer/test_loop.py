@@ -305,3 +305,74 @@ def test_the_full_vocabulary_distillation_steps_pull_the_student_onto_its_teache
     )
     with pytest.raises(TypeError, match="SampledOnly scores sampled tokens only"):
         Trainer(config, FakeStore(), model=build_tiny_model(TinyModelSpec(vocab_size=32)), teacher=SampledOnly())
+
+
+@pytest.mark.parametrize("num_minibatches", [1, 2])
+def test_the_proximal_log_probs_are_the_weights_before_the_first_update_and_frozen_scorers_score_each_micro_batch(
+    tmp_path, num_minibatches
+):
+    """The proximal log-probs a step trains on are the pre-update weights' for every row: the first
+    minibatch's from its own training forward (no forward of their own: one minibatch runs one student
+    forward per micro-batch), the second's from a no-grad forward before the first update. The teacher
+    and the KL reference, scored micro-batch by micro-batch, give what they give for the whole batch."""
+    import copy
+
+    from rollbook.trainer.loop import _Rows, minibatch_order
+    from rollbook.trainer.packing import pack_sequences, packed_logprobs
+    from rollbook.trainer.teachers import LocalTeacher
+
+    table = _mixed_lengths(seed=7, lengths=(5, 60, 30, 50))
+    rows = _Rows.from_table(table)
+    config = TrainerConfig(
+        run_dir=str(tmp_path),
+        num_samples=4,
+        model={"vocab_size": 32},
+        lr=1e-2,  # the second minibatch trains weights that moved
+        num_minibatches=num_minibatches,
+        micro_batch_tokens=64,  # several micro-batches
+        loss={"distill_coef": 1.0, "kl_coef": 0.1},
+    )
+    teacher = LocalTeacher(build_tiny_model(TinyModelSpec(vocab_size=32), seed=7))
+    torch.manual_seed(0)
+    trainer = Trainer(config, FakeStore(), model=build_tiny_model(TinyModelSpec(vocab_size=32)), teacher=teacher)
+    before = copy.deepcopy(trainer.model)
+    [whole] = pack_sequences(rows.prompts, rows.outputs)
+    with torch.no_grad():
+        expected = packed_logprobs(before, whole, 1.0)
+        expected_teacher = teacher.score(whole, rows.domains)
+        expected_reference = packed_logprobs(trainer.reference, whole, 1.0)
+    captured, forwards = [], []
+    step_inputs = trainer._step_inputs
+    trainer._step_inputs = lambda *a: captured.append(step_inputs(*a)) or captured[-1]
+    trainer.model.register_forward_hook(lambda *_: forwards.append(1))
+    trainer.update(rows)
+    student_forwards = len(forwards)
+    [inputs] = captured
+    torch.testing.assert_close(inputs.proximal, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(inputs.teacher, expected_teacher, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(inputs.reference, expected_reference, rtol=1e-5, atol=1e-5)
+    assert not torch.equal(packed_logprobs(trainer.model, whole, 1.0).detach(), expected)  # the weights moved
+    order = np.array_split(minibatch_order(config.seed, 0, 4), num_minibatches)
+    micro_batches = sum(len(list(trainer._micro_batches(rows, m))) for m in order)
+    if num_minibatches == 1:
+        assert student_forwards == micro_batches  # the training forwards and nothing else
+    else:
+        assert student_forwards > micro_batches  # the second minibatch's rows, recomputed before the first update
+
+
+def test_the_loglinear_proximal_runs_no_forward_of_its_own(tmp_path):
+    """``loss.proximal = "loglinear"`` interpolates from each training forward: tokens the trainer's
+    current version sampled (alpha 0) keep their behavior log-probs, and the step runs one student
+    forward per micro-batch, over two minibatches too."""
+    from rollbook.trainer.loop import _Rows, minibatch_order
+
+    rows = _Rows.from_table(_mixed_lengths(seed=7, lengths=(5, 60, 30, 50)))
+    trainer = _trainer(tmp_path, FakeStore(), num_minibatches=2, micro_batch_tokens=64, loss={"proximal": "loglinear"})
+    captured, forwards = [], []
+    step_inputs = trainer._step_inputs
+    trainer._step_inputs = lambda *a: captured.append(step_inputs(*a)) or captured[-1]
+    trainer.model.register_forward_hook(lambda *_: forwards.append(1))
+    trainer.update(rows)
+    torch.testing.assert_close(captured[0].proximal, rows.behavior, rtol=0, atol=0)
+    order = np.array_split(minibatch_order(trainer.config.seed, 0, 4), 2)
+    assert len(forwards) == sum(len(list(trainer._micro_batches(rows, m))) for m in order)
