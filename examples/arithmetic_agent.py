@@ -16,38 +16,44 @@ formats: it checks string reversal with its own code too) round after round (``-
 stopped), ``--concurrency`` groups of ``--group-size`` sessions at once; the starting key comes from
 ``--start-key`` or the ``ROLLBOOK_WORKER_KEY`` environment variable (never the command line of a run).
 
-The session calls (start, reward, end) are three small HTTP requests (``urllib``, no extra
-dependency); the completions go through the official client with the session key as its API key.
+The session calls (start, reward, end) are three small HTTP requests; the completions go through the
+official client with the session key as its API key. Every session of the process shares one
+connection pool (``http_client``): an ``openai.OpenAI`` built with its own would load the TLS
+certificates and open a connection per session, the agent's largest cost at this size.
 """
 
 from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import functools
 import json
 import os
 import random
-import urllib.error
-import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import openai
 
 
+@functools.cache
+def http_client() -> openai.DefaultHttpxClient:
+    """The process's one connection pool (thread-safe), for the session calls and every session's
+    ``openai`` client: openai's defaults (timeouts, connection limits)."""
+    return openai.DefaultHttpxClient()
+
+
 def control(base_url: str, path: str, body: dict, key: str | None) -> dict:
     """POST a JSON body to the proxy's session endpoints; raises on an HTTP error."""
-    request = urllib.request.Request(
+    response = http_client().post(
         base_url.rstrip("/") + path,
-        data=json.dumps(body).encode(),
-        method="POST",
-        headers={"content-type": "application/json", **({"authorization": f"Bearer {key}"} if key else {})},
+        json=body,
+        headers={"authorization": f"Bearer {key}"} if key else {},
+        timeout=60,
     )
-    try:
-        with urllib.request.urlopen(request, timeout=60) as response:
-            return json.loads(response.read())
-    except urllib.error.HTTPError as exc:  # the proxy's OpenAI-format error says why
-        raise RuntimeError(f"POST {path}: HTTP {exc.code}: {exc.read().decode(errors='replace')}") from None
+    if response.is_error:  # the proxy's OpenAI-format error says why
+        raise RuntimeError(f"POST {path}: HTTP {response.status_code}: {response.text}")
+    return response.json()
 
 
 @dataclass
@@ -64,14 +70,16 @@ def start_session(
     base_url: str, prompt: str, domain: str, group_id: str, group_size: int, start_key: str | None, client_kwargs: dict | None
 ) -> tuple[dict, openai.OpenAI]:
     """Start a session for ``prompt`` (``POST /rollbook/sessions``): its answer (session id and key)
-    and an ``openai`` client with the session key as its API key."""
+    and an ``openai`` client with the session key as its API key, on the shared pool (``http_client``;
+    ``client_kwargs`` may name another)."""
     started = control(
         base_url,
         "/rollbook/sessions",
         {"task_id": f"{domain}/{prompt}", "domain": domain, "group_id": group_id, "group_size": group_size},
         start_key,
     )
-    client = openai.OpenAI(base_url=base_url.rstrip("/") + "/v1", api_key=started["api_key"], **(client_kwargs or {}))
+    kwargs = {"http_client": http_client(), **(client_kwargs or {})}
+    client = openai.OpenAI(base_url=base_url.rstrip("/") + "/v1", api_key=started["api_key"], **kwargs)
     return started, client
 
 
@@ -124,8 +132,7 @@ def play_problem(
         )
     if not reward_after_end:
         control(base_url, f"/rollbook/sessions/{episode.session_id}/end", {}, started["api_key"])
-    client.close()
-    return episode
+    return episode  # the client's connections stay in the shared pool
 
 
 def _ask(

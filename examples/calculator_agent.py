@@ -126,8 +126,7 @@ def play_problem(
         body = {"reward": reward, "call": completion_id}
         control(base_url, f"/rollbook/sessions/{episode.session_id}/reward", body, started["api_key"])
     control(base_url, f"/rollbook/sessions/{episode.session_id}/end", {}, started["api_key"])
-    client.close()
-    return episode
+    return episode  # the client's connections stay in the shared pool (examples/arithmetic_agent.py http_client)
 
 
 def main(argv: list[str] | None = None) -> None:

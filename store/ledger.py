@@ -432,11 +432,28 @@ class Ledger:
             raise InvalidReward(f"{Reason.REWARD_OUT_OF_RANGE}: {reward_out_of_range(reward, self.ingest_config)}")
         if bool(trajectory_id) == bool(session_id):
             raise InvalidReward("give exactly one of trajectory_id and session_id")
-        self.flush()
+        folded = self._fold(settle=False)  # settled below, once, with the reward in
+        try:
+            return self._set_reward(reward, trajectory_id, session_id, tenant)
+        except Exception:
+            if folded:  # what was folded still settles
+                with self._transaction() as con:
+                    groups.settle(con, self.validator_config, time.time())
+            raise
+
+    def _set_reward(self, reward: float, trajectory_id: str, session_id: str, tenant: str | None) -> str:
         now = time.time()
         with self._transaction() as con:
             if session_id:
-                groups.settle(con, self.validator_config, now)  # retry orphans first: reward a kept attempt
+                # retry orphans first, so the reward goes to a kept attempt; only a session with a retried
+                # call (more than one attempt of it stored) can have any
+                retried = con.execute(
+                    "SELECT 1 FROM trajectories WHERE session_id = $1 AND request_id <> '' "
+                    "GROUP BY model_id, request_id HAVING count(*) > 1 LIMIT 1",
+                    [session_id],
+                ).fetchone()
+                if retried is not None:
+                    groups.settle(con, self.validator_config, now)
                 # the session's last interaction: of each call its consumed attempt (else its only or
                 # latest one), then the latest of those by created_at (rollbook.proto, SetRewardRequest).
                 # Rejected attempts count too: when the last interaction was rejected, the reward is
@@ -517,7 +534,7 @@ class Ledger:
             request, asked = pb.PullBatchRequest(), request  # the caller's message stays as it was
             request.CopyFrom(asked)
             request.lease_seconds = self.validator_config.lease_seconds
-        self.flush()
+        self._fold(settle=False)  # lease_batch settles first
         with self._transaction() as con:
             return pull.lease_batch(con, request, self.validator_config, time.time())
 
@@ -817,7 +834,7 @@ class Ledger:
         }
 
     def flush(self) -> None:
-        """Fold every committed batch into DuckDB now."""
+        """Fold every committed batch into DuckDB now, and settle."""
         self._fold()
 
     def cursor(self) -> duckdb.DuckDBPyConnection:
@@ -957,12 +974,15 @@ class Ledger:
                 except Exception:
                     log.exception("fold failed; will retry")
 
-    def _fold(self) -> None:
+    def _fold(self, *, settle: bool = True) -> bool:
+        """Fold every committed batch into DuckDB, then settle (``settle``: off for a caller that settles
+        in its own transaction next, so the rows wait one statement longer, not two settles); returns
+        whether there was anything to fold."""
         with self._db_lock:
             with self._unfolded_lock:
                 batches, self._unfolded, self._unfolded_bytes = self._unfolded, [], 0
             if not batches:
-                return
+                return False
             try:
                 self._fold_batches(batches)
             except Exception:
@@ -970,9 +990,11 @@ class Ledger:
                     self._unfolded = batches + self._unfolded
                     self._unfolded_bytes += sum(b.nbytes for b in batches)
                 raise
-            with self._transaction() as con:
-                groups.settle(con, self.validator_config, time.time())
+            if settle:
+                with self._transaction() as con:
+                    groups.settle(con, self.validator_config, time.time())
         self._drop_folded_segments(include_current=False)
+        return True
 
     def _fold_batches(self, batches: list[wal.LoggedCommit]) -> None:
         trajs = [b.trajectories for b in batches if b.trajectories is not None]

@@ -144,12 +144,19 @@ def _retry_orphans(con: duckdb.DuckDBPyConnection, now: float) -> int:
     return n
 
 
+# The state of every group with a pending member (the only groups settling acts on): members of those
+# groups alone are read, so its cost follows the waiting rows, not the trained history beside them.
+# A row with no group_id is a group of one, so only the pending ones of those are read.
 _GROUP_STATE = f"""
     SELECT {GROUP_KEY} AS gkey, any_value(model_id) AS model_id, any_value({GROUP_NAME}) AS gname,
            greatest(max(group_size), 1) AS expected, count(*) AS members,
            count(original_reward) AS rewarded, min(received_at) AS first_at,
            bool_or(status = 'pending') AS has_pending
-    FROM trajectories WHERE eligibility = 'eligible' GROUP BY gkey"""
+    FROM trajectories
+    SEMI JOIN (SELECT DISTINCT model_id, group_id FROM trajectories WHERE status = 'pending' AND eligibility = 'eligible')
+      USING (model_id, group_id)
+    WHERE eligibility = 'eligible' AND (group_id <> '' OR status = 'pending')
+    GROUP BY gkey"""
 
 
 def _incomplete_groups(con: duckdb.DuckDBPyConnection, config: ValidatorConfig, now: float) -> int:
