@@ -7,7 +7,7 @@ publishing over shared memory, a real ``rollbook proxy`` process following it, a
   session, under a version the trainer published) and writes the held-out agent evaluation.
 - ``test_online_run_raises_the_agents_sampled_heldout_reward`` (slow): one short run of
   ``configs/smoke.toml`` in online mode (bench/learning.py's ``check-online``: string reversal, one
-  try, from a student warm-started to greedy training accuracy 0.3; 12 steps, evaluated on every
+  try, from a student warm-started to greedy training accuracy 0.3; 16 steps, evaluated on every
   held-out reversal, 16 samples each) raises the agent's sampled
   held-out reward (its expected reward, the same random numbers at every evaluation) by more than
   the checks' margin, as tests/integration/test_learning.py holds for the rollout worker. The
@@ -97,6 +97,6 @@ def test_online_run_trains_on_the_agents_sessions(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1800)  # a warm start to 0.3, then 12 steps; a loaded machine takes it past 600 s
+@pytest.mark.timeout(1800)  # a warm start to 0.3, then 16 steps; a loaded machine takes it past 600 s
 def test_online_run_raises_the_agents_sampled_heldout_reward(tmp_path):
     check_heldout_rises("check-online", tmp_path / "online")
