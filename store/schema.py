@@ -194,6 +194,10 @@ DDL = [
     # (a lease made before them reads NULL)
     "ALTER TABLE leases ADD COLUMN IF NOT EXISTS position INTEGER",
     "ALTER TABLE leases ADD COLUMN IF NOT EXISTS advantage FLOAT",
+    # an ack finds its lease's rows by lease_id among every lease ever issued: without an index that is
+    # a scan of the whole table per AckBatch (10 ms at ten million rows, 1 ms with it; built once, about
+    # a second per ten million rows, when a file from before it opens)
+    "CREATE INDEX IF NOT EXISTS leases_lease_id ON leases (lease_id)",
     """CREATE TABLE IF NOT EXISTS train_steps (
   step BIGINT, trainer_id VARCHAR, version BIGINT, lease_id VARCHAR, started_at DOUBLE,
   finished_at DOUBLE, stats JSON)""",

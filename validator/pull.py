@@ -307,8 +307,10 @@ def ack_lease(con: duckdb.DuckDBPyConnection, lease_id: str, now: float, trainer
         if taken or trained or gone:
             raise LeaseError(f"lease {lease_id} expired and its rows went to another lease or to rejections; do not train on it")
     con.execute("UPDATE leases SET acked_at = ?, expired_at = NULL WHERE lease_id = ?", [now, lease_id])
+    # the row's status first: row groups of trained history alone are skipped by their zone maps
     con.execute(
-        "UPDATE trajectories SET status = 'trained' WHERE trajectory_id IN (SELECT trajectory_id FROM leases WHERE lease_id = ?)",
+        "UPDATE trajectories SET status = 'trained' WHERE status <> 'trained' "
+        "AND trajectory_id IN (SELECT trajectory_id FROM leases WHERE lease_id = ?)",
         [lease_id],
     )
     return total
