@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import pathlib
 import shutil
@@ -210,8 +209,6 @@ def main(argv: list[str] | None = None) -> None:
         ),
         "num_cpus": os.cpu_count(),
     }
-    if not math.isfinite(report["pull_ms_per_10x"] or 0.0):
-        report["pull_ms_per_10x"] = None
     if args.json:
         print(json.dumps(report))
     else:

@@ -432,28 +432,21 @@ class Ledger:
             raise InvalidReward(f"{Reason.REWARD_OUT_OF_RANGE}: {reward_out_of_range(reward, self.ingest_config)}")
         if bool(trajectory_id) == bool(session_id):
             raise InvalidReward("give exactly one of trajectory_id and session_id")
-        folded = self._fold(settle=False)  # settled below, once, with the reward in
+        folded = self._fold(settle=False)  # settled in the reward's own transaction instead
         try:
-            return self._set_reward(reward, trajectory_id, session_id, tenant)
+            return self._set_reward(reward, trajectory_id, session_id, tenant, settle_first=folded or bool(session_id))
         except Exception:
             if folded:  # what was folded still settles
                 with self._transaction() as con:
                     groups.settle(con, self.validator_config, time.time())
             raise
 
-    def _set_reward(self, reward: float, trajectory_id: str, session_id: str, tenant: str | None) -> str:
+    def _set_reward(self, reward: float, trajectory_id: str, session_id: str, tenant: str | None, *, settle_first: bool) -> str:
         now = time.time()
         with self._transaction() as con:
+            if settle_first:  # rows just folded, and for a session its retry orphans: reward a kept attempt
+                groups.settle(con, self.validator_config, now)
             if session_id:
-                # retry orphans first, so the reward goes to a kept attempt; only a session with a retried
-                # call (more than one attempt of it stored) can have any
-                retried = con.execute(
-                    "SELECT 1 FROM trajectories WHERE session_id = $1 AND request_id <> '' "
-                    "GROUP BY model_id, request_id HAVING count(*) > 1 LIMIT 1",
-                    [session_id],
-                ).fetchone()
-                if retried is not None:
-                    groups.settle(con, self.validator_config, now)
                 # the session's last interaction: of each call its consumed attempt (else its only or
                 # latest one), then the latest of those by created_at (rollbook.proto, SetRewardRequest).
                 # Rejected attempts count too: when the last interaction was rejected, the reward is

@@ -244,6 +244,34 @@ def test_a_session_reward_is_refused_when_its_last_interaction_was_rejected(ledg
         ledger.set_reward(0.5, session_id="s")
 
 
+@pytest.mark.parametrize("by", ["session_id", "trajectory_id"])
+def test_a_reward_for_a_row_that_settling_rejects_first_is_refused_and_recorded_nowhere(tmp_path, by):
+    """The reward's own transaction settles what it folds before it looks the row up: a row whose group
+    waited past group_timeout_s is INCOMPLETE_GROUP by then, so its reward is refused, not recorded."""
+    import time
+
+    from rollbook.config import ValidatorConfig
+
+    led = Ledger(tmp_path / "l.duckdb", fold_interval_s=3600, validator_config=ValidatorConfig(group_timeout_s=0.05))
+    led.register_model(MODEL, 100)
+    led.publish_version(MODEL, 0, "c0")
+    try:
+        led.submit([row("alone", session_id="s", request_id="r1", group_id="g", group_size=2, reward=None)])
+        time.sleep(0.2)  # past the group's timeout, still in the log (no background fold)
+        with pytest.raises(NotRewardable, match=r"'alone'.* was rejected \(INCOMPLETE_GROUP\)"):
+            led.set_reward(1.0, **{by: "s" if by == "session_id" else "alone"})
+        cur = led.cursor()
+        try:
+            assert cur.execute("SELECT count(*) FROM rewards").fetchone() == (0,)
+            assert cur.execute("SELECT reason FROM rejections WHERE trajectory_id = 'alone'").fetchall() == [
+                ("INCOMPLETE_GROUP",)
+            ]
+        finally:
+            cur.close()
+    finally:
+        led.close()
+
+
 def test_registering_a_model_with_another_vocab_size_is_refused(ledger):
     ledger.register_model(MODEL, 100)  # the same again: nothing changes
     with pytest.raises(ModelConflict, match="'m' is registered with vocab_size 100, not 200"):
