@@ -44,17 +44,18 @@ def evaluate(
         temperature=temperature,
         max_new_tokens=max_new_tokens,
     )
-    worker = RolloutWorker(engine, config, model_id="heldout-eval")
     row: dict = {"model": path, "seed": seed, "samples": samples, "temperature": temperature}
     start = time.perf_counter()
-    for name in domains:
-        tasks = [t for t in worker.eval_tasks if t.domain == name]
-        out = worker.evaluate(tasks)
-        sampled = out.get(f"eval/sampled/{name}")
-        row[name] = round(sampled, 4) if sampled is not None else None
-        row[f"{name}_greedy"] = round(out[f"eval/{name}"], 4) if f"eval/{name}" in out else None
-        row[f"{name}_problems"] = len(tasks)
-        row[f"{name}_errors"] = int(out["eval/errors"])  # a crashed verifier, counted apart as the run does
+    # closed before the next model: its scheduler thread and reward processes end here, not at exit
+    with engine, RolloutWorker(engine, config, model_id="heldout-eval") as worker:
+        for name in domains:
+            tasks = [t for t in worker.eval_tasks if t.domain == name]
+            out = worker.evaluate(tasks)
+            sampled = out.get(f"eval/sampled/{name}")
+            row[name] = round(sampled, 4) if sampled is not None else None
+            row[f"{name}_greedy"] = round(out[f"eval/{name}"], 4) if f"eval/{name}" in out else None
+            row[f"{name}_problems"] = len(tasks)
+            row[f"{name}_errors"] = int(out["eval/errors"])  # a crashed verifier, counted apart as the run does
     row["seconds"] = round(time.perf_counter() - start, 1)
     return row
 

@@ -36,9 +36,10 @@ placement named with ``-offload`` (``colocated-offload``) is that placement with
   What the rollout side spends fetching and loading runs beside training and is not in them;
 - ``stale``, ``rejected``: rejections in the ledger; ``heldout_first`` / ``heldout_final``: greedy
   held-out reward before the first step and after the last;
-- ``--recovery`` (on with ``--json``): a second run of ``--kill-after`` + ``--steps-after-kill`` steps,
-  checkpointing every step. ``--kill-delay`` seconds after ``--kill-after`` steps are checkpointed
-  (so usually mid-step, a batch leased and not checkpointed) the trainer is SIGKILLed:
+- ``--recovery`` (on with ``--json``; ``--recovery-placements`` names a subset): a second run of
+  ``--kill-after`` + ``--steps-after-kill`` steps, checkpointing every step. ``--kill-delay`` seconds
+  after ``--kill-after`` steps are checkpointed (so usually mid-step, a batch leased and not
+  checkpointed) the trainer is SIGKILLed:
   colocated and separated, where the trainer is the ``rollbook run`` process, the whole run (its
   process group: store and rollout worker too), and the same command is started again on the same
   run directory; ray, the ``TrainerRank`` actor processes, and the driver starts the group again
@@ -449,6 +450,11 @@ def main() -> None:
     p.add_argument("--ranks", type=int, default=1)
     p.add_argument("--cpus", type=int, default=2, help="CPUs of the local Ray instance (the CPU budget)")
     p.add_argument("--recovery", action=argparse.BooleanOptionalAction, default=None, help="default: on with --json")
+    p.add_argument(
+        "--recovery-placements",
+        default=None,
+        help="comma-separated: which of --placements get the kill and restart (default: every one)",
+    )
     p.add_argument("--kill-after", type=int, default=2, help="checkpointed steps before the trainer is killed")
     p.add_argument("--kill-delay", type=float, default=0.5, help="seconds after that checkpoint before the kill")
     p.add_argument(
@@ -465,6 +471,10 @@ def main() -> None:
     p.add_argument("extra", nargs="*", help="more `rollbook run` overrides for every placement (after --)")
     args = p.parse_args()
     recovery = args.json if args.recovery is None else args.recovery
+    placements = args.placements.split(",")
+    recovering = set(placements if args.recovery_placements is None else args.recovery_placements.split(","))
+    if not recovering <= set(placements):
+        p.error(f"--recovery-placements {sorted(recovering - set(placements))} are not among --placements {placements}")
     online = args.json if args.online is None else args.online
     work = pathlib.Path(args.work_dir or tempfile.mkdtemp(prefix="rollbook-placement-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -472,13 +482,13 @@ def main() -> None:
     load = [round(os.getloadavg()[0], 2)]
     student = warm_start(work, args)
     rows, failed = [], []
-    for name in args.placements.split(","):
+    for name in placements:
         if _TERMINATED:
             break
         print(f"[placement bench] {name}: {args.steps} steps", file=sys.stderr, flush=True)
         row = _or_error(measure, (name, work, student, args), {"placement": name, "steps": args.steps}, failed)
         row["recovery"] = row["restart_recovery_s"] = None
-        if recovery and not _TERMINATED:
+        if recovery and name in recovering and not _TERMINATED:
             print(f"[placement bench] {name}: kill and restart", file=sys.stderr, flush=True)
             row["recovery"] = _or_error(recover, (name, work, student, args), {}, failed)
             row["restart_recovery_s"] = row["recovery"].get("restart_recovery_s")

@@ -324,6 +324,7 @@ class NativeEngine:
         self._queue: deque[_Sequence] = deque()  # admitted, waiting for a slot
         self._live: dict[int, _Sequence] = {}  # slot -> sequence; always slots 0..len-1 (_compact)
         self._thread: threading.Thread | None = None
+        self._ended: threading.Thread | None = None  # the last scheduler thread, on its way out: close joins it
         # only the scheduler thread touches these while something is in flight
         self._slab: KVSlab | None = None
         self._vocab_mix: torch.Tensor | None = None
@@ -418,10 +419,12 @@ class NativeEngine:
         with a ``RuntimeError`` and free the KV cache; later calls are refused. Idempotent."""
         with self._cond:
             self._closed = True
-            thread = self._thread
+            threads = [t for t in (self._thread, self._ended) if t is not None]
             self._cond.notify_all()
-        if thread is not None and thread is not threading.current_thread():
-            thread.join()
+        # a thread still unwinding when the interpreter exits can abort the process from C++
+        for thread in threads:
+            if thread is not threading.current_thread():
+                thread.join()
         with self._cond:
             self._fail_all(RuntimeError("the engine was closed"))
             self._slab = None
@@ -565,7 +568,7 @@ class NativeEngine:
             reached = max([s.num_tokens for s in self._live.values()], default=None) if self._scheduled else None
             updated = self._apply_due(reached) or updated
             if not self._live:  # nothing admitted, or an update failed and failed everything
-                self._thread = None
+                self._thread, self._ended = None, threading.current_thread()
                 self._sampling = None
                 self._cond.notify_all()
                 return None

@@ -96,6 +96,9 @@ def run_worker(
         return _loop(config, stop, channel, engine, worker)
     finally:
         worker.close()
+        close = getattr(engine, "close", None)
+        if close is not None:  # the scheduler thread (or engine process) ends here, not at interpreter exit
+            close()
 
 
 def _loop(config: WorkerConfig, stop: threading.Event, channel, engine, worker) -> dict:

@@ -1,4 +1,4 @@
-"""Suite-wide pytest setup: the markers that say what a test needs, and how the suite runs on two workers.
+"""Suite-wide pytest setup: the markers that say what a test needs, and how the suite runs on several workers.
 
 - ``integration``: starts real services or processes (a ``rollbook serve``, a run, a Ray instance).
   Every test under ``tests/integration/`` gets it here, so no module has to remember it;
@@ -7,7 +7,7 @@
   which selects ``(not integration and not slow) or smoke``);
 - ``gpu``: needs CUDA; skipped unless a CUDA device is available.
 
-Under pytest-xdist (``scripts/test.sh`` runs ``-n 2 --dist loadgroup``):
+Under pytest-xdist (``scripts/test.sh`` runs ``-n 3 --dist loadgroup``):
 
 - every test that starts a Ray instance is put in one ``xdist_group``, so two local Ray clusters
   never run at once on the machine;

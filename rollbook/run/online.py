@@ -423,6 +423,7 @@ def run_online(config: RunConfig, client, address: str, keys: dict) -> dict:
         agent_log.close()
         proxy.stop()
         publisher.close()
+        evaluator.close()
 
 
 class Online(Placement):

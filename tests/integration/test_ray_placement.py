@@ -1,10 +1,11 @@
 """``rollbook run --placement ray`` on a Ray cluster of two nodes on this
 machine (``ray.cluster_utils.Cluster``; custom resources force one rollout actor onto each node), a
 two-rank data-parallel trainer on the head node, the store on the other node (``ray.store_resources``),
-weights over the network channel. The ledger must attribute rows to both workers, every step must
-have one acked lease, no row may train twice.
+weights over the network channel, with a rollout actor and a trainer rank killed mid-run. The ledger
+must attribute rows to both workers, every step must have one acked lease, no row may train twice.
+And ``configs/smoke.toml`` under ``--placement ray`` on a local instance must learn.
 
-Small settings so it fits .ci/run (two raylets and four actors on 2 cores: about two minutes)."""
+Small settings so it fits .ci/run (two raylets and four actors on 2 cores: under a minute)."""
 
 from __future__ import annotations
 
@@ -15,8 +16,6 @@ import duckdb
 import pytest
 
 pytestmark = pytest.mark.slow
-
-STEPS = 4
 
 
 @pytest.fixture
@@ -36,16 +35,16 @@ def cluster():
     c.shutdown()
 
 
-def small_config(run_dir: pathlib.Path, max_staleness: int = 2, **ray_fields):
+def small_config(run_dir: pathlib.Path, steps: int, **ray_fields):
     from rollbook.config import RunConfig
 
     return RunConfig.model_validate(
         {
             "run_dir": str(run_dir),
             "placement": "ray",
-            "num_steps": STEPS,
-            "eval_every": STEPS,
-            "max_staleness": max_staleness,
+            "num_steps": steps,
+            "eval_every": steps,
+            "max_staleness": 2,
             "warm_start": {"student_steps": 20},
             "trainer": {"num_samples": 16, "num_ranks": 2, "lr": 1e-3, "model": {"hidden_size": 64, "intermediate_size": 128}},
             "rollout": {
@@ -67,47 +66,6 @@ def small_config(run_dir: pathlib.Path, max_staleness: int = 2, **ray_fields):
             },
         }
     )
-
-
-def test_ray_placement_spreads_rollout_over_two_nodes_and_trains_with_two_ranks(cluster, tmp_path):
-    import ray
-
-    from rollbook.run.main import run
-
-    # rank 0 pulls only once both actors hold version 0 (run_ray._wait_for_first_weights), and eta = 0
-    # admits half a batch per actor per version, so neither can feed the short run alone while the
-    # other is still starting on a loaded machine (CI, 2026-12-01: one actor did, without the wait)
-    # the store on node b, chosen by config; weights over the network channel (the others: object store)
-    config = small_config(
-        tmp_path / "run", max_staleness=0, weight_channel="network", store_resources={"node_b": 1}, store_cpus=0.5
-    )
-    summary = run(config)
-    assert all(w["rounds"] > 0 for w in summary["workers"]), summary["workers"]
-    node_of = {n["NodeID"]: ("a" if "node_a" in n["Resources"] else "b") for n in ray.nodes()}
-    assert sorted(node_of[w["node_id"]] for w in summary["workers"]) == ["a", "b"]  # a rollout actor on each node
-    assert {node_of[n] for n in summary["trainer_node_ids"]} == {"a"}  # both ranks on the head node
-    assert node_of[summary["store_node_id"]] == "b"  # the store where ray.store_resources put it
-    con = duckdb.connect(str(tmp_path / "run" / "rollbook.duckdb"), read_only=True)
-    per_worker = dict(con.execute("SELECT worker_id, count(*) FROM trajectories GROUP BY ALL").fetchall())
-    assert set(per_worker) == {"ray-worker-0", "ray-worker-1"}, per_worker
-    steps = con.execute("SELECT step, stats FROM train_steps ORDER BY step").fetchall()
-    assert [s for s, _ in steps] == list(range(STEPS))
-    assert all(json.loads(stats)["dist/world_size"] == 2 for _, stats in steps)
-    (bad,) = con.execute(
-        "SELECT count(*) FROM (SELECT step FROM leases WHERE acked_at IS NOT NULL GROUP BY step "
-        "HAVING count(DISTINCT lease_id) <> 1)"
-    ).fetchone()
-    assert bad == 0
-    (twice,) = con.execute(
-        "SELECT count(*) FROM (SELECT trajectory_id FROM leases WHERE acked_at IS NOT NULL "
-        "GROUP BY trajectory_id HAVING count(*) > 1)"
-    ).fetchone()
-    assert twice == 0
-    (newest,) = con.execute("SELECT max(max_version) FROM trajectories").fetchone()
-    assert newest >= 1  # the actors generated with weights they received over the network channel
-    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    evals = [m for m in metrics if "eval/reward" in m]
-    assert evals[0]["step"] == 0 and evals[-1]["step"] == STEPS - 1
 
 
 # One row: ACCEPTED rows stored more than once, rows acked in more than one lease, rows marked trained
@@ -135,10 +93,12 @@ def _wait_for_steps(run_dir: pathlib.Path, n: int, thread, timeout_s: float = 30
     raise AssertionError(f"the run did not reach step {n}")
 
 
-def test_a_killed_rollout_actor_and_a_killed_trainer_rank_lose_and_repeat_nothing(cluster, tmp_path):
-    """One rollout actor is killed (Ray restarts it on its spool) and, later, trainer
-    rank 1 (the step fails, the group starts again from the last checkpoint); the run finishes and
-    one SQL query shows every accepted row stored once and every trained row acked once."""
+def test_a_two_node_run_with_a_killed_actor_and_a_killed_rank_stores_and_trains_each_row_once(cluster, tmp_path):
+    """A rollout actor on each node, both trainer ranks on the head node, the store on the other node
+    (``ray.store_resources``), weights over the network channel. One rollout actor is killed (Ray
+    restarts it on its spool) and, later, trainer rank 1 (the step fails, the group starts again from
+    the last checkpoint); the run finishes and one SQL query shows every accepted row stored once and
+    every trained row acked once."""
     import threading
 
     import ray
@@ -146,8 +106,7 @@ def test_a_killed_rollout_actor_and_a_killed_trainer_rank_lose_and_repeat_nothin
     from rollbook.run.main import run
 
     steps = 12  # the rank is killed after step 3: nine steps left, so the kill lands mid-run
-    config = small_config(tmp_path / "run")
-    config.num_steps = config.trainer.num_steps = steps
+    config = small_config(tmp_path / "run", steps, weight_channel="network", store_resources={"node_b": 1}, store_cpus=0.5)
     config.trainer.lease_seconds = 5.0  # the failed step's lease comes back soon
     config.trainer.dist_timeout_s = 30.0
     result: dict = {}
@@ -161,10 +120,18 @@ def test_a_killed_rollout_actor_and_a_killed_trainer_rank_lose_and_repeat_nothin
     ray.kill(ray.get_actor(f"rollbook-trainer-1-{tmp_path.joinpath('run').name}-0"), no_restart=True)
     thread.join(timeout=600)
     assert "summary" in result, "the run did not finish"
-    workers = result["summary"]["workers"]
+    summary = result["summary"]
+    workers = summary["workers"]
     assert workers[1]["pid"] != pid_before  # the restarted actor
     # it reopened its own spool and delivered everything in it (a batch left there was never answered)
     assert [p.name for p in (tmp_path / "run" / "spool-1").glob("*.batch")] == []
+
+    # where things ran: the placement the config asked for
+    node_of = {n["NodeID"]: ("a" if "node_a" in n["Resources"] else "b") for n in ray.nodes()}
+    assert sorted(node_of[w["node_id"]] for w in workers) == ["a", "b"]  # a rollout actor on each node
+    assert {node_of[n] for n in summary["trainer_node_ids"]} == {"a"}  # both ranks on the head node
+    assert node_of[summary["store_node_id"]] == "b"  # the store where ray.store_resources put it
+
     con = duckdb.connect(str(tmp_path / "run" / "rollbook.duckdb"), read_only=True)
     audit = dict(
         zip(
@@ -174,13 +141,21 @@ def test_a_killed_rollout_actor_and_a_killed_trainer_rank_lose_and_repeat_nothin
         )
     )
     assert audit == {"stored_twice": 0, "acked_twice": 0, "trained_unacked": 0, "steps_not_one_lease": 0}
-    assert [s for (s,) in con.execute("SELECT step FROM train_steps ORDER BY step").fetchall()] == list(range(steps))
+    per_worker = dict(con.execute("SELECT worker_id, count(*) FROM trajectories GROUP BY ALL").fetchall())
+    assert set(per_worker) == {"ray-worker-0", "ray-worker-1"}, per_worker
+    trained = con.execute("SELECT step, stats FROM train_steps ORDER BY step").fetchall()
+    assert [s for s, _ in trained] == list(range(steps))
+    assert all(json.loads(stats)["dist/world_size"] == 2 for _, stats in trained)
     (acked_steps,) = con.execute("SELECT count(DISTINCT step) FROM leases WHERE acked_at IS NOT NULL").fetchone()
     assert acked_steps == steps
+    (newest,) = con.execute("SELECT max(max_version) FROM trajectories").fetchone()
+    assert newest >= 1  # the actors generated with weights they received over the network channel
     # the trainer group really failed and came back: the first attempt's metrics stop, a second start
     # evaluated again before resuming from its checkpoint
     metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert sum("loss/total" not in m for m in metrics) >= 2
+    evals = [m for m in metrics if "eval/reward" in m]
+    assert evals[0]["step"] == 0 and evals[-1]["step"] == steps - 1
 
 
 @pytest.mark.timeout(1800)  # a local Ray instance, two actors, two ranks: past 600 s on a loaded machine

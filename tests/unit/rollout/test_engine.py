@@ -629,6 +629,25 @@ def test_an_idle_engine_holds_no_thread():
     _wait_until(lambda: not any(t.name == "rollbook-engine" and t.is_alive() for t in threading.enumerate()))
 
 
+def test_close_waits_for_a_scheduler_thread_that_is_still_on_its_way_out():
+    # a thread still unwinding at interpreter exit can abort the process: close joins it
+    engine = NativeEngine(_model())
+    ending, next_step = [], engine._next_step
+
+    def slow_to_leave():
+        step = next_step()
+        if step is None:
+            ending.append(threading.current_thread())
+            time.sleep(0.3)
+        return step
+
+    engine._next_step = slow_to_leave  # type: ignore[method-assign]
+    engine.generate(_requests(max_new_tokens=2))
+    _wait_until(lambda: bool(ending))
+    engine.close()
+    assert not ending[0].is_alive()
+
+
 def test_top_logprobs_are_the_most_likely_tokens_of_the_sampling_distribution_and_reach_on_token():
     from rollbook.config import ModelConfig
     from rollbook.language_models import build_student
