@@ -22,7 +22,8 @@ tokens per second:
 - ``pull_tok_s``: after the validated run, every stored row leased through ``PullBatch`` (whole
   groups, 512 samples a batch, normalized, acked), beside ``duckdb_scan_tok_s``, the same rows and
   columns read straight from the DuckDB file into Arrow once the store has stopped (the raw limit),
-  and ``pull_over_scan``.
+  and ``pull_over_scan``: medians over the validated rounds (the ratio is each round's pull over
+  its own scan; ``pull_over_scan_all`` lists them).
 
 Timing runs from the moment every client has its records built and its connection open (a
 barrier) to the last acknowledgement; server start, ``ray.init`` and record generation are not
@@ -77,7 +78,7 @@ import numpy as np
 from rollbook.v1 import rollbook_pb2 as pb
 
 SYSTEMS = ("rollbook", "rollbook_novalidate", "arrow_ipc_fsync", "ray_queue")
-PULL_RESULTS: dict[str, Any] = {}  # pull_tok_s / duckdb_scan_tok_s, from the last validated run
+PULL_SAMPLES: dict[str, list[float]] = {"pull": [], "scan": [], "ratio": []}  # one each per validated round
 MODEL_ID = "bench-model"
 VOCAB_SIZE = 151_936
 VERSIONS = (0, 1, 2, 3)
@@ -126,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     tok_s = {name: float(np.median(v)) if v else None for name, v in samples.items()}
     report = summarize(tok_s, args)
     if "rollbook" in systems:
-        report.update(PULL_RESULTS)
+        report.update(pull_report())
     if args.json:
         print(json.dumps(report), flush=True)
     else:
@@ -164,6 +165,18 @@ def summarize(tok_s: dict[str, float | None], args: argparse.Namespace) -> dict[
         "batch_size": args.batch_size,
         "repeats": args.repeats,
         "num_cpus": os.cpu_count(),
+    }
+
+
+def pull_report() -> dict[str, Any]:
+    """Medians over the validated rounds: the pull, the scan of the same file, and the per-round ratio."""
+    if not PULL_SAMPLES["ratio"]:
+        return {}
+    return {
+        "pull_tok_s": round(float(np.median(PULL_SAMPLES["pull"]))),
+        "duckdb_scan_tok_s": round(float(np.median(PULL_SAMPLES["scan"]))),
+        "pull_over_scan": round(float(np.median(PULL_SAMPLES["ratio"])), 3),
+        "pull_over_scan_all": [round(r, 3) for r in PULL_SAMPLES["ratio"]],
     }
 
 
@@ -248,7 +261,7 @@ def run_rollbook(
             if json.loads(held).get("held"):
                 raise RuntimeError(f"{label}: the ingest rules held rows that carry consent")
         if validate and not secure and not governed:
-            PULL_RESULTS["pull_tok_s"] = round(measure_pull(client, tokens))
+            PULL_SAMPLES["pull"].append(measure_pull(client, tokens))
         if _probe_validates(client, run) != validate:
             if validate:
                 raise RuntimeError("the store accepted a NaN log-prob in the validated run")
@@ -314,8 +327,9 @@ def running_store(
             server.wait(timeout=120)
             _progress(f"{label}: store stopped")
         if not novalidate and not secure and not governed and server.returncode == 0:  # the run whose pull was measured
-            PULL_RESULTS["duckdb_scan_tok_s"] = round(measure_duckdb_scan(pathlib.Path(tmp) / "rollbook.duckdb"))
-            PULL_RESULTS["pull_over_scan"] = round(PULL_RESULTS["pull_tok_s"] / PULL_RESULTS["duckdb_scan_tok_s"], 3)
+            scan = measure_duckdb_scan(pathlib.Path(tmp) / "rollbook.duckdb")
+            PULL_SAMPLES["scan"].append(scan)
+            PULL_SAMPLES["ratio"].append(PULL_SAMPLES["pull"][-1] / scan)
 
 
 def start_store(db: pathlib.Path, env: dict[str, str]) -> tuple[subprocess.Popen, str]:
@@ -514,10 +528,15 @@ def _as_record(msg: pb.Trajectory) -> dict[str, Any]:
         "output_logprobs": np.float32,
         "output_versions": np.int64,
     }
-    return {
-        f.name: np.asarray(getattr(msg, f.name), dtype=dtypes[f.name]) if f.name in dtypes else getattr(msg, f.name)
-        for f in msg.DESCRIPTOR.fields
-    }
+    record: dict[str, Any] = {}
+    for f in msg.DESCRIPTOR.fields:
+        value = getattr(msg, f.name)
+        if f.name in dtypes:
+            value = np.asarray(value, dtype=dtypes[f.name])
+        elif f.message_type is not None and f.message_type.GetOptions().map_entry:
+            value = dict(value)  # a protobuf map (metadata) does not pickle
+        record[f.name] = value
+    return record
 
 
 # ---- processes, profiling, output ----------------------------------------------------------------

@@ -166,19 +166,27 @@ def _pick_groups(con: duckdb.DuckDBPyConnection, req: pb.PullBatchRequest, versi
               SELECT gkey, row_number() OVER (ORDER BY first_at, gkey) AS rank,
                      sum(n) OVER (ORDER BY first_at, gkey) AS upto
               FROM g)
-            SELECT r.row_id, r.gkey FROM ready r JOIN ordered g USING (gkey)
-            WHERE {limit} ORDER BY g.rank, r.trajectory_id""",
+            SELECT r.row_id, r.gkey, row_number() OVER (ORDER BY g.rank, r.trajectory_id) AS pos
+            FROM ready r JOIN ordered g USING (gkey)
+            WHERE {limit}""",
         params=params,
     ).to_arrow_table()
+    if picked.num_rows == 0:
+        return con.sql(
+            f"SELECT rowid AS row_id, {', '.join(BATCH_COLUMNS)}, {GROUP_KEY} AS gkey FROM trajectories LIMIT 0"
+        ).to_arrow_table()
+    # in the picked order (groups together, oldest first), sorted here rather than by an Arrow take
+    # afterwards (which copies every list column); the rowid bounds let the scan skip what lies outside
+    lo, hi = pc.min_max(picked.column("row_id")).values()
     con.register("_picked", picked)
     rows = con.sql(
-        f"SELECT rowid AS row_id, {', '.join(BATCH_COLUMNS)} FROM trajectories WHERE rowid IN (SELECT row_id FROM _picked)"
+        f"""SELECT t.rowid AS row_id, {", ".join("t." + c for c in BATCH_COLUMNS)}, p.gkey
+            FROM trajectories t JOIN _picked p ON t.rowid = p.row_id
+            WHERE t.rowid BETWEEN $lo AND $hi ORDER BY p.pos""",
+        params={"lo": lo.as_py(), "hi": hi.as_py()},
     ).to_arrow_table()
     con.unregister("_picked")
-    # back into the picked order (groups together, oldest first)
-    position = {r: i for i, r in enumerate(picked.column("row_id").to_pylist())}
-    order = np.argsort([position[r] for r in rows.column("row_id").to_pylist()])
-    return rows.take(pa.array(order)).append_column("gkey", picked.column("gkey"))
+    return rows
 
 
 def _version_rewards(con: duckdb.DuckDBPyConnection, rows: pa.Table, version: str) -> np.ndarray:

@@ -46,4 +46,18 @@ def test_the_ingest_bench_prints_one_json_line_with_its_ratios(tmp_path):
     assert report["ray_queue_tok_s"] is None and report["rollbook_over_ray"] is None  # not asked for
     assert report["rollbook_over_ceiling"] > 0 and report["validation_cost"] < 1
     assert (report["num_trajectories"], report["num_output_tokens"], report["repeats"]) == (96, 40, 1)
+    assert len(report["pull_over_scan_all"]) == 1 and report["pull_over_scan"] == report["pull_over_scan_all"][0]
     assert "rollbook: counters checked" in done.stderr  # the store's counters matched what was sent
+
+
+def test_the_ray_queue_records_pickle_with_every_field_metadata_included():
+    """What the Ray producers put on the queue must pickle (a protobuf map does not)."""
+    import pickle
+
+    from bench.ingest import _as_record, make_trajectories
+
+    [msg] = make_trajectories(1, 8, worker=0, run="pickle", consent=True)
+    assert dict(msg.metadata), "the record under test carries metadata"
+    record = pickle.loads(pickle.dumps(_as_record(msg)))
+    assert record["metadata"] == dict(msg.metadata)
+    assert record["output_token_ids"].tolist() == list(msg.output_token_ids)

@@ -85,3 +85,17 @@ def test_any_other_exception_is_not_mapped_to_a_domain_status(rpc, bug):
     with pytest.raises(type(bug)) as raised:  # escapes the handler: grpc answers INTERNAL
         call(rpc, bug)
     assert raised.value is bug
+
+
+@pytest.mark.parametrize("size", [0, 1, 127, 128, 300_000])
+def test_a_bytes_field_appended_to_an_encoded_message_parses_as_the_message_with_it_set(size):
+    import pyarrow as pa
+
+    payload = bytes(range(256)) * (size // 256) + bytes(size % 256)
+    head = pb.PullBatchResponse(lease_id="lease-1", num_rows=7, stats_json='{"a": 1}')
+    encoded = service_module.with_bytes_field(
+        head.SerializeToString(), pb.PullBatchResponse.ARROW_IPC_FIELD_NUMBER, pa.py_buffer(payload)
+    )
+    expected = pb.PullBatchResponse(lease_id="lease-1", num_rows=7, stats_json='{"a": 1}', arrow_ipc=payload)
+    assert pb.PullBatchResponse.FromString(encoded) == expected
+    assert len(encoded) == len(expected.SerializeToString())
