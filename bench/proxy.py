@@ -208,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     engine.generate([request])  # warm-up (lazy initialisation), not timed
     _progress(f"direct: {args.clients} clients x {args.calls} calls, max_tokens {args.max_tokens}")
     direct = _run_engine(engine, request, args.clients, args.calls)
+    engine.close()  # its scheduler thread ends here, not while the interpreter exits
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLBOOK_")}
     with tempfile.TemporaryDirectory(dir=args.work_dir, prefix="proxy-bench-") as tmp:
