@@ -290,9 +290,10 @@ def test_batches_left_by_a_closed_submitter_are_delivered_by_the_next(tmp_path, 
     spool.close()  # the worker process ends here; its spool stays on disk
 
     store.down.clear()
-    with Spool(tmp_path, max_bytes=1 << 20) as spool, make_submitter(store, spool) as sub:
-        assert len(spool) == 2
-        assert sub.flush(timeout=10)
+    with Spool(tmp_path, max_bytes=1 << 20) as spool:
+        assert len(spool) == 2  # before a submitter starts delivering them
+        with make_submitter(store, spool) as sub:
+            assert sub.flush(timeout=10)
     assert store.stored == ["a-0", "a-1", "a-2", "b-0", "b-1", "b-2"]
 
 
