@@ -43,6 +43,7 @@ from rollbook.store.ledger import (
 )
 from rollbook.store.prepare import MalformedRequest, Prepared, parse_message, prepare_bytes
 from rollbook.store.sql import QueryError, QueryLimits
+from rollbook.trajectories import varint_bytes
 from rollbook.v1 import rollbook_pb2 as pb
 from rollbook.validator.pull import InvalidPull, LeaseError, NotLeaseOwner, UnknownLease
 
@@ -422,15 +423,6 @@ def _ipc(batches: list[pa.RecordBatch]) -> pa.Buffer:
     return sink.getvalue()
 
 
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while n > 0x7F:
-        out.append((n & 0x7F) | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
-
-
 def with_bytes_field(message: bytes, number: int, payload: pa.Buffer | bytes) -> bytes:
     """``message`` (an encoded protobuf message) with the length-delimited field ``number`` set to
     ``payload``, appended: an encoding is a sequence of fields, so the concatenation parses as the
@@ -439,7 +431,7 @@ def with_bytes_field(message: bytes, number: int, payload: pa.Buffer | bytes) ->
     view = memoryview(payload)
     if not view.nbytes:  # proto3 leaves an empty bytes field out
         return message
-    return b"".join((message, _varint(number << 3 | 2), _varint(view.nbytes), view))
+    return b"".join((message, varint_bytes(number << 3 | 2), varint_bytes(view.nbytes), view))
 
 
 @dataclass(frozen=True)
