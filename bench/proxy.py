@@ -3,7 +3,7 @@ proxy, driven by the official ``openai`` client, in the same run with the same c
 
 - ``direct_rps`` / ``direct_latency_ms_*``: the engine fed directly from one thread in this
   process, ``--clients`` calls in flight at all times (``NativeEngine.submit``: a finished call is
-  replaced by the next at once, ``--calls`` per client), one chat prompt (the proxy's own
+  replaced by the next at once), one chat prompt (the proxy's own
   rendering); the engine is the proxy's served model (same seed, same weights, same torch thread
   count). One feeding thread, not one per client: the engine's batch at that concurrency without
   the interpreter-lock contention of many Python threads, the limit the proxy is measured against.
@@ -22,13 +22,18 @@ proxy, driven by the official ``openai`` client, in the same run with the same c
   ends some answers early with ``<eos>``; those are not counted): time from sending the request to
   the first chunk with text, the whole call, and the mean of their per-call ratio.
 
+Both sides keep ``--clients`` calls in flight until ``--clients * --calls`` calls have finished:
+the direct side refills the engine as a call finishes, and on the proxy side each client thread
+takes the next call from a shared count (no client has a fixed quota, whose slowest clients would
+leave the engine a tail of a few calls). The two sides alternate ``--rounds`` times with the same
+engine, proxy and clients; the report gives medians over rounds and the ratio of each round
+(``proxy_over_direct_rps_all``), so a machine that slows down part way through moves both sides.
 Timing runs from a barrier (every client built and its session started) to the last answer.
-Runs on a loaded machine are noisy: compare the two sides of the same run.
 
     python bench/proxy.py --json                         # one JSON line on stdout, progress on stderr
     python bench/proxy.py --clients 8 --calls 50 --max-tokens 16
-    python bench/proxy.py --json --clients 16 --calls 10 --max-tokens 16   # 16 concurrent sessions
-    python bench/proxy.py --json --clients 16 --calls 10 --max-tokens 16 --hidden-size 256 --num-layers 4   # a wider model
+    python bench/proxy.py --json --clients 16 --calls 20 --max-tokens 64   # 16 concurrent sessions
+    python bench/proxy.py --json --clients 16 --calls 12 --max-tokens 64 --hidden-size 256 --num-layers 4   # a wider model
 """
 
 from __future__ import annotations
@@ -66,19 +71,29 @@ def _start(args: list[str], env: dict, log: pathlib.Path, prefix: str = "listeni
     return proc, line.removeprefix(prefix).strip()
 
 
-def _run_clients(num_clients: int, calls: int, make: Callable[[int], Callable[[], int]]) -> dict:
-    """``num_clients`` threads, each running its callable ``calls`` times (returns tokens)."""
-    callers = [make(i) for i in range(num_clients)]
-    barrier = threading.Barrier(num_clients + 1)
+def _run_clients(callers: list[Callable[[], int]], calls: int) -> dict:
+    """One thread per caller (each call returns its answer's tokens) until ``len(callers) * calls``
+    calls were made: a thread takes the next call from the shared count when its last one returns, as
+    the direct side refills the engine, so both keep ``len(callers)`` calls in flight to the end (a
+    fixed quota per thread would leave the engine a tail of the slowest clients' last calls)."""
+    barrier = threading.Barrier(len(callers) + 1)
     latencies: list[float] = []
     tokens: list[int] = []
     errors: list[BaseException] = []
     lock = threading.Lock()
+    remaining = [len(callers) * calls]
+
+    def take() -> bool:
+        with lock:
+            if remaining[0] <= 0 or errors:
+                return False
+            remaining[0] -= 1
+            return True
 
     def worker(fn: Callable[[], int]) -> None:
         barrier.wait()
         try:
-            for _ in range(calls):
+            while take():
                 t0 = time.perf_counter()
                 n = fn()
                 dt = time.perf_counter() - t0
@@ -172,6 +187,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="print exactly one JSON line on stdout")
     p.add_argument("--clients", type=int, default=4, help="concurrent clients (default: %(default)s)")
     p.add_argument("--calls", type=int, default=25, help="calls per client (default: %(default)s)")
+    p.add_argument(
+        "--rounds", type=int, default=3, help="direct / proxy rounds, alternating; medians reported (default: %(default)s)"
+    )
     p.add_argument("--max-tokens", type=int, default=8, help="max_tokens of every call (default: %(default)s)")
     p.add_argument("--stream-tokens", type=int, default=64, help="max_tokens of the streamed calls (default: %(default)s)")
     p.add_argument("--ttft-calls", type=int, default=10, help="streamed calls of full length to time (default: %(default)s)")
@@ -184,8 +202,8 @@ def main(argv: list[str] | None = None) -> int:
         help="run the proxy's engine in the proxy's own process (engine_process = false), sharing its interpreter lock",
     )
     args = p.parse_args(argv)
-    if min(args.clients, args.calls, args.max_tokens, args.stream_tokens, args.ttft_calls) < 1:
-        raise SystemExit("--clients, --calls, --max-tokens, --stream-tokens and --ttft-calls must be >= 1")
+    if min(args.clients, args.calls, args.rounds, args.max_tokens, args.stream_tokens, args.ttft_calls) < 1:
+        raise SystemExit("--clients, --calls, --rounds, --max-tokens, --stream-tokens and --ttft-calls must be >= 1")
 
     import openai
     import torch
@@ -206,9 +224,6 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(torch_threads(None, engine.num_parameters, available))  # as `rollbook proxy` does
     request = GenerationRequest(prompt_token_ids=prompt_ids, max_new_tokens=args.max_tokens, stop_token_ids=[render.eos_token_id])
     engine.generate([request])  # warm-up (lazy initialisation), not timed
-    _progress(f"direct: {args.clients} clients x {args.calls} calls, max_tokens {args.max_tokens}")
-    direct = _run_engine(engine, request, args.clients, args.calls)
-    engine.close()  # its scheduler thread ends here, not while the interpreter exits
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLBOOK_")}
     with tempfile.TemporaryDirectory(dir=args.work_dir, prefix="proxy-bench-") as tmp:
@@ -257,13 +272,24 @@ def main(argv: list[str] | None = None) -> int:
 
                 return call
 
-            _progress(f"proxy at {url}: the same load through the openai client")
-            proxied = _run_clients(args.clients, args.calls, proxy_client)
+            callers = [proxy_client(i) for i in range(args.clients)]
+            direct_rounds, proxy_rounds = [], []
+            for r in range(args.rounds):
+                _progress(
+                    f"round {r + 1}/{args.rounds}: direct, {args.clients} in flight x {args.calls} calls, max_tokens {args.max_tokens}"
+                )
+                direct_rounds.append(_run_engine(engine, request, args.clients, args.calls))
+                _progress(f"round {r + 1}/{args.rounds}: proxy at {url}, the same load through the openai client")
+                proxy_rounds.append(_run_clients(callers, args.calls))
+                _progress(
+                    f"round {r + 1}: direct {direct_rounds[-1]['rps']:.1f} calls/s, proxy {proxy_rounds[-1]['rps']:.1f} calls/s"
+                )
+            engine.close()
             _progress(f"streamed calls of {args.stream_tokens} tokens, one at a time: time to first token")
             streamed, stream_calls = _time_to_first_token(openai, url, control, sessions, args.stream_tokens, args.ttft_calls)
             for started in sessions:  # the end call submits each session's last (held) completion
                 control(url, f"/rollbook/sessions/{started['session_id']}/end", {}, started["api_key"])
-            expected = args.clients * (args.calls + 1) + stream_calls
+            expected = args.clients * (args.rounds * args.calls + 1) + stream_calls
             deadline = time.monotonic() + 120
             with StoreClient(address) as client:
                 while True:
@@ -275,25 +301,36 @@ def main(argv: list[str] | None = None) -> int:
                 raise SystemExit(f"the store holds {stored} trajectories, expected {expected} (one per call)")
             _progress(f"store: {stored} trajectories, one per call (checked)")
         finally:
+            engine.close()  # its scheduler thread ends here, not while the interpreter exits
             if proxy is not None:
                 proxy.terminate()
                 proxy.wait(30)
             store.terminate()
             store.wait(60)
 
+    def median(rounds: list[dict], key: str, scale: float = 1.0) -> float:
+        return round(scale * statistics.median(r[key] for r in rounds), 2)
+
+    ratios = [p["rps"] / d["rps"] for d, p in zip(direct_rounds, proxy_rounds)]
     report = {
-        "direct_rps": round(direct["rps"], 2),
-        "proxy_rps": round(proxied["rps"], 2),
-        "proxy_over_direct_rps": round(proxied["rps"] / direct["rps"], 3),
-        "direct_latency_ms_mean": round(1000 * direct["latency_mean"], 2),
-        "proxy_latency_ms_mean": round(1000 * proxied["latency_mean"], 2),
-        "added_latency_ms_mean": round(1000 * (proxied["latency_mean"] - direct["latency_mean"]), 2),
-        "added_latency_ms_p50": round(1000 * (proxied["latency_p50"] - direct["latency_p50"]), 2),
+        "direct_rps": median(direct_rounds, "rps"),
+        "proxy_rps": median(proxy_rounds, "rps"),
+        "proxy_over_direct_rps": round(statistics.median(ratios), 3),
+        "proxy_over_direct_rps_all": [round(r, 3) for r in ratios],
+        "direct_latency_ms_mean": median(direct_rounds, "latency_mean", 1000),
+        "proxy_latency_ms_mean": median(proxy_rounds, "latency_mean", 1000),
+        "added_latency_ms_mean": round(
+            1000 * statistics.median(p["latency_mean"] - d["latency_mean"] for d, p in zip(direct_rounds, proxy_rounds)), 2
+        ),
+        "added_latency_ms_p50": round(
+            1000 * statistics.median(p["latency_p50"] - d["latency_p50"] for d, p in zip(direct_rounds, proxy_rounds)), 2
+        ),
         **streamed,
-        "direct_tokens_per_call": round(direct["tokens_per_call"], 2),
-        "proxy_tokens_per_call": round(proxied["tokens_per_call"], 2),
+        "direct_tokens_per_call": round(statistics.fmean(r["tokens_per_call"] for r in direct_rounds), 2),
+        "proxy_tokens_per_call": round(statistics.fmean(r["tokens_per_call"] for r in proxy_rounds), 2),
         "clients": args.clients,
         "calls_per_client": args.calls,
+        "rounds": args.rounds,
         "max_tokens": args.max_tokens,
         "stored_trajectories": stored,
         "model": {"hidden_size": engine_model.config.hidden_size, "num_layers": engine_model.config.num_hidden_layers},

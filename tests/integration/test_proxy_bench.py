@@ -25,6 +25,8 @@ def test_the_proxy_bench_prints_one_json_line_with_both_sides(tmp_path):
             "2",
             "--calls",
             "3",
+            "--rounds",
+            "2",
             "--max-tokens",
             "4",
             "--stream-tokens",
@@ -44,8 +46,9 @@ def test_the_proxy_bench_prints_one_json_line_with_both_sides(tmp_path):
     report = json.loads(line)
     for key in ("direct_rps", "proxy_rps", "proxy_over_direct_rps", "direct_latency_ms_mean", "proxy_latency_ms_mean"):
         assert report[key] > 0, key
+    assert len(report["proxy_over_direct_rps_all"]) == report["rounds"] == 2
     assert "added_latency_ms_mean" in report and "added_latency_ms_p50" in report
     assert 0 < report["ttft_over_call"] <= 1 and report["stream_calls_timed"] == 2
     # one per call, warm-ups and streamed calls included (the bench checks the exact count itself)
-    assert report["stored_trajectories"] >= 2 * (3 + 1) + 2
+    assert report["stored_trajectories"] >= 2 * (2 * 3 + 1) + 2
     assert "one per call (checked)" in done.stderr
