@@ -9,14 +9,16 @@ DuckDB ``INSERT ... SELECT`` from ``range(N)``, the store's own schema, 64 outpu
 default: groups of 8 of one model, rewarded, normalized, each row leased once and acked, as a run
 leaves them; seconds per million rows). Its ids are hex digests, spread over the whole range the
 fresh rows' ids fall in (as uuids are), so no query skips the history by an id's zone map. It then
-starts a real ``rollbook serve`` on the file and, ``--repeats``
-times: submits ``--batch`` fresh rewarded trajectories (whole groups, through the client) and times
-the ``PullBatch`` that leases exactly them (settle, stale rules, whole groups, normalization, the
-lease rows, Arrow over gRPC) and its ``AckBatch``. Then the ingest rate: ``--ingest`` more fresh
-trajectories streamed by one client as a worker does (batches of 64, a few in flight; the file
-synced to disk first, so its writeback does not land on the store's fsyncs): ``ingest_tok_s`` until every batch is
-acknowledged (validated, durable), ``ingest_folded_tok_s`` until a ``GetStats`` after them has folded
-the rest into DuckDB, settled them and counted every row (the count must match).
+starts a real ``rollbook serve`` on each file (the file synced to disk first, so its writeback does
+not land on the store's fsyncs; every history's store up at once) and, ``--repeats`` rounds, each
+history in turn, a different one first each round (so a stretch in which the machine is slower
+slows every history's pulls alike): submits ``--batch`` fresh rewarded trajectories (whole groups,
+through the client) and times the ``PullBatch`` that leases exactly them (settle, stale rules, whole
+groups, normalization, the lease rows, Arrow over gRPC) and its ``AckBatch``. Then, one history
+after another, the ingest rate: ``--ingest`` more fresh trajectories streamed by one client as a
+worker does (batches of 64, a few in flight): ``ingest_tok_s`` until every batch is acknowledged
+(validated, durable), ``ingest_folded_tok_s`` until a ``GetStats`` after them has folded the rest
+into DuckDB, settled them and counted every row (the count must match).
 
 Reported per history: ``pull_ms`` and ``ack_ms`` (medians), the two ingest rates; and across histories
 ``pull_ms_per_10x`` (the largest ratio of pull latency between a history and one a tenth of it, the
@@ -39,6 +41,7 @@ import tempfile
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+KEYS = {"trainer_key": "bench-trainer", "admin_key": "bench-admin"}
 _T0 = time.monotonic()
 
 
@@ -113,84 +116,124 @@ def fabricate(db: pathlib.Path, num: int, output_tokens: int, *, model_id: str, 
     con.close()
 
 
-def measure(num: int, args: argparse.Namespace, work: pathlib.Path) -> dict:
-    from bench.ingest import MODEL_ID, VERSIONS, VOCAB_SIZE, make_trajectories, start_store
-    from rollbook.client import StoreClient
+class History:
+    """One fabricated ledger served by its own ``rollbook serve``, and what was measured on it."""
 
-    run_dir = work / f"history-{num}"
-    shutil.rmtree(run_dir, ignore_errors=True)
-    run_dir.mkdir(parents=True)
-    db = run_dir / "rollbook.duckdb"
-    t0 = time.perf_counter()
-    fabricate(db, num, args.output_tokens, model_id=MODEL_ID, vocab_size=VOCAB_SIZE, versions=VERSIONS)
-    fabricate_s = time.perf_counter() - t0
-    os.sync()  # the fabricated file on disk: its writeback would otherwise land on the store's fsyncs
-    env = {k: v for k, v in os.environ.items() if not (k.startswith("ROLLBOOK_") and k.endswith("_KEY"))}
-    keys = {"trainer_key": "bench-trainer", "admin_key": "bench-admin"}
-    env.update({f"ROLLBOOK_{k.upper()}": v for k, v in keys.items()})
-    server, address = start_store(db, env)
-    _progress(f"history {num:,}: store up at {address} ({db.stat().st_size / 2**20:,.0f} MiB file)")
-    pulls, acks = [], []
-    try:
-        with StoreClient(address, **keys) as client:
-            for r in range(args.repeats + 1):  # round 0 warms up
-                fresh = make_trajectories(args.batch, args.output_tokens, worker=r, run=f"pull-{r}")
-                result = client.submit(fresh)
-                if result.accepted != args.batch:
-                    raise RuntimeError(f"history {num}: {result.accepted}/{args.batch} accepted")
-                started = time.perf_counter()
-                batch = client.pull_batch(
-                    trainer_id="bench",
-                    trainer_version=VERSIONS[-1],
-                    max_staleness=len(VERSIONS),
-                    num_samples=args.batch,
-                    step=1_000_000 + r,
-                    model_id=MODEL_ID,
-                )
-                pulled = time.perf_counter()
-                client.ack_batch(batch.lease_id, "bench")
-                acked = time.perf_counter()
-                served = set(batch.table.column("trajectory_id").to_pylist())
-                if served != {t.trajectory_id for t in fresh}:
-                    raise RuntimeError(f"history {num}: the pull served {len(served)} rows, not the {args.batch} submitted")
-                if r:
-                    pulls.append(pulled - started)
-                    acks.append(acked - pulled)
-            fresh = make_trajectories(args.ingest, args.output_tokens, worker=10_000, run="ingest")
+    def __init__(self, num: int, args: argparse.Namespace, work: pathlib.Path) -> None:
+        from bench.ingest import MODEL_ID, VERSIONS, VOCAB_SIZE, start_store
+
+        self.num = num
+        self.run_dir = work / f"history-{num}"
+        shutil.rmtree(self.run_dir, ignore_errors=True)
+        self.run_dir.mkdir(parents=True)
+        self.db = self.run_dir / "rollbook.duckdb"
+        t0 = time.perf_counter()
+        fabricate(self.db, num, args.output_tokens, model_id=MODEL_ID, vocab_size=VOCAB_SIZE, versions=VERSIONS)
+        self.fabricate_s = time.perf_counter() - t0
+        os.sync()  # the fabricated file on disk: its writeback would otherwise land on the store's fsyncs
+        env = {k: v for k, v in os.environ.items() if not (k.startswith("ROLLBOOK_") and k.endswith("_KEY"))}
+        env.update({f"ROLLBOOK_{k.upper()}": v for k, v in KEYS.items()})
+        self.server, self.address = start_store(self.db, env)
+        _progress(f"history {num:,}: store up at {self.address} ({self.db.stat().st_size / 2**20:,.0f} MiB file)")
+        self.pulls: list[float] = []
+        self.acks: list[float] = []
+        self.row: dict = {}
+
+    def pull(self, r: int, args: argparse.Namespace) -> None:
+        """Submit a batch of fresh rewarded groups, then time the pull that leases exactly them and its
+        ack (``r`` 0 warms up and is not kept)."""
+        from bench.ingest import MODEL_ID, VERSIONS, make_trajectories
+        from rollbook.client import StoreClient
+
+        with StoreClient(self.address, **KEYS) as client:
+            fresh = make_trajectories(args.batch, args.output_tokens, worker=r, run=f"pull-{r}")
+            result = client.submit(fresh)
+            if result.accepted != args.batch:
+                raise RuntimeError(f"history {self.num}: {result.accepted}/{args.batch} accepted")
             started = time.perf_counter()
-            result = client.submit(fresh, batch_size=64)  # as a worker streams: batches of 64, a few in flight
-            acked_s = time.perf_counter() - started
-            if result.accepted != args.ingest:
-                raise RuntimeError(f"history {num}: {result.accepted}/{args.ingest} accepted")
-            stats = client.stats()  # folds what is left of them into DuckDB and settles, then counts
-            folded_s = time.perf_counter() - started
-            expected = num + (args.repeats + 1) * args.batch + args.ingest
-            if stats.accepted != expected:
-                raise RuntimeError(f"history {num}: the store counts {stats.accepted} accepted rows, not {expected}")
+            batch = client.pull_batch(
+                trainer_id="bench",
+                trainer_version=VERSIONS[-1],
+                max_staleness=len(VERSIONS),
+                num_samples=args.batch,
+                step=1_000_000 + r,
+                model_id=MODEL_ID,
+            )
+            pulled = time.perf_counter()
+            client.ack_batch(batch.lease_id, "bench")
+            acked = time.perf_counter()
+        served = set(batch.table.column("trajectory_id").to_pylist())
+        if served != {t.trajectory_id for t in fresh}:
+            raise RuntimeError(f"history {self.num}: the pull served {len(served)} rows, not the {args.batch} submitted")
+        if r:
+            self.pulls.append(pulled - started)
+            self.acks.append(acked - pulled)
+
+    def ingest(self, args: argparse.Namespace) -> None:
+        """Stream ``--ingest`` fresh trajectories as a worker does; then stop the store and report."""
+        from bench.ingest import make_trajectories
+        from rollbook.client import StoreClient
+
+        try:
+            with StoreClient(self.address, **KEYS) as client:
+                fresh = make_trajectories(args.ingest, args.output_tokens, worker=10_000, run="ingest")
+                started = time.perf_counter()
+                result = client.submit(fresh, batch_size=64)  # as a worker streams: batches of 64, a few in flight
+                acked_s = time.perf_counter() - started
+                if result.accepted != args.ingest:
+                    raise RuntimeError(f"history {self.num}: {result.accepted}/{args.ingest} accepted")
+                stats = client.stats()  # folds what is left of them into DuckDB and settles, then counts
+                folded_s = time.perf_counter() - started
+                expected = self.num + (args.repeats + 1) * args.batch + args.ingest
+                if stats.accepted != expected:
+                    raise RuntimeError(f"history {self.num}: the store counts {stats.accepted} accepted rows, not {expected}")
+        finally:
+            self.stop()
+        size_mib = self.db.stat().st_size / 2**20
+        shutil.rmtree(self.run_dir, ignore_errors=True)
+        self.row = {
+            "history": self.num,
+            "file_mib": round(size_mib),
+            "fabricate_s": round(self.fabricate_s, 1),
+            "pull_ms": round(statistics.median(self.pulls) * 1000, 1),
+            "pull_ms_all": [round(p * 1000, 1) for p in self.pulls],
+            "ack_ms": round(statistics.median(self.acks) * 1000, 1),
+            "ingest_tok_s": round(args.ingest * args.output_tokens / acked_s),
+            "ingest_folded_tok_s": round(args.ingest * args.output_tokens / folded_s),
+        }
+        _progress(f"history {self.num:,}: {json.dumps(self.row)}")
+
+    def stop(self) -> None:
+        if self.server.poll() is None:
+            self.server.send_signal(signal.SIGTERM)
+            self.server.wait(timeout=300)
+
+
+def measure(args: argparse.Namespace, work: pathlib.Path) -> list[dict]:
+    """Every history's store up at once; the pulls go round the histories, round after round, so a
+    machine that is slower for a while slows every history's pulls alike; then each ingest in turn."""
+    histories: list[History] = []
+    try:
+        for num in sorted(args.histories):
+            histories.append(History(num, args, work))
+        for r in range(args.repeats + 1):  # round 0 warms up
+            for h in histories[r % len(histories) :] + histories[: r % len(histories)]:  # each takes its turn first
+                h.pull(r, args)
+            if r:
+                _progress(f"round {r}/{args.repeats}: " + ", ".join(f"{h.num:,}: {1000 * h.pulls[-1]:.1f} ms" for h in histories))
+        for h in histories:
+            h.ingest(args)
     finally:
-        server.send_signal(signal.SIGTERM)
-        server.wait(timeout=300)
-    size_mib = db.stat().st_size / 2**20
-    shutil.rmtree(run_dir, ignore_errors=True)
-    row = {
-        "history": num,
-        "file_mib": round(size_mib),
-        "fabricate_s": round(fabricate_s, 1),
-        "pull_ms": round(statistics.median(pulls) * 1000, 1),
-        "pull_ms_all": [round(p * 1000, 1) for p in pulls],
-        "ack_ms": round(statistics.median(acks) * 1000, 1),
-        "ingest_tok_s": round(args.ingest * args.output_tokens / acked_s),
-        "ingest_folded_tok_s": round(args.ingest * args.output_tokens / folded_s),
-    }
-    _progress(f"history {num:,}: {json.dumps(row)}")
-    return row
+        for h in histories:
+            h.stop()
+    return [h.row for h in histories]
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     sys.path.insert(0, str(ROOT))  # bench.ingest
     with tempfile.TemporaryDirectory(prefix="pull-history-", dir=args.work_dir) as tmp:
-        rows = [measure(n, args, pathlib.Path(tmp)) for n in sorted(args.histories)]
+        rows = measure(args, pathlib.Path(tmp))
     by_history = {r["history"]: r for r in rows}
     ratios = [
         by_history[n]["pull_ms"] / by_history[n // 10]["pull_ms"] for n in by_history if n and n // 10 in by_history and n // 10
