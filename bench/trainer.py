@@ -27,7 +27,8 @@ the 0.5B shape (24 layers, hidden 896, 151,936-token vocabulary) from a config i
 ``whole_over_bare`` is what a user pays for the RL + MOPD step over the SFT step they know (target
 <= 1.3: a bare step plus the teacher's forward). ``step_over_bare`` is the loss machinery's share
 alone (target <= 1.15). The forward-only passes are timed apart, on the same micro-batches:
-``teacher_score_s`` (two teachers, domain routing: each scores only its half of the sequences) and
+``teacher_score_s`` (two teachers, domain routing: each scores only its half of the sequences, in
+micro-batches of its own domain, as the trainer packs a routed batch) and
 ``proximal_recompute_s``, the no-grad forward of the whole batch that a proximal recompute would be
 (the trainer runs none with one minibatch: the first minibatch's training forward gives it). The
 breakdown ``whole_shares`` divides ``whole_s`` into the student's forward + backward + AdamW
@@ -237,7 +238,7 @@ def make_batches(args: argparse.Namespace, torch, vocab: int):
     batches = pack_sequences(
         prompts, outputs, max_tokens=args.max_tokens, behavior_logprobs=behavior, advantages=advantages, temperatures=[1.0] * n
     )
-    domain_of = ["a" if i % 2 == 0 else "b" for i in range(n)]
+    domain_of = ["a" if i < n // 2 else "b" for i in range(n)]  # each micro-batch one teacher's, as the trainer packs them
     domains = [[domain_of[i] for i in b.sequence_ids.tolist()] for b in batches]
     table = pa.table(
         {

@@ -584,14 +584,25 @@ class Trainer:
         return losses.combined_loss(rl, distill, rl_coef=cfg.rl_coef, distill_coef=cfg.distill_coef)
 
     def _micro_batches(self, rows: _Rows, seqs: Sequence[int] | np.ndarray):
-        """(sequence ids, token indices [T], PackedMicroBatch) per packed micro-batch of ``seqs``."""
+        """(sequence ids, token indices [T], PackedMicroBatch) per packed micro-batch of ``seqs``.
+
+        With a teacher that routes by domain (``DomainRouter.route``) and distillation on, each
+        route's sequences are packed apart, so every micro-batch goes to one teacher as it is: the
+        teacher scores the student's own packing (routing a mixed micro-batch re-packs each teacher's
+        share and runs one smaller forward per teacher). It costs at most one part-filled micro-batch
+        per route beyond the rest."""
         seqs = list(seqs)
-        packs = pack_sequences(
-            [rows.prompts[s] for s in seqs], [rows.outputs[s] for s in seqs], max_tokens=self.config.micro_batch_tokens
-        )
-        for packed in packs:
-            members = [seqs[i] for i in packed.sequence_ids.tolist()]
-            yield members, rows.token_slice(members), packed
+        route = getattr(self.teacher, "route", None) if self.config.loss.distill_coef > 0 else None
+        parts: dict[object, list[int]] = {}
+        for s in seqs:
+            parts.setdefault(route(rows.domains[s]) if route is not None else None, []).append(s)
+        for part in parts.values():
+            packs = pack_sequences(
+                [rows.prompts[s] for s in part], [rows.outputs[s] for s in part], max_tokens=self.config.micro_batch_tokens
+            )
+            for packed in packs:
+                members = [part[i] for i in packed.sequence_ids.tolist()]
+                yield members, rows.token_slice(members), packed
 
     @torch.no_grad()
     def _recompute_proximal(self, rows: _Rows, seqs: Sequence[int], out: torch.Tensor) -> None:

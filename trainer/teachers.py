@@ -127,17 +127,27 @@ class DomainRouter:
             route_of[tokens], local[tokens] = r, torch.arange(len(tokens))
         return _RoutedRows(parts, route_of, local)
 
+    def route(self, domain: str) -> int:
+        """Which teacher scores ``domain`` (an id, equal for domains one teacher scores). The trainer
+        packs each route's sequences into micro-batches of their own, so that a micro-batch goes to
+        one teacher whole, with no re-packing."""
+        return id(self._teacher_of(domain))
+
+    def _teacher_of(self, domain: str) -> TeacherScorer:
+        teacher = self.teachers.get(domain, self.default)
+        if teacher is None:
+            raise ValueError(
+                f"no teacher for domain {domain!r} (teachers: {sorted(self.teachers)}) and no default; "
+                "add the domain or pass default="
+            )
+        return teacher
+
     def _routes(self, packed: PackedMicroBatch, domains: Sequence[str]) -> list[tuple[TeacherScorer, list[int]]]:
         """(teacher, its sequences in order) for each teacher that has any."""
         _check_domains(packed, domains)
         routes: dict[int, tuple[TeacherScorer, list[int]]] = {}  # keyed by id: scorers need not hash
         for i, domain in enumerate(domains):
-            teacher = self.teachers.get(domain, self.default)
-            if teacher is None:
-                raise ValueError(
-                    f"no teacher for domain {domain!r} (teachers: {sorted(self.teachers)}) and no default; "
-                    "add the domain or pass default="
-                )
+            teacher = self._teacher_of(domain)
             routes.setdefault(id(teacher), (teacher, []))[1].append(i)
         return list(routes.values())
 

@@ -211,6 +211,51 @@ def test_sequence_mean_weighs_every_sequence_alike_and_micro_batches_do_not_chan
     assert not torch.allclose(grads(), whole, rtol=1e-2, atol=1e-6)
 
 
+def test_domain_routed_teachers_score_micro_batches_of_one_route_and_the_step_is_unchanged(tmp_path):
+    """With a DomainRouter, each route's sequences are packed apart: every micro-batch the teacher
+    scores is one teacher's (none is re-packed), and the step's gradient is the one mixed packing gives."""
+    from rollbook.trainer.loop import _Rows
+    from rollbook.trainer.teachers import DomainRouter, LocalTeacher
+
+    table = _mixed_lengths(seed=11, lengths=(30, 12, 25, 18))
+    table = table.set_column(table.schema.get_field_index("domain"), "domain", pa.array(["x", "y", "x", "y"]))
+    scored: list[list[str]] = []
+
+    class Recording(DomainRouter):
+        def score(self, packed, domains):
+            scored.append(list(domains))
+            return super().score(packed, domains)
+
+    def grads(routed: bool):
+        config = TrainerConfig(
+            run_dir=str(tmp_path),
+            num_steps=1,
+            num_samples=4,
+            model={"vocab_size": 32},
+            grad_clip=1e6,
+            micro_batch_tokens=80,
+            loss={"distill_coef": 1.0, "distill_estimator": "sampled"},
+        )
+        teachers = {
+            d: LocalTeacher(build_tiny_model(TinyModelSpec(vocab_size=32), seed=seed)) for d, seed in (("x", 7), ("y", 8))
+        }
+        router = Recording(teachers)
+        if not routed:
+            router.route = None  # type: ignore[method-assign]  # as a teacher that does not route
+        torch.manual_seed(0)
+        trainer = Trainer(config, FakeStore(), model=build_tiny_model(TinyModelSpec(vocab_size=32)), teacher=router)
+        scored.clear()
+        trainer.update(_Rows.from_table(table))
+        return torch.cat([p.grad.flatten() for p in trainer.model.parameters() if p.grad is not None]), list(scored)
+
+    grouped, grouped_scored = grads(routed=True)
+    assert grouped_scored and all(len(set(d)) == 1 for d in grouped_scored)
+    assert sorted(d for ds in grouped_scored for d in ds) == ["x", "x", "y", "y"]
+    mixed, mixed_scored = grads(routed=False)
+    assert any(len(set(d)) > 1 for d in mixed_scored)  # the packing the grouping replaces mixes them
+    torch.testing.assert_close(grouped, mixed, rtol=1e-4, atol=1e-7)
+
+
 def test_the_mopd_term_aggregates_on_its_own_and_micro_batches_do_not_change_the_step(tmp_path):
     """loss.distill_aggregation = "token_mean" beside aggregation = "sequence_mean": the step's gradient
     is the sequence-mean RL gradient plus the token-mean MOPD gradient (each measured alone), in one
