@@ -119,7 +119,7 @@ def _loop(config: WorkerConfig, stop: threading.Event, channel, engine, worker) 
         Submitter(client, Spool(config.spool_dir, max_bytes=config.spool_max_bytes)) as sub,
     ):
         contract = TrainerContract(client, config, gate)
-        contract.wait_for_announcement(stop, CONTRACT_WAIT_S)
+        contract.wait_for_announcement(stop, config.announcement_wait_s)
         while not stop.is_set() and (config.max_rounds == 0 or rounds < config.max_rounds):
             if worker.exhausted:
                 log.info("dataset epochs done after %d rounds: stopping", rounds)
@@ -178,7 +178,6 @@ def _loop(config: WorkerConfig, stop: threading.Event, channel, engine, worker) 
     return stats
 
 
-CONTRACT_WAIT_S = 5.0  # at start, how long to wait for the trainer's announcement before the first round
 CONTRACT_RECHECK_S = 1.0  # while the store has no announcement, ask again at most this often
 
 

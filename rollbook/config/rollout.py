@@ -298,6 +298,12 @@ class WorkerConfig(BaseModel):
     spool_dir: str = Field("runs/default/spool", description="Local spool for trajectories while the store is unreachable.")
     spool_max_bytes: int = Field(256 << 20, ge=1 << 16, description="Spool bound; admission stops when it is full.")
     first_weights_timeout_s: float = Field(300.0, gt=0, description="How long to wait for the first published weights.")
+    announcement_wait_s: float = Field(
+        5.0,
+        ge=0,
+        description="At start, how long to wait for the trainer's staleness announcement (its max_staleness and "
+        "samples_per_version) before the first round; without one the worker runs on its own rollout.max_staleness.",
+    )
     max_rounds: int = Field(0, ge=0, description="Stop after this many rollout rounds (0 = until signalled).")
     max_idle_s: float = Field(
         600.0,

@@ -413,6 +413,8 @@ def test_rollout_stops_after_max_rounds_and_when_the_gate_stays_closed(store, tm
         "4",
         "--log_every",
         "1",
+        "--announcement_wait_s",
+        "0",  # no trainer announces here: do not wait for one
     ]
     try:
         done = _rollbook(
