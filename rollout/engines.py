@@ -203,6 +203,14 @@ def build_engine(
     return native_engine(place(source, rollout.device, rollout.dtype), rollout, version=version)
 
 
+def close_engine(engine: object) -> None:
+    """Close ``engine`` if it can be closed: a native engine's scheduler thread (an engine process's
+    child) ends here, not while the interpreter exits; the vLLM engine has no ``close``."""
+    close = getattr(engine, "close", None)
+    if close is not None:
+        close()
+
+
 def install_snapshot(engine: GenerationEngine, snapshot: WeightSnapshot) -> None:
     """Install a weight channel's version: the native engine copies it into its model between decode
     steps; vLLM gets a copy of the tensors (the channel's views are reused two versions later). A

@@ -67,7 +67,7 @@ def run_worker(
     of the first weights once the engine holds them (a launcher's barrier: rollbook/run/ray_cluster.py)."""
     import torch
 
-    from rollbook.rollout.engines import build_engine, install_snapshot
+    from rollbook.rollout.engines import build_engine, close_engine, install_snapshot
     from rollbook.rollout.worker import RolloutWorker, registered_vocab_size, use_model_stops, use_model_tokenizer
 
     torch.set_num_threads(1)
@@ -96,9 +96,7 @@ def run_worker(
         return _loop(config, stop, channel, engine, worker)
     finally:
         worker.close()
-        close = getattr(engine, "close", None)
-        if close is not None:  # the scheduler thread (or engine process) ends here, not at interpreter exit
-            close()
+        close_engine(engine)
 
 
 def _loop(config: WorkerConfig, stop: threading.Event, channel, engine, worker) -> dict:

@@ -22,32 +22,37 @@ log = logging.getLogger("rollbook.run")
 
 
 def run_colocated(config: RunConfig, client) -> dict:
-    from rollbook.rollout.engines import build_engine
+    import contextlib
+
+    from rollbook.rollout.engines import build_engine, close_engine
     from rollbook.rollout.worker import RolloutWorker
     from rollbook.trainer.loop import Trainer
     from rollbook.trainer.model_builders import build_models
 
     student, teacher = build_models(config)
     release_kv = config.trainer.offload_optimizer
-    engine = build_engine(config.trainer.model, config.rollout, version=0, weights=student, releases_memory=release_kv)
-    worker = RolloutWorker(engine, config.rollout, model_id=config.trainer.model_id)
-    if not config.gate.enabled:
-        trainer = Trainer(config.trainer, client, model=student, teacher=teacher, publishers=[EngineHandoff(engine)])
-        trainer.start()
-        return drive_run(config, trainer, Colocated(worker, client, trainer=trainer, release_kv=release_kv))
-    from rollbook.rollout.engines import native_engine
-    from rollbook.run.driving import engine_copy, say
-    from rollbook.run.gate import EngineRollout, build_gate, trainer_publishers
+    with contextlib.ExitStack() as closing:  # engines and reward processes end with the run, not at interpreter exit
+        engine = build_engine(config.trainer.model, config.rollout, version=0, weights=student, releases_memory=release_kv)
+        closing.callback(close_engine, engine)
+        worker = closing.enter_context(RolloutWorker(engine, config.rollout, model_id=config.trainer.model_id))
+        if not config.gate.enabled:
+            trainer = Trainer(config.trainer, client, model=student, teacher=teacher, publishers=[EngineHandoff(engine)])
+            trainer.start()
+            return drive_run(config, trainer, Colocated(worker, client, trainer=trainer, release_kv=release_kv))
+        from rollbook.rollout.engines import native_engine
+        from rollbook.run.driving import engine_copy, say
+        from rollbook.run.gate import EngineRollout, build_gate, trainer_publishers
 
-    evaluator = native_engine(engine_copy(student, config.rollout), config.rollout, version=0)
-    publishers = trainer_publishers(EngineHandoff(evaluator))
-    trainer = Trainer(config.trainer, client, model=student, teacher=teacher, publishers=publishers)
-    trainer.start()
-    gate = build_gate(config, trainer, client, EngineRollout(engine), evaluator, say=say)
-    gate.start()
-    judge = RolloutWorker(evaluator, config.rollout, model_id=config.trainer.model_id)
-    placement = Colocated(worker, client, trainer=trainer, release_kv=release_kv, gate=gate, judge=judge)
-    return drive_run(config, trainer, placement)
+        evaluator = native_engine(engine_copy(student, config.rollout), config.rollout, version=0)
+        closing.callback(close_engine, evaluator)
+        publishers = trainer_publishers(EngineHandoff(evaluator))
+        trainer = Trainer(config.trainer, client, model=student, teacher=teacher, publishers=publishers)
+        trainer.start()
+        gate = build_gate(config, trainer, client, EngineRollout(engine), evaluator, say=say)
+        gate.start()
+        judge = closing.enter_context(RolloutWorker(evaluator, config.rollout, model_id=config.trainer.model_id))
+        placement = Colocated(worker, client, trainer=trainer, release_kv=release_kv, gate=gate, judge=judge)
+        return drive_run(config, trainer, placement)
 
 
 class Colocated(Placement):

@@ -207,7 +207,7 @@ def describe(manifest: dict[str, Any]) -> str:
 def run_from_ledger(config: RunConfig, client) -> dict:
     """Train on the seeded ledger (the module's docstring) to ``num_steps`` or until its rows are all
     trained; returns the held-out evaluations before the first and after the last step."""
-    from rollbook.rollout.engines import build_engine
+    from rollbook.rollout.engines import build_engine, close_engine
     from rollbook.rollout.worker import RolloutWorker
     from rollbook.run.driving import EngineHandoff
     from rollbook.trainer.loop import Trainer
@@ -216,10 +216,13 @@ def run_from_ledger(config: RunConfig, client) -> dict:
     manifest = json.loads((pathlib.Path(config.run_dir) / MANIFEST).read_text())
     student, teacher = build_models(config)
     engine = build_engine(config.trainer.model, config.rollout, version=0, weights=student)
-    judge = RolloutWorker(engine, config.rollout, model_id=config.trainer.model_id)
-    trainer = Trainer(config.trainer, client, model=student, teacher=teacher, publishers=[EngineHandoff(engine)])
-    trainer.start()
-    return drive_replay(config, trainer, FromLedger(judge, client, manifest["seeded"]["total_rows"]))
+    try:
+        with RolloutWorker(engine, config.rollout, model_id=config.trainer.model_id) as judge:
+            trainer = Trainer(config.trainer, client, model=student, teacher=teacher, publishers=[EngineHandoff(engine)])
+            trainer.start()
+            return drive_replay(config, trainer, FromLedger(judge, client, manifest["seeded"]["total_rows"]))
+    finally:
+        close_engine(engine)  # its scheduler thread ends with the run, not at interpreter exit
 
 
 class FromLedger(Placement):

@@ -128,6 +128,7 @@ def serve(config: ProxyConfig, stop: threading.Event | None = None) -> None:
     admin_key, worker_key = env.role_key("admin"), env.role_key("worker")
     check_exposure(config, admin_key, worker_key)  # before anything slow is imported
     from rollbook.client import StoreClient
+    from rollbook.rollout.engines import close_engine
 
     engine = build_engine(config)
     client = StoreClient.from_env(config.server)
@@ -144,6 +145,4 @@ def serve(config: ProxyConfig, stop: threading.Event | None = None) -> None:
     finally:
         server.stop()
         client.close()
-        close = getattr(engine, "close", None)
-        if close is not None:  # an engine process ends with it
-            close()
+        close_engine(engine)  # an engine process ends with it
