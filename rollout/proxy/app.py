@@ -111,13 +111,17 @@ def create_app(proxy: Proxy):
         deliver(not await request.is_disconnected())
         return JSONResponse(payload, headers={"x-rollbook-turn": str(payload["rollbook"]["turn"])})
 
-    @app.post("/v1/chat/completions")
+    # The two completion endpoints are plain Starlette routes: they read and answer the request
+    # themselves, and FastAPI's per-call work around an endpoint (its dependency and response
+    # handling) is CPU that every call takes from the engine on a small machine.
     async def chat_completions(request: Request):
         return await completion("chat", request)
 
-    @app.post("/v1/completions")
     async def completions(request: Request):
         return await completion("text", request)
+
+    app.add_route("/v1/chat/completions", chat_completions, methods=["POST"])
+    app.add_route("/v1/completions", completions, methods=["POST"])
 
     @app.get("/v1/models")
     async def models(request: Request):
