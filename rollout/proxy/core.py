@@ -60,7 +60,11 @@ class Proxy:
             idle_ttl_s=config.idle_session_ttl_s,
         )
         self.submitter = SubmitQueue(
-            client, batch_size=config.submit_batch_size, spool_dir=config.spool_dir, spool_max_bytes=config.spool_max_bytes
+            client,
+            batch_size=config.submit_batch_size,
+            linger_s=config.submit_linger_s,
+            spool_dir=config.spool_dir,
+            spool_max_bytes=config.spool_max_bytes,
         )
         self.gate = Gate(config.max_concurrent, config.max_waiting, config.admission_wait_s)
         self.pool = concurrent.futures.ThreadPoolExecutor(config.max_concurrent, thread_name_prefix="proxy-engine")

@@ -356,7 +356,7 @@ class SubmitQueue:
         client: StoreClient,
         *,
         batch_size: int = 64,
-        linger_s: float = 0.01,
+        linger_s: float = 0.05,
         spool_dir: str | None = None,
         spool_max_bytes: int = 256 << 20,
     ):
