@@ -16,6 +16,10 @@ proxy, driven by the official ``openai`` client, in the same run with the same c
 - ``added_latency_ms_mean`` / ``added_latency_ms_p50``: proxy minus direct, per call;
   ``proxy_over_direct_rps``: the throughput ratio. ``*_tokens_per_call``: generation stops at
   ``<eos>`` in both, so the work per call is the same in distribution; compare it too.
+- ``proxy_phase_cpu_cores``: the CPU cores each process used while the proxy served (median over
+  rounds, from ``/proc``; null where there is none): its engine process (``null`` with
+  ``--engine-in-proxy``), the proxy, the store, and the clients (this process's threads, the direct
+  engine idle then). On a small machine they share the cores the engine decodes on.
 - ``ttft_ms_mean`` / ``stream_call_ms_mean`` / ``ttft_over_call``: then, with the proxy otherwise
   idle, streamed calls (``stream=True``, ``max_tokens`` ``--stream-tokens``) one after another
   until ``--ttft-calls`` of them produced exactly ``--stream-tokens`` tokens (the untrained model
@@ -69,6 +73,47 @@ def _start(args: list[str], env: dict, log: pathlib.Path, prefix: str = "listeni
         proc.kill()
         raise SystemExit(f"{args[0]} did not start: {line!r}\n{log.read_text(errors='replace')[-2000:]}")
     return proc, line.removeprefix(prefix).strip()
+
+
+def _cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds of process ``pid`` (every thread) from ``/proc``; None where there is none."""
+    try:
+        fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (the proxy's engine process)."""
+    found = []
+    for stat in pathlib.Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(stat.parent.name))
+        except (OSError, IndexError, ValueError):
+            continue
+    return found
+
+
+class _CpuMeter:
+    """CPU cores each named group of processes used while ``measure`` ran (None without ``/proc``)."""
+
+    def __init__(self, groups: dict[str, list[int]]) -> None:
+        self.groups = groups
+
+    def measure(self, fn: Callable[[], dict]) -> dict:
+        before = {name: [_cpu_seconds(p) for p in pids] for name, pids in self.groups.items()}
+        t0 = time.perf_counter()
+        result = fn()
+        elapsed = time.perf_counter() - t0
+        cores: dict[str, float | None] = {}
+        for name, pids in self.groups.items():
+            after = [_cpu_seconds(p) for p in pids]
+            pairs = list(zip(before[name], after))
+            ok = pairs and all(a is not None and b is not None for a, b in pairs)
+            cores[name] = sum(b - a for a, b in pairs) / elapsed if ok else None  # type: ignore[operator]
+        return {**result, "cpu_cores": cores}
 
 
 def _run_clients(callers: list[Callable[[], int]], calls: int) -> dict:
@@ -273,6 +318,10 @@ def main(argv: list[str] | None = None) -> int:
                 return call
 
             callers = [proxy_client(i) for i in range(args.clients)]
+            # CPU per process while the proxy serves (the clients are this process's threads then)
+            meter = _CpuMeter(
+                {"engine": _children(proxy.pid), "proxy": [proxy.pid], "store": [store.pid], "clients": [os.getpid()]}
+            )
             direct_rounds, proxy_rounds = [], []
             for r in range(args.rounds):
                 _progress(
@@ -280,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 direct_rounds.append(_run_engine(engine, request, args.clients, args.calls))
                 _progress(f"round {r + 1}/{args.rounds}: proxy at {url}, the same load through the openai client")
-                proxy_rounds.append(_run_clients(callers, args.calls))
+                proxy_rounds.append(meter.measure(lambda: _run_clients(callers, args.calls)))
                 _progress(
                     f"round {r + 1}: direct {direct_rounds[-1]['rps']:.1f} calls/s, proxy {proxy_rounds[-1]['rps']:.1f} calls/s"
                 )
@@ -325,6 +374,12 @@ def main(argv: list[str] | None = None) -> int:
         "added_latency_ms_p50": round(
             1000 * statistics.median(p["latency_p50"] - d["latency_p50"] for d, p in zip(direct_rounds, proxy_rounds)), 2
         ),
+        "proxy_phase_cpu_cores": {
+            name: None
+            if any(r["cpu_cores"][name] is None for r in proxy_rounds)
+            else round(statistics.median(r["cpu_cores"][name] for r in proxy_rounds), 3)
+            for name in proxy_rounds[0]["cpu_cores"]
+        },
         **streamed,
         "direct_tokens_per_call": round(statistics.fmean(r["tokens_per_call"] for r in direct_rounds), 2),
         "proxy_tokens_per_call": round(statistics.fmean(r["tokens_per_call"] for r in proxy_rounds), 2),

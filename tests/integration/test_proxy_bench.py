@@ -47,6 +47,9 @@ def test_the_proxy_bench_prints_one_json_line_with_both_sides(tmp_path):
     for key in ("direct_rps", "proxy_rps", "proxy_over_direct_rps", "direct_latency_ms_mean", "proxy_latency_ms_mean"):
         assert report[key] > 0, key
     assert len(report["proxy_over_direct_rps_all"]) == report["rounds"] == 2
+    cores = report["proxy_phase_cpu_cores"]
+    assert set(cores) == {"engine", "proxy", "store", "clients"}
+    assert all(v is not None and v >= 0 for v in cores.values()) and cores["proxy"] > 0, cores
     assert "added_latency_ms_mean" in report and "added_latency_ms_p50" in report
     assert 0 < report["ttft_over_call"] <= 1 and report["stream_calls_timed"] == 2
     # one per call, warm-ups and streamed calls included (the bench checks the exact count itself)
