@@ -186,6 +186,13 @@ def _mixed_lengths(seed: int, lengths: tuple[int, ...]) -> pa.Table:
     )
 
 
+def _one_step(tmp_path, **overrides) -> TrainerConfig:
+    """A one-step config on the 32-token tiny model, gradients unclipped (so they can be compared)."""
+    return TrainerConfig(
+        **{"run_dir": str(tmp_path), "num_steps": 1, "num_samples": 4, "model": {"vocab_size": 32}, "grad_clip": 1e6, **overrides}
+    )
+
+
 def test_sequence_mean_weighs_every_sequence_alike_and_micro_batches_do_not_change_the_step(tmp_path):
     """loss.aggregation = "sequence_mean": the step's gradient is the mean over sequences of each one's
     token-mean loss gradient, whether the batch is one micro-batch or one per sequence; token_mean's differs."""
@@ -227,15 +234,7 @@ def test_domain_routed_teachers_score_micro_batches_of_one_route_and_the_step_is
             return super().score(packed, domains)
 
     def grads(routed: bool):
-        config = TrainerConfig(
-            run_dir=str(tmp_path),
-            num_steps=1,
-            num_samples=4,
-            model={"vocab_size": 32},
-            grad_clip=1e6,
-            micro_batch_tokens=80,
-            loss={"distill_coef": 1.0, "distill_estimator": "sampled"},
-        )
+        config = _one_step(tmp_path, micro_batch_tokens=80, loss={"distill_coef": 1.0, "distill_estimator": "sampled"})
         teachers = {
             d: LocalTeacher(build_tiny_model(TinyModelSpec(vocab_size=32), seed=seed)) for d, seed in (("x", 7), ("y", 8))
         }
@@ -266,14 +265,8 @@ def test_the_mopd_term_aggregates_on_its_own_and_micro_batches_do_not_change_the
     table = _mixed_lengths(seed=5, lengths=(2, 40, 20, 60))
 
     def grads(micro_batch_tokens=None, **loss):
-        config = TrainerConfig(
-            run_dir=str(tmp_path),
-            num_steps=1,
-            num_samples=4,
-            model={"vocab_size": 32},
-            grad_clip=1e6,
-            loss={"adv_clip": 5.0, **loss},
-            **({"micro_batch_tokens": micro_batch_tokens} if micro_batch_tokens else {}),
+        config = _one_step(
+            tmp_path, loss={"adv_clip": 5.0, **loss}, **({"micro_batch_tokens": micro_batch_tokens} if micro_batch_tokens else {})
         )
         teacher = LocalTeacher(build_tiny_model(TinyModelSpec(vocab_size=32), seed=7))
         torch.manual_seed(0)
