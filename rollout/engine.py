@@ -281,6 +281,9 @@ class NativeEngine:
     """
 
     max_top_logprobs = MAX_TOP_LOGPROBS  # what GenerationRequest.top_logprobs may ask (the proxy reads it)
+    # called by the scheduler thread after each step and as it ends (an engine process sends what the
+    # step's callbacks produced from there: rollout/engine_process.py); set it before submitting
+    on_step_end: Callable[[], None] | None = None
 
     def __init__(
         self,
@@ -551,9 +554,15 @@ class NativeEngine:
     def _run(self) -> None:
         import torch
 
-        with torch.inference_mode():
-            while (step := self._next_step()) is not None:
-                self._run_step(step)
+        try:
+            with torch.inference_mode():
+                while (step := self._next_step()) is not None:
+                    self._run_step(step)
+                    if self.on_step_end is not None:
+                        self.on_step_end()
+        finally:
+            if self.on_step_end is not None:  # what the last boundary settled (a close, a failed update)
+                self.on_step_end()
 
     def _next_step(self) -> _Step | None:
         """At a step boundary: install due updates, admit into free slots, and say what runs next

@@ -15,9 +15,9 @@ vLLM's V1 server and SGLang split the same way (an API process and an engine-cor
 same reason. Here the decode loop runs in a child process; this process keeps the HTTP side.
 
 What crosses the pipe (``multiprocessing`` connection, pickled): a request when it is submitted;
-back, per scheduler burst, every sampled token of every streamed request and every finished result,
-batched into one message (a sender thread in the child drains what the engine produced since its
-last send). State dicts travel through PyTorch's shared-memory tensor pickling, not the pipe's bytes.
+back, per scheduler step, every sampled token of every streamed request and every finished result,
+batched into one message (sent by the child's scheduler thread at the end of the step, so no
+sender thread wakes per result and takes the interpreter lock from the decoding thread). State dicts travel through PyTorch's shared-memory tensor pickling, not the pipe's bytes.
 
 Lifetime: the child is a daemon started with ``spawn`` (CUDA-safe) and exits within a second of
 this process's death (``rollbook.lifetime.exit_with_parent``). If the child dies, every request in
@@ -244,7 +244,7 @@ def _materialize(weights: Callable[[Any], Any]) -> Mapping[str, Any]:
 
 def _serve(conn: Connection, build: Callable[[], Any], parent: int) -> None:
     """The child's main: build the engine, announce it, then run the parent's commands until the pipe
-    closes. Results and sampled tokens go back through one sender thread, batched."""
+    closes. Results and sampled tokens go back batched, once per scheduler step."""
     from rollbook.lifetime import exit_with_parent
 
     exit_with_parent(parent)
@@ -252,6 +252,10 @@ def _serve(conn: Connection, build: Callable[[], Any], parent: int) -> None:
         import torch
 
         engine = build()
+        if not hasattr(engine, "on_step_end"):
+            raise TypeError(
+                f"an engine process needs an engine that calls on_step_end after each step (NativeEngine), not {type(engine).__name__}"
+            )
         info = {
             "version": engine.version,
             "num_parameters": int(getattr(engine, "num_parameters", 0)),
@@ -264,6 +268,7 @@ def _serve(conn: Connection, build: Callable[[], Any], parent: int) -> None:
         return
     conn.send(("ready", info))
     outbox = _Outbox(conn)
+    engine.on_step_end = outbox.flush  # the scheduler thread sends what each step produced
     try:
         while True:
             try:
@@ -272,13 +277,14 @@ def _serve(conn: Connection, build: Callable[[], Any], parent: int) -> None:
                 break
             if message[0] == "submit":
                 _submit(engine, outbox, *message[1:])
-                continue
-            _, cid, method, args = message
-            try:
-                outbox.post(("reply", cid, None, getattr(engine, method)(*args)))
-            except BaseException as exc:
-                outbox.post(("reply", cid, _pack(exc), None))
-            if method == "close":
+            else:
+                _, cid, method, args = message
+                try:
+                    outbox.post(("reply", cid, None, getattr(engine, method)(*args)))
+                except BaseException as exc:
+                    outbox.post(("reply", cid, _pack(exc), None))
+            outbox.flush()  # what this thread posted (a reply, a refused request, what a call settled)
+            if message[0] == "call" and message[2] == "close":
                 break
     finally:
         engine.close()
@@ -302,42 +308,38 @@ def _submit(engine, outbox: _Outbox, rid: int, request: GenerationRequest, seed,
 
 
 class _Outbox:
-    """Messages for the parent, sent by one thread in batches: everything posted since the last send
-    goes in the next (one pickle and one write per scheduler burst instead of one per token)."""
+    """Messages for the parent, sent in batches: everything posted since the last ``flush`` goes in one
+    message (one pickle and one write per scheduler step instead of one per token). The engine's
+    scheduler thread flushes after each step (``NativeEngine.on_step_end``) and the command loop
+    after each command, so no thread of its own wakes for each result and takes the interpreter
+    lock from the decoding thread."""
 
     def __init__(self, conn: Connection) -> None:
         self._conn = conn
         self._items: list[tuple] = []
-        self._cond = threading.Condition()
-        self._closed = False
-        self._thread = threading.Thread(target=self._run, name="engine-outbox", daemon=True)
-        self._thread.start()
+        self._lock = threading.Lock()  # guards _items
+        self._send_lock = threading.Lock()  # one writer at a time, batches in the order they were taken
+        self._gone = False  # the parent's end is closed: nothing more is sent
 
     def post(self, item: tuple) -> None:
-        with self._cond:
+        with self._lock:
             self._items.append(item)
-            self._cond.notify()
 
-    def close(self) -> None:
-        with self._cond:
-            self._closed = True
-            self._cond.notify()
-        self._thread.join(30)
-        self._conn.close()
-
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                self._cond.wait_for(lambda: self._items or self._closed)
+    def flush(self) -> None:
+        with self._send_lock:
+            with self._lock:
                 items, self._items = self._items, []
-                closing = self._closed
-            if items:
+            if items and not self._gone:
                 try:
                     self._conn.send(items)
                 except (OSError, ValueError):  # the parent is gone
-                    return
-            if closing and not items:
-                return
+                    self._gone = True
+
+    def close(self) -> None:
+        self.flush()
+        with self._send_lock:
+            self._gone = True
+            self._conn.close()
 
 
 def _pack(exc: BaseException) -> tuple[BaseException, BaseException | None]:
