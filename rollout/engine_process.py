@@ -17,7 +17,8 @@ same reason. Here the decode loop runs in a child process; this process keeps th
 What crosses the pipe (``multiprocessing`` connection, pickled): a request when it is submitted;
 back, per scheduler step, every sampled token of every streamed request and every finished result,
 batched into one message (sent by the child's scheduler thread at the end of the step, so no
-sender thread wakes per result and takes the interpreter lock from the decoding thread). State dicts travel through PyTorch's shared-memory tensor pickling, not the pipe's bytes.
+sender thread wakes per result and takes the interpreter lock from the decoding thread). State
+dicts travel through PyTorch's shared-memory tensor pickling, not the pipe's bytes.
 
 Lifetime: the child is a daemon started with ``spawn`` (CUDA-safe) and exits within a second of
 this process's death (``rollbook.lifetime.exit_with_parent``). If the child dies, every request in
