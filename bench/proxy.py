@@ -75,10 +75,15 @@ def _start(args: list[str], env: dict, log: pathlib.Path, prefix: str = "listeni
     return proc, line.removeprefix(prefix).strip()
 
 
+def _stat(path: pathlib.Path) -> list[str]:
+    """The fields of a ``/proc/<pid>/stat`` after the command name (state, ppid, ...)."""
+    return path.read_text().rsplit(")", 1)[1].split()
+
+
 def _cpu_seconds(pid: int) -> float | None:
     """User + system CPU seconds of process ``pid`` (every thread) from ``/proc``; None where there is none."""
     try:
-        fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        fields = _stat(pathlib.Path(f"/proc/{pid}/stat"))
     except (OSError, IndexError):
         return None
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
@@ -89,7 +94,7 @@ def _children(pid: int) -> list[int]:
     found = []
     for stat in pathlib.Path("/proc").glob("[0-9]*/stat"):
         try:
-            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
+            if int(_stat(stat)[1]) == pid:
                 found.append(int(stat.parent.name))
         except (OSError, IndexError, ValueError):
             continue
@@ -333,7 +338,6 @@ def main(argv: list[str] | None = None) -> int:
                 _progress(
                     f"round {r + 1}: direct {direct_rounds[-1]['rps']:.1f} calls/s, proxy {proxy_rounds[-1]['rps']:.1f} calls/s"
                 )
-            engine.close()
             _progress(f"streamed calls of {args.stream_tokens} tokens, one at a time: time to first token")
             streamed, stream_calls = _time_to_first_token(openai, url, control, sessions, args.stream_tokens, args.ttft_calls)
             for started in sessions:  # the end call submits each session's last (held) completion
