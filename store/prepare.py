@@ -183,10 +183,10 @@ def _varints(msgs: Sequence[view_pb.TrajectoryView], name: str, dtype: type) -> 
         raise _NotExact(f"{name}: a varint runs past the end of its row")
     if len(ends) and not last[ends[ends > 0] - 1].all():
         raise _NotExact(f"{name}: a varint runs past the end of its record")
-    row_offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
-    np.cumsum(Ragged(last, offsets).reduce(np.add, 0, dtype=np.int64), out=row_offsets[1:])
     if last.all():  # every value below 128: one byte each
-        return Ragged(np.frombuffer(raw, dtype=np.uint8).astype(dtype), row_offsets)
+        return Ragged(np.frombuffer(raw, dtype=np.uint8).astype(dtype), offsets)
+    row_offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(_row_counts(last, offsets), out=row_offsets[1:])
     if _varint is not None:  # C, without the GIL; any doubt (-1) goes on to upb
         values = np.empty(row_offsets[-1], dtype=np.int64)
         if _varint.decode(raw, values) == len(values):  # int32: the low 32 bits, as upb
@@ -199,6 +199,13 @@ def _varints(msgs: Sequence[view_pb.TrajectoryView], name: str, dtype: type) -> 
     if len(values) != row_offsets[-1]:
         raise _NotExact(name)
     return Ragged(values, row_offsets)
+
+
+def _row_counts(mask: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    """The True values in each row of ``mask`` (rows at ``offsets``): one ``count_nonzero`` a row,
+    several times faster on a batch's payloads than a ``reduceat`` that casts bool to int64."""
+    bounds = offsets.tolist()
+    return np.fromiter((np.count_nonzero(mask[a:b]) for a, b in zip(bounds, bounds[1:])), np.int64, len(bounds) - 1)
 
 
 # each packed varint field's tag (field number << 3 | wire type 2): one byte for fields 1-15

@@ -32,17 +32,19 @@ KINDS = {"traj": TRAJECTORY_SCHEMA, "rej": REJECTION_SCHEMA}
 
 @dataclass
 class LoggedCommit:
-    """One committed group: its segment, its index in that segment, and the rows."""
+    """One committed group: its segment, its index in that segment, the rows, and their size (the
+    bytes the commit added to the log when it was written, else the tables' buffers)."""
 
     segment: int
     index: int
     trajectories: pa.Table | None
     rejections: pa.Table | None
     committed_at: float = field(default_factory=time.monotonic)
+    nbytes: int = -1
 
-    @property
-    def nbytes(self) -> int:
-        return sum(t.nbytes for t in (self.trajectories, self.rejections) if t is not None)
+    def __post_init__(self) -> None:
+        if self.nbytes < 0:
+            self.nbytes = sum(t.nbytes for t in (self.trajectories, self.rejections) if t is not None)
 
 
 def _path(root: pathlib.Path, segment: int, kind: str) -> pathlib.Path:
@@ -50,21 +52,22 @@ def _path(root: pathlib.Path, segment: int, kind: str) -> pathlib.Path:
 
 
 class _SegmentFile:
+    """One segment file: an Arrow IPC stream written through Arrow's own file (no Python file object
+    on the write path, which would take the interpreter lock for every buffer)."""
+
     def __init__(self, path: pathlib.Path, schema: pa.Schema):
-        self.file = open(path, "wb")
+        self.file = pa.OSFile(str(path), "wb")
         self.writer = pa.ipc.new_stream(self.file, schema)
         self.marker = pa.RecordBatch.from_pylist([], schema=schema)
 
     def append(self, tables: list[pa.Table]) -> int:
-        """Write the tables' batches (no copy) and the commit-end marker; returns bytes written."""
-        written = 0
+        """Write the tables' batches (no copy) and the commit-end marker; returns the bytes written."""
+        start = self.file.tell()
         for table in tables:
-            for batch in table.to_batches():
-                self.writer.write_batch(batch)
-                written += batch.nbytes
+            self.writer.write_table(table)
         self.writer.write_batch(self.marker, custom_metadata=_COMMIT_END)
         self.file.flush()
-        return written
+        return self.file.tell() - start
 
     def sync(self) -> None:
         os.fsync(self.file.fileno())
@@ -101,10 +104,11 @@ class WriteAheadLog:
     def append(self, trajectories: list[pa.Table], rejections: list[pa.Table]) -> LoggedCommit:
         """Write one group durably: commit ``index`` of this segment, closed by a marker in both
         files (so a commit torn in either file is ignored on replay)."""
-        self.bytes += self.files["traj"].append(trajectories) + self.files["rej"].append(rejections)
+        written = self.files["traj"].append(trajectories) + self.files["rej"].append(rejections)
         for f in self.files.values():
             f.sync()
-        batch = LoggedCommit(self.segment, self.index, _concat(trajectories), _concat(rejections))
+        self.bytes += written
+        batch = LoggedCommit(self.segment, self.index, _concat(trajectories), _concat(rejections), nbytes=written)
         self.index += 1
         if self.bytes >= self.segment_bytes:
             self.rotate()
