@@ -2,14 +2,17 @@
 evidence rules, build the Arrow tables. Pure (no store state but the registry), and done outside
 every lock; the ledger then only deduplicates and group-commits (``Ledger.commit``).
 
-``decode_request`` reads the bytes through the ingest view (``ingest_view.proto``): the packed
-arrays of the whole batch arrive as raw payloads and become numpy arrays in a few bulk operations
-(float32 log-probs are reinterpreted in place; a varint column is decoded in one call over the
-batch's joined payloads, by the C helper ``_varint`` without the GIL or else by upb, or taken byte
-for byte when every value is below 128). A packed field may arrive in several records, which
-concatenate, but protobuf decodes each record on its own and refuses one that ends inside a value;
-so does this reading (a varint split across two records, a float32 cut in two). Whatever that
-reading cannot take exactly falls back to the ordinary parse, which also words the error.
+``decode_request`` reads the bytes through the ingest view (``ingest_view.proto``), which gives the
+scalar fields and shows any field sent otherwise than the contract says. The packed arrays of the
+whole batch are then decoded by the C helper ``_varint.packed`` straight from the request bytes,
+without the GIL: one flat array per field and each row's offsets, no Python object per row. Where
+the helper is not built or declines, the view's raw payloads become numpy arrays in a few bulk
+operations (float32 log-probs are reinterpreted in place; a varint column is decoded in one call
+over the batch's joined payloads, by ``_varint.decode`` or else by upb, or taken byte for byte when
+every value is below 128). A packed field may arrive in several records, which concatenate, but
+protobuf decodes each record on its own and refuses one that ends inside a value; so do both
+readings (a varint split across two records, a float32 cut in two). Whatever they cannot take
+exactly falls back to the ordinary parse, which also words the error.
 """
 
 from __future__ import annotations
@@ -119,6 +122,9 @@ def decode_request(data: bytes) -> TrajectoryColumns:
     except (DecodeError, RuntimeError, ValueError):
         view = None  # the ordinary parse below finds and words the error
     if view is not None and not _view_has_unknown_fields(view):  # unpacked arrays land among the unknown fields here
+        walked = _walk(data, len(view.trajectories))
+        if walked is not None:
+            return TrajectoryColumns(view.trajectories, *walked)
         try:
             return _decode_view(view.trajectories)
         except _NotExact:
@@ -134,6 +140,31 @@ def _view_has_unknown_fields(view: view_pb.SubmitRequestView) -> bool:
     """``_has_unknown_fields`` for the view, exactly and faster: its only nested messages are the
     trajectories, which nest none."""
     return len(UnknownFieldSet(view)) > 0 or any(len(UnknownFieldSet(t)) for t in view.trajectories)
+
+
+# the packed arrays in TrajectoryColumns order: (field number, the C helper's kind, numpy dtype)
+_PACKED = (
+    (pb.Trajectory.PROMPT_TOKEN_IDS_FIELD_NUMBER, 0, np.int32),
+    (pb.Trajectory.OUTPUT_TOKEN_IDS_FIELD_NUMBER, 0, np.int32),
+    (pb.Trajectory.OUTPUT_LOGPROBS_FIELD_NUMBER, 2, np.float32),
+    (pb.Trajectory.OUTPUT_VERSIONS_FIELD_NUMBER, 1, np.int64),
+)
+_PACKED_SPEC = tuple((number, kind) for number, kind, _ in _PACKED)
+
+
+def _walk(data: bytes, rows: int) -> list[Ragged] | None:
+    """The four packed arrays decoded by the C helper straight from the request bytes into flat
+    arrays (no per-row payload objects, one pass for each array's values and row offsets); None
+    where the helper is not built or declines (then the view's payloads are read)."""
+    if _varint is None:
+        return None
+    walked = _varint.packed(data, _PACKED_SPEC)
+    if walked is None or walked[0] != rows:
+        return None
+    return [
+        Ragged(np.frombuffer(values, dtype=dtype), np.frombuffer(offsets, dtype=np.int64))
+        for (values, offsets), (_, _, dtype) in zip(walked[1], _PACKED)
+    ]
 
 
 def _decode_view(msgs: Sequence[view_pb.TrajectoryView]) -> TrajectoryColumns:

@@ -1,6 +1,7 @@
-"""The store's fast reading of ``SubmitRequest`` bytes (``prepare.decode_request``, through
-``ingest_view.proto``) gives exactly what the ordinary parse gives, or the ordinary parse's error,
-with the C varint helper (``store/_varint.c``) and without it.
+"""The store's fast reading of ``SubmitRequest`` bytes (``prepare.decode_request``: the C helper's
+walk over the request's packed arrays, else the ``ingest_view.proto`` payloads) gives exactly what
+the ordinary parse gives, or the ordinary parse's error, with the C helper (``store/_varint.c``)
+and without it.
 
 Run: ``python -m pytest tests/unit/store/test_wire_decode.py -q``.
 """
@@ -291,6 +292,49 @@ def test_the_c_helper_decodes_varints_like_protobuf():
 )
 def test_the_c_helper_declines_what_it_cannot_take_exactly(encoded, capacity):
     assert c_decode(encoded, capacity)[0] == -1
+
+
+def test_packed_batches_are_read_by_the_c_walker_not_the_views_payloads(monkeypatch):
+    """Guards the speed: the walker agrees with the other readings (the properties below), so only
+    this notices one that always declines."""
+    pytest.importorskip("rollbook.store._varint", reason="the C helper is not built here")
+    monkeypatch.setattr(prepare, "_decode_view", lambda msgs: pytest.fail("read through the view's payloads"))
+    msgs = [traj(trajectory_id=str(i), output_token_ids=[i, 300, 2**31 - 1], output_versions=[0, 1, 2**40]) for i in range(5)]
+    assert_same_batch(decode_request(encode_submit_request(msgs)), reference(encode_submit_request(msgs)))
+
+
+@pytest.mark.parametrize(
+    "trajectory",
+    [
+        field(12, 0, varint_bytes(5)),  # sent unpacked
+        length_delimited(12, b"\x85") + length_delimited(12, b"\x00"),  # a value split across records
+        length_delimited(13, b"\x00\x00\x80"),  # 3 bytes of float32
+        length_delimited(14, b"\xff" * 10 + b"\x01"),  # eleven bytes
+        length_delimited(14, b"\xff" * 9 + b"\x02"),  # bits above 64
+        field(7, 3, b""),  # a group
+        b"\x80",  # a tag cut off
+        field(1, 2, varint_bytes(50) + b"short"),  # a length past the end
+    ],
+    ids=["unpacked", "split", "float-3", "eleven-bytes", "above-64-bits", "group", "cut-tag", "long-length"],
+)
+def test_the_c_walker_declines_what_it_cannot_take_exactly(trajectory):
+    varint = pytest.importorskip("rollbook.store._varint", reason="the C helper is not built here")
+    assert varint.packed(request(trajectory), prepare._PACKED_SPEC) is None
+    assert varint.packed(request(length_delimited(1, b"ok")), prepare._PACKED_SPEC) is not None
+
+
+def test_the_c_walker_skips_other_fields_and_keeps_each_rows_offsets():
+    varint = pytest.importorskip("rollbook.store._varint", reason="the C helper is not built here")
+    rows = [
+        traj(trajectory_id="a", output_token_ids=[1, 2], output_logprobs=[-1, -2], output_versions=[3, 3]),
+        traj(trajectory_id="b"),
+    ]
+    data = encode_submit_request(rows) + field(9, 0, varint_bytes(1)) + field(8, 1, b"\0" * 8) + field(6, 5, b"\0" * 4)
+    n, columns = varint.packed(data, prepare._PACKED_SPEC)
+    tokens, offsets = columns[1]
+    assert n == 2
+    assert np.frombuffer(tokens, np.int32).tolist() == [1, 2, 5, 151935, 0]
+    assert np.frombuffer(offsets, np.int64).tolist() == [0, 2, 5]
 
 
 def test_the_c_helper_is_built_where_a_compiler_is_available():
