@@ -124,7 +124,8 @@ def decode_request(data: bytes) -> TrajectoryColumns:
     if view is not None and not _view_has_unknown_fields(view):  # unpacked arrays land among the unknown fields here
         walked = _walk(data, len(view.trajectories))
         if walked is not None:
-            return TrajectoryColumns(view.trajectories, *walked)
+            prompt, tokens, logprobs, versions = walked
+            return TrajectoryColumns(view.trajectories, prompt, tokens, logprobs, versions)
         try:
             return _decode_view(view.trajectories)
         except _NotExact:
