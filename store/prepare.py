@@ -155,8 +155,8 @@ _PACKED_SPEC = tuple((number, kind) for number, kind, _ in _PACKED)
 
 def _walk(data: bytes, rows: int) -> list[Ragged] | None:
     """The four packed arrays decoded by the C helper straight from the request bytes into flat
-    arrays (no per-row payload objects, one pass for each array's values and row offsets); None
-    where the helper is not built or declines (then the view's payloads are read)."""
+    arrays with each row's offsets (no per-row payload objects); None where the helper is not built
+    or declines (then the view's payloads are read)."""
     if _varint is None:
         return None
     walked = _varint.packed(data, _PACKED_SPEC)

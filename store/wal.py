@@ -105,9 +105,9 @@ class WriteAheadLog:
         """Write one group durably: commit ``index`` of this segment, closed by a marker in both
         files (so a commit torn in either file is ignored on replay)."""
         written = self.files["traj"].append(trajectories) + self.files["rej"].append(rejections)
+        self.bytes += written
         for f in self.files.values():
             f.sync()
-        self.bytes += written
         batch = LoggedCommit(self.segment, self.index, _concat(trajectories), _concat(rejections), nbytes=written)
         self.index += 1
         if self.bytes >= self.segment_bytes:
