@@ -301,6 +301,7 @@ class Scorer:
             self._restart()  # the verifier still runs: its process must go
             return _error(f"verifier did not answer within {self.timeout_s:g} s")
         except cf.process.BrokenProcessPool:
+            self._restart()  # fresh processes now, so the next row's time does not pay for their start
             return _error("the verifier's process died scoring this row")
         except Exception as exc:  # noqa: BLE001 - anything else the pool raised: this row's error
             return _error(f"{type(exc).__name__}: {exc}")
