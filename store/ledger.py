@@ -236,6 +236,8 @@ class Ledger:
         self._db_lock = threading.RLock()  # serialises writes on self.con
         self.counters = {"duplicates": 0}
         self._generation = 0  # bumped by every committed write to DuckDB (snapshots compare it)
+        # a reward was set since the last settle: the folder (or the next pull, query or stats) settles
+        self._settle_due = False
         self._close_hooks: list = []
         self._forget_hooks: list = []
         self._archive_lock = threading.Lock()  # one move at a time (Ledger.age)
@@ -437,8 +439,7 @@ class Ledger:
             return self._set_reward(reward, trajectory_id, session_id, tenant, settle_first=folded or bool(session_id))
         except Exception:
             if folded:  # what was folded still settles
-                with self._transaction() as con:
-                    groups.settle(con, self.validator_config, time.time())
+                self._settle()
             raise
 
     def _set_reward(self, reward: float, trajectory_id: str, session_id: str, tenant: str | None, *, settle_first: bool) -> str:
@@ -516,7 +517,11 @@ class Ledger:
                 "INSERT INTO rewards (trajectory_id, session_id, reward, source, set_at, tenant) VALUES (?, ?, ?, ?, ?, ?)",
                 [tid, session_id, reward, "session" if session_id else "trajectory", now, tenant or schema.DEFAULT_TENANT],
             )
-            groups.settle(con, self.validator_config, now)
+            # The group this reward completes becomes ready at the next settle, not in this call: a
+            # settle reads every waiting group of the ledger, and an agent's rewards arrive one call
+            # at a time. A pull settles first; the folder settles within fold_interval_s / 2 of the
+            # reward; a query, snapshot or stats call settles before it reads.
+            self._settle_due = True
         return tid
 
     def pull_batch(self, request: pb.PullBatchRequest) -> pull.LeasedBatch:
@@ -528,8 +533,11 @@ class Ledger:
             request.CopyFrom(asked)
             request.lease_seconds = self.validator_config.lease_seconds
         self._fold(settle=False)  # lease_batch settles first
-        with self._transaction() as con:
-            return pull.lease_batch(con, request, self.validator_config, time.time())
+        with self._db_lock:
+            with self._transaction() as con:
+                leased = pull.lease_batch(con, request, self.validator_config, time.time())
+            self._settle_due = False
+        return leased
 
     def ack_batch(self, lease_id: str, trainer_id: str) -> int:
         """Ack a lease for ``trainer_id``, which must be the trainer it was issued to."""
@@ -950,22 +958,31 @@ class Ledger:
 
     def _fold_loop(self) -> None:
         """Fold in large batches: when ingest pauses for ``fold_interval_s``, when the unfolded
-        log exceeds ``fold_bytes``, or at the latest ``fold_max_delay_s`` after the oldest batch.
+        log exceeds ``fold_bytes``, or at the latest ``fold_max_delay_s`` after the oldest batch;
+        otherwise settle, every ``fold_interval_s / 2``, when rewards were set since the last settle.
         Queries and pulls fold on demand (``flush``), so nothing waits for this loop."""
         while not self._stop.wait(self.fold_interval_s / 2):
             with self._unfolded_lock:
-                if not self._unfolded:
-                    continue
                 idle = time.monotonic() - self._last_commit >= self.fold_interval_s
-                due = (
-                    self._unfolded_bytes >= self.fold_bytes
+                fold = bool(self._unfolded) and (
+                    idle
+                    or self._unfolded_bytes >= self.fold_bytes
                     or time.monotonic() - self._unfolded[0].committed_at >= self.fold_max_delay_s
                 )
-            if idle or due:
-                try:
+            try:
+                if fold:
                     self._fold()
-                except Exception:
-                    log.exception("fold failed; will retry")
+                elif self._settle_due:
+                    self._settle()
+            except Exception:
+                log.exception("fold or settle failed; will retry")
+
+    def _settle(self) -> None:
+        """Settle the ledger (``validator.groups.settle``) in a transaction of its own."""
+        with self._db_lock:
+            with self._transaction() as con:
+                groups.settle(con, self.validator_config, time.time())
+            self._settle_due = False
 
     def _fold(self, *, settle: bool = True) -> bool:
         """Fold every committed batch into DuckDB, then settle (``settle``: off for a caller that settles
@@ -975,6 +992,8 @@ class Ledger:
             with self._unfolded_lock:
                 batches, self._unfolded, self._unfolded_bytes = self._unfolded, [], 0
             if not batches:
+                if settle and self._settle_due:
+                    self._settle()
                 return False
             try:
                 self._fold_batches(batches)
@@ -984,8 +1003,7 @@ class Ledger:
                     self._unfolded_bytes += sum(b.nbytes for b in batches)
                 raise
             if settle:
-                with self._transaction() as con:
-                    groups.settle(con, self.validator_config, time.time())
+                self._settle()
         self._drop_folded_segments(include_current=False)
         return True
 

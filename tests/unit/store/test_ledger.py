@@ -409,3 +409,45 @@ def test_a_later_reward_replaces_the_earlier_one_until_a_trainer_leases_the_row(
     with pytest.raises(NotRewardable, match="already leased to a trainer"):
         ledger.set_reward(0.0, trajectory_id="t")
     cur.close()
+
+
+def test_a_reward_that_completes_a_group_makes_it_ready_at_the_next_settle_not_in_its_own_call(tmp_path):
+    """SetReward records the reward and leaves promotion to the next settle (one settle for many
+    rewards): the folder settles within ``fold_interval_s``, and a flush (queries, stats) settles
+    before it reads, with no pull."""
+    import time
+
+    def status(led: Ledger) -> list[tuple[str, str]]:
+        cur = led.cursor()
+        try:
+            return cur.execute("SELECT trajectory_id, status FROM trajectories ORDER BY trajectory_id").fetchall()
+        finally:
+            cur.close()
+
+    group = [row(t, reward=None, group_id="g", group_size=2) for t in ("a", "b")]
+    slow = open_ledger(tmp_path / "slow.duckdb")  # no background folds or settles
+    try:
+        slow.submit(group)
+        slow.flush()
+        slow.set_reward(1.0, trajectory_id="a")
+        slow.set_reward(0.0, trajectory_id="b")
+        assert status(slow) == [("a", "pending"), ("b", "pending")]  # the calls did not settle
+        slow.flush()
+        assert status(slow) == [("a", "ready"), ("b", "ready")]
+    finally:
+        slow.close()
+
+    fast = Ledger(tmp_path / "fast.duckdb", fold_interval_s=0.2)
+    try:
+        fast.register_model(MODEL, 100)
+        fast.publish_version(MODEL, 0, "c0")
+        fast.submit(group)
+        fast.flush()
+        fast.set_reward(1.0, trajectory_id="a")
+        fast.set_reward(0.0, trajectory_id="b")
+        deadline = time.monotonic() + 30
+        while status(fast) != [("a", "ready"), ("b", "ready")] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert status(fast) == [("a", "ready"), ("b", "ready")]  # the folder settled, nothing else did
+    finally:
+        fast.close()
