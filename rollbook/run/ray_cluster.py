@@ -191,8 +191,12 @@ class RolloutActor:
     """``rollbook rollout``'s loop in a thread of a Ray actor, until ``stop``. Restarted by Ray with
     the same arguments, it reopens the same spool directory."""
 
-    def __init__(self, worker_config) -> None:
+    def __init__(self, worker_config, worker_key: str | None = None) -> None:
+        import os
         import threading
+
+        if worker_key:  # the worker role key, read from the environment as `rollbook rollout` reads it
+            os.environ["ROLLBOOK_WORKER_KEY"] = worker_key
 
         import torch  # noqa: F401  (the heavy imports before the constructor returns: see run_ray)
 
@@ -442,9 +446,11 @@ def _run_in_group(config: RunConfig, run_dir: pathlib.Path, address: str, keys: 
                 "max_restarts": rc.max_restarts,  # a restarted actor takes the same bundle
                 "max_task_retries": -1,
                 "name": _rollout_name(i, run_dir.name),
-                "runtime_env": {"env_vars": {"ROLLBOOK_WORKER_KEY": keys["worker_key"]}},
             }
-            workers.append(rollout_cls.options(**options).remote(wcfg))
+            # the key as an argument, as the trainer ranks get theirs in their config: a runtime_env
+            # would start each actor in a fresh worker process of its own (Ray's setup_worker, then
+            # its imports again) instead of one of the idle workers Ray keeps started
+            workers.append(rollout_cls.options(**options).remote(wcfg, keys["worker_key"]))
         ray.get([w.where.remote() for w in workers])  # constructed: imports done, polling for weights
         ranks, trainer_infos = _start_ranks(trainer_cls, config, weights, (plan, group), attempt=0)
         attempts = 0
