@@ -10,6 +10,9 @@
 # wait on the processes they start, so on 2 cores a third worker fills those waits). Further
 # arguments go to pytest after these, e.g. `bash scripts/test.sh -m "not slow"` or `-n 0` for one process.
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh" test
+# Byte-code caches for the project's own modules: the suite starts a few hundred Python processes,
+# and with PYTHONDONTWRITEBYTECODE set (some images set it) each one compiles what it imports again.
+unset PYTHONDONTWRITEBYTECODE
 lane=()
 if [ "${1:-}" = "--fast" ]; then
   shift

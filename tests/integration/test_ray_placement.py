@@ -3,7 +3,7 @@ machine (``ray.cluster_utils.Cluster``; custom resources force one rollout actor
 two-rank data-parallel trainer on the head node, the store on the other node (``ray.store_resources``),
 weights over the network channel, with a rollout actor and a trainer rank killed mid-run. The ledger
 must attribute rows to both workers, every step must have one acked lease, no row may train twice.
-And ``configs/smoke.toml`` under ``--placement ray`` on a local instance must learn.
+And ``configs/smoke.toml`` under ``--placement ray`` on a local instance (one actor, one rank) must learn.
 
 Small settings so it fits .ci/run (two raylets and four actors on 2 cores: under a minute)."""
 
@@ -52,7 +52,7 @@ def small_config(run_dir: pathlib.Path, steps: int, **ray_fields):
                 "reverse_max_len": 3,
                 "group_size": 4,
                 "num_prompts": 2,
-                "num_eval_tasks": 8,
+                "num_eval_tasks": 4,
                 "num_eval_samples": 2,
                 "max_new_tokens": 5,
             },
@@ -105,7 +105,7 @@ def test_a_two_node_run_with_a_killed_actor_and_a_killed_rank_stores_and_trains_
 
     from rollbook.run.main import run
 
-    steps = 12  # the rank is killed after step 3: nine steps left, so the kill lands mid-run
+    steps = 8  # the rank is killed after step 3: five steps left, so the kill lands mid-run
     config = small_config(tmp_path / "run", steps, weight_channel="network", store_resources={"node_b": 1}, store_cpus=0.5)
     config.trainer.lease_seconds = 5.0  # the failed step's lease comes back soon
     config.trainer.dist_timeout_s = 60.0  # a rank's death ends the step at once; on a loaded machine a live one may be slow
@@ -159,10 +159,11 @@ def test_a_two_node_run_with_a_killed_actor_and_a_killed_rank_stores_and_trains_
 
 
 @pytest.mark.timeout(1800)  # a local Ray instance, two actors, two ranks: past 600 s on a loaded machine
-def test_ray_placement_with_two_ranks_raises_the_sampled_heldout_reward(tmp_path):
-    """``configs/smoke.toml`` under ``--placement ray`` (a local Ray instance, two rollout actors, two
-    gloo trainer ranks; bench/learning.py's ``check-ray``): one short run raises the sampled held-out
-    reward by more than the checks' margin. The claim over seeds is bench/learning.py's ``ray`` case."""
+def test_ray_placement_raises_the_sampled_heldout_reward(tmp_path):
+    """``configs/smoke.toml`` under ``--placement ray`` (a local Ray instance, one rollout actor and one
+    trainer rank; bench/learning.py's ``check-ray``): one short run raises the sampled held-out
+    reward by more than the checks' margin. Two of each, and their kills, are the test above's; two
+    ranks learning over seeds is bench/learning.py's ``ray`` case."""
     from tests.integration.learning_check import check_heldout_rises
 
     check_heldout_rises("check-ray", tmp_path / "run")
