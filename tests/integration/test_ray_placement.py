@@ -158,7 +158,7 @@ def test_a_two_node_run_with_a_killed_actor_and_a_killed_rank_stores_and_trains_
     assert evals[0]["step"] == 0 and evals[-1]["step"] == steps - 1
 
 
-@pytest.mark.timeout(1800)  # a local Ray instance, two actors, two ranks: past 600 s on a loaded machine
+@pytest.mark.timeout(1800)  # a local Ray instance, an actor and a rank: past 600 s on a loaded machine
 def test_ray_placement_raises_the_sampled_heldout_reward(tmp_path):
     """``configs/smoke.toml`` under ``--placement ray`` (a local Ray instance, one rollout actor and one
     trainer rank; bench/learning.py's ``check-ray``): one short run raises the sampled held-out
