@@ -27,8 +27,11 @@ same for N ranks as for one (tested in tests/unit/trainer/test_distributed.py).
 
 There is one lease, one checkpoint and one ack per step, whatever N. A rank that dies makes the
 others' next collective fail (or time out after ``dist_timeout_s``): the step fails, nothing was
-acked, the lease expires and its rows return; restarted, rank 0 loads the last checkpoint and
-broadcasts it (model, optimizer, step, version) to the others, so no batch is lost or repeated.
+acked, the lease expires and its rows return. The other ranks wait for rank 0's next pull (step 1)
+in a group of its own with a long limit (``NEXT_PULL_WAIT_S``), since rank 0 may evaluate, checkpoint
+or wait for rollout in between for longer than ``dist_timeout_s``. Restarted, rank 0 loads the last
+checkpoint and broadcasts it (model, optimizer, step, version) to the others, so no batch is lost or
+repeated.
 
 ``trainer.data_parallel`` chooses how the ranks hold the model:
 
@@ -424,15 +427,38 @@ def _subset(rows: _Rows, seqs: list[int]) -> _Rows:
     )
 
 
+# How long the other ranks wait for rank 0's next pull. Between two pulls rank 0 may wait for the
+# rollout actors' first weights, evaluate, checkpoint, export or publish: nothing the other ranks can
+# bound, and on a loaded machine longer than ``dist_timeout_s`` (which then failed a healthy group
+# before its first step). A rank 0 that dies closes its connections, which ends the wait at once, so
+# this limit only guards against a rank 0 that is alive and stuck.
+NEXT_PULL_WAIT_S = 6 * 3600.0
+
+
+def _next_pull_group() -> Any:
+    """A gloo group of every rank whose collectives wait ``NEXT_PULL_WAIT_S`` (made once per process
+    group: a collective call, so every rank makes it at the same point, its first table broadcast)."""
+    world = dist.group.WORLD
+    if _NEXT_PULL_GROUP.get("world") is not world:
+        _NEXT_PULL_GROUP.update(
+            world=world, group=dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=NEXT_PULL_WAIT_S))
+        )
+    return _NEXT_PULL_GROUP["group"]
+
+
+_NEXT_PULL_GROUP: dict[str, Any] = {}
+
+
 def _broadcast_table(table: pa.Table | None) -> pa.Table | None:
-    """Rank 0's table (or None) on every rank, as Arrow IPC bytes."""
+    """Rank 0's table (or None) on every rank, as Arrow IPC bytes, over ``_next_pull_group``: the other
+    ranks wait here for whatever rank 0 does between two pulls."""
     payload: list = [None]
     if dist.get_rank() == 0 and table is not None:
         sink = pa.BufferOutputStream()
         with pa.ipc.new_stream(sink, table.schema) as writer:
             writer.write_table(table)
         payload = [sink.getvalue().to_pybytes()]
-    dist.broadcast_object_list(payload, src=0)
+    dist.broadcast_object_list(payload, src=0, group=_next_pull_group())
     if payload[0] is None:
         return None
     return table if dist.get_rank() == 0 else pa.ipc.open_stream(payload[0]).read_all()

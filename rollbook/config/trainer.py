@@ -242,7 +242,9 @@ class TrainerConfig(BaseModel):
     dist_timeout_s: float = Field(
         120.0,
         gt=0,
-        description="How long a rank waits in a collective for the others; a dead rank fails the step after at most this long.",
+        description="How long a rank waits in a step's collectives for the others; a dead rank fails the step after at "
+        "most this long. The wait of ranks 1..N-1 for rank 0's next pull (while it waits for rollout, evaluates or "
+        "checkpoints) is not bounded by it: a rank 0 that dies ends that wait at once.",
     )
 
     @model_validator(mode="after")

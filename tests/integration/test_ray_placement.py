@@ -93,6 +93,7 @@ def _wait_for_steps(run_dir: pathlib.Path, n: int, thread, timeout_s: float = 30
     raise AssertionError(f"the run did not reach step {n}")
 
 
+@pytest.mark.timeout(1200)  # two raylets, four actors and a store on 2 cores: past 600 s on a loaded machine
 def test_a_two_node_run_with_a_killed_actor_and_a_killed_rank_stores_and_trains_each_row_once(cluster, tmp_path):
     """A rollout actor on each node, both trainer ranks on the head node, the store on the other node
     (``ray.store_resources``), weights over the network channel. One rollout actor is killed (Ray
@@ -112,7 +113,7 @@ def test_a_two_node_run_with_a_killed_actor_and_a_killed_rank_stores_and_trains_
     result: dict = {}
     thread = threading.Thread(target=lambda: result.update(summary=run(config)), daemon=True)
     thread.start()
-    _wait_for_steps(tmp_path / "run", 1, thread)
+    _wait_for_steps(tmp_path / "run", 1, thread, timeout_s=600)  # the actors' imports, the first weights, an evaluation
     victim = ray.get_actor(f"rollbook-rollout-1-{tmp_path.joinpath('run').name}")
     pid_before = ray.get(victim.where.remote())["pid"]
     ray.kill(victim, no_restart=False)  # Ray restarts it (max_restarts)
