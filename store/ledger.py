@@ -194,6 +194,19 @@ class _Registry:
         self.generation += 1
 
 
+# How long an empty pull's answer is given again to the same request while nothing changes
+# (``Ledger._unchanged_empty_pull``); a bound on what a missed change could delay, not a wait.
+EMPTY_PULL_REUSE_S = 2.0
+
+
+@dataclass(frozen=True)
+class _EmptyPull:
+    key: bytes  # the request, serialized
+    generation: int  # the ledger's generation after it
+    until: float  # time.time() from which it must be asked again
+    answer: pull.LeasedBatch
+
+
 class Ledger:
     """Owns the DuckDB connection, the write-ahead log and the idempotency index."""
 
@@ -238,6 +251,7 @@ class Ledger:
         self._generation = 0  # bumped by every committed write to DuckDB (snapshots compare it)
         # a reward was set since the last settle: the folder (or the next pull, query or stats) settles
         self._settle_due = False
+        self._empty_pull: _EmptyPull | None = None  # the last pull, when it was empty (pull_batch)
         self._close_hooks: list = []
         self._forget_hooks: list = []
         self._archive_lock = threading.Lock()  # one move at a time (Ledger.age)
@@ -528,6 +542,10 @@ class Ledger:
         """Lease a batch (``validator.pull.lease_batch``); raises ``InvalidPull`` for a pull that
         cannot be served. ``lease_seconds`` 0 means the configured default."""
         pull.check_request(request)
+        key = request.SerializeToString(deterministic=True)
+        unchanged = self._unchanged_empty_pull(key)
+        if unchanged is not None:
+            return unchanged
         if request.lease_seconds == 0:
             request, asked = pb.PullBatchRequest(), request  # the caller's message stays as it was
             request.CopyFrom(asked)
@@ -535,9 +553,46 @@ class Ledger:
         self._fold(settle=False)  # lease_batch settles first
         with self._db_lock:
             with self._transaction() as con:
-                leased = pull.lease_batch(con, request, self.validator_config, time.time())
+                now = time.time()
+                leased = pull.lease_batch(con, request, self.validator_config, now)
+                until = self._empty_until(con, now) if leased.table.num_rows == 0 else now
             self._settle_due = False
+            # read under the lock that every write holds: no change can slip in between
+            self._empty_pull = _EmptyPull(key, self._generation, until, leased) if until > now else None
         return leased
+
+    def _unchanged_empty_pull(self, key: bytes) -> pull.LeasedBatch | None:
+        """The answer of the last pull, when it was empty, asked the same, and nothing it read has
+        changed since: no write to DuckDB, no batch waiting to be folded, no reward waiting to settle,
+        and no lease expiry or group timeout due (``_empty_until``). A trainer waiting for rollout
+        polls several times a second; each full empty pull runs a dozen statements."""
+        with self._db_lock:
+            empty = self._empty_pull
+            if (
+                empty is None
+                or empty.key != key
+                or empty.generation != self._generation
+                or self._settle_due
+                or time.time() >= empty.until
+            ):
+                return None
+        with self._unfolded_lock:
+            if self._unfolded:
+                return None
+        events = {name: 0 for name in empty.answer.stats.get("events", {})}
+        return pull.LeasedBatch("", empty.answer.table, {**empty.answer.stats, "events": events})
+
+    def _empty_until(self, con: duckdb.DuckDBPyConnection, now: float) -> float:
+        """Until when an empty pull stays empty with no write in between: the first open lease's
+        expiry (its rows return), never past ``EMPTY_PULL_REUSE_S``; ``now`` (not at all) while rows
+        wait in an unsettled group, whose timeout may make it ready or drop it."""
+        if (
+            self.validator_config.incomplete_group_policy != "drop"
+            and con.execute("SELECT 1 FROM trajectories WHERE status = 'pending' AND eligibility = 'eligible' LIMIT 1").fetchone()
+        ):
+            return now
+        (first_expiry,) = one_row(con.execute("SELECT min(expires_at) FROM leases WHERE acked_at IS NULL AND expired_at IS NULL"))
+        return min(now + EMPTY_PULL_REUSE_S, first_expiry if first_expiry is not None else now + EMPTY_PULL_REUSE_S)
 
     def ack_batch(self, lease_id: str, trainer_id: str) -> int:
         """Ack a lease for ``trainer_id``, which must be the trainer it was issued to."""

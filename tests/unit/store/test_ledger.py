@@ -451,3 +451,70 @@ def test_a_reward_that_completes_a_group_makes_it_ready_at_the_next_settle_not_i
         assert status(fast) == [("a", "ready"), ("b", "ready")]  # the folder settled, nothing else did
     finally:
         fast.close()
+
+
+def test_an_empty_pull_asked_again_is_answered_again_until_anything_it_read_changes(ledger, monkeypatch):
+    """A trainer waiting for rollout asks the same empty pull several times a second: while nothing
+    changed the ledger gives the last empty answer without running the pull's statements again; a
+    submit (folded or not), a reward, a governance write, another request, and a lease's expiry
+    each end that, and the next pull serves what became ready."""
+    import time
+
+    from rollbook.store import ledger as ledger_module
+    from rollbook.v1 import rollbook_pb2 as pb
+    from rollbook.validator import pull
+
+    runs: list[int] = []
+    real = pull.lease_batch
+    monkeypatch.setattr(pull, "lease_batch", lambda *a, **k: runs.append(1) or real(*a, **k))
+
+    def ask(version: int = 0, **kw) -> pull.LeasedBatch:
+        return ledger.pull_batch(
+            pb.PullBatchRequest(model_id=MODEL, trainer_id="tr", num_samples=2, trainer_version=version, max_staleness=4, **kw)
+        )
+
+    first = ask()
+    assert first.table.num_rows == 0 and len(runs) == 1
+    again = ask()
+    assert again.table.num_rows == 0 and not again.lease_id and len(runs) == 1  # answered again
+    assert again.table.schema == first.table.schema and set(again.stats["events"].values()) == {0}
+    ask(version=1)
+    assert len(runs) == 2  # another request: pulled
+    ask(version=1)
+    assert len(runs) == 2
+
+    ledger.submit([row("a", reward=1.0, group_id="g", group_size=2), row("b", reward=0.0, group_id="g", group_size=2)])
+    served = ask(version=1)  # a submit not yet folded ends it
+    assert len(runs) == 3 and served.table.num_rows == 2
+    ask(version=1)
+    assert len(runs) == 4  # a pull that served rows is never given again
+
+    # a reward that completes a group (it settles later): the next pull settles and serves it
+    ledger.submit([row("c", reward=None, group_id="h", group_size=1)])
+    ledger.flush()
+    assert ask(version=1).table.num_rows == 0
+    ledger.set_reward(1.0, trajectory_id="c")
+    assert ask(version=1).table.num_rows == 1
+
+    # an open lease's expiry: the empty answer is given again only until then
+    monkeypatch.setattr(ledger_module, "EMPTY_PULL_REUSE_S", 60.0)
+    ledger.submit([row("d", reward=1.0, group_id="i", group_size=1)])
+    short = ask(version=1, lease_seconds=1)
+    assert short.table.num_rows == 1
+    before = len(runs)
+    assert ask(version=1).table.num_rows == 0
+    deadline = time.monotonic() + 30
+    while (back := ask(version=1)).table.num_rows == 0 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert back.table.column("trajectory_id").to_pylist() == ["d"]  # its lease expired: served again
+    assert len(runs) > before + 1
+
+    # a write through the ledger's transaction (a governance hold, a reward version) ends it
+    assert ask(version=1).table.num_rows == 0
+    n = len(runs)
+    ask(version=1)
+    assert len(runs) == n
+    with ledger.transaction() as con:
+        con.execute("SELECT 1")
+    ask(version=1)
+    assert len(runs) == n + 1
