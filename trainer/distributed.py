@@ -27,11 +27,11 @@ same for N ranks as for one (tested in tests/unit/trainer/test_distributed.py).
 
 There is one lease, one checkpoint and one ack per step, whatever N. A rank that dies makes the
 others' next collective fail (or time out after ``dist_timeout_s``): the step fails, nothing was
-acked, the lease expires and its rows return. The other ranks wait for rank 0's next pull (step 1)
-in a group of its own with a long limit (``NEXT_PULL_WAIT_S``), since rank 0 may evaluate, checkpoint
-or wait for rollout in between for longer than ``dist_timeout_s``. Restarted, rank 0 loads the last
-checkpoint and broadcasts it (model, optimizer, step, version) to the others, so no batch is lost or
-repeated.
+acked, the lease expires and its rows return. Where the other ranks wait for what rank 0 does
+alone (its start, and between two pulls its evaluations, checkpoints and waits for rollout) they
+wait in a gloo group of their own with a long limit (``RANK0_WAIT_S``), since that can outlast
+``dist_timeout_s``. Restarted, rank 0 loads the last checkpoint and broadcasts it (model, optimizer,
+step, version) to the others, so no batch is lost or repeated.
 
 ``trainer.data_parallel`` chooses how the ranks hold the model:
 
@@ -210,7 +210,7 @@ class DistributedTrainer(Trainer):
                 self._load_checkpoint()
                 self._full_state(optimizer=False)
             state: list[Any] = [self.state]
-            dist.broadcast_object_list(state, src=0)
+            _from_rank0(state)
             self.state = state[0]
             return self.state
         if self.rank == 0:
@@ -218,7 +218,7 @@ class DistributedTrainer(Trainer):
             payload: list[Any] = [self.model.state_dict(), self.optimizer.state_dict(), self.state]
         else:
             payload = [None, None, None]
-        dist.broadcast_object_list(payload, src=0)
+        _from_rank0(payload)  # the others wait for rank 0's start: checkpoint, re-acks, first publish
         if self.rank != 0:
             self.model.load_state_dict(payload[0])
             self.optimizer.load_state_dict(payload[1])
@@ -321,7 +321,7 @@ class DistributedTrainer(Trainer):
 
         found = read_checkpoint(self.run_dir) if self.rank == 0 else None
         exists: list[Any] = [found is not None]
-        dist.broadcast_object_list(exists, src=0)
+        _from_rank0(exists)
         if not exists[0]:
             return None
         blob: dict = found[0] if found is not None else {"model": {}, "optimizer": {}}
@@ -427,38 +427,42 @@ def _subset(rows: _Rows, seqs: list[int]) -> _Rows:
     )
 
 
-# How long the other ranks wait for rank 0's next pull. Between two pulls rank 0 may wait for the
-# rollout actors' first weights, evaluate, checkpoint, export or publish: nothing the other ranks can
-# bound, and on a loaded machine longer than ``dist_timeout_s`` (which then failed a healthy group
-# before its first step). A rank 0 that dies closes its connections, which ends the wait at once, so
-# this limit only guards against a rank 0 that is alive and stuck.
-NEXT_PULL_WAIT_S = 6 * 3600.0
+# How long the other ranks wait for what rank 0 does alone: read the checkpoint, re-ack, publish,
+# and between two pulls wait for the rollout actors' first weights, evaluate, checkpoint or export.
+# Nothing the other ranks can bound, and on a loaded machine longer than ``dist_timeout_s`` (which
+# then failed a healthy group before its first step). A rank 0 that dies closes its connections,
+# which ends the wait at once, so this limit only guards against a rank 0 that is alive and stuck.
+RANK0_WAIT_S = 6 * 3600.0
 
 
-def _next_pull_group() -> Any:
-    """A gloo group of every rank whose collectives wait ``NEXT_PULL_WAIT_S`` (made once per process
-    group: a collective call, so every rank makes it at the same point, its first table broadcast)."""
+def _rank0_group() -> Any:
+    """A gloo group of every rank whose collectives wait ``RANK0_WAIT_S`` (made once per process
+    group: a collective call, so every rank makes it at the same point, its first wait for rank 0)."""
     world = dist.group.WORLD
-    if _NEXT_PULL_GROUP.get("world") is not world:
-        _NEXT_PULL_GROUP.update(
-            world=world, group=dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=NEXT_PULL_WAIT_S))
-        )
-    return _NEXT_PULL_GROUP["group"]
+    if _RANK0_GROUP.get("world") is not world:
+        _RANK0_GROUP.update(world=world, group=dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=RANK0_WAIT_S)))
+    return _RANK0_GROUP["group"]
 
 
-_NEXT_PULL_GROUP: dict[str, Any] = {}
+_RANK0_GROUP: dict[str, Any] = {}
+
+
+def _from_rank0(objects: list) -> None:
+    """``broadcast_object_list`` from rank 0 over ``_rank0_group``: for the points where the other
+    ranks wait while rank 0 works alone."""
+    dist.broadcast_object_list(objects, src=0, group=_rank0_group())
 
 
 def _broadcast_table(table: pa.Table | None) -> pa.Table | None:
-    """Rank 0's table (or None) on every rank, as Arrow IPC bytes, over ``_next_pull_group``: the other
-    ranks wait here for whatever rank 0 does between two pulls."""
+    """Rank 0's table (or None) on every rank, as Arrow IPC bytes (``_from_rank0``: the other ranks
+    wait here for whatever rank 0 does between two pulls)."""
     payload: list = [None]
     if dist.get_rank() == 0 and table is not None:
         sink = pa.BufferOutputStream()
         with pa.ipc.new_stream(sink, table.schema) as writer:
             writer.write_table(table)
         payload = [sink.getvalue().to_pybytes()]
-    dist.broadcast_object_list(payload, src=0, group=_next_pull_group())
+    _from_rank0(payload)
     if payload[0] is None:
         return None
     return table if dist.get_rank() == 0 else pa.ipc.open_stream(payload[0]).read_all()

@@ -243,8 +243,8 @@ class TrainerConfig(BaseModel):
         120.0,
         gt=0,
         description="How long a rank waits in a step's collectives for the others; a dead rank fails the step after at "
-        "most this long. The wait of ranks 1..N-1 for rank 0's next pull (while it waits for rollout, evaluates or "
-        "checkpoints) is not bounded by it: a rank 0 that dies ends that wait at once.",
+        "most this long. The wait of ranks 1..N-1 for what rank 0 does alone (its start, and between pulls its waits "
+        "for rollout, evaluations and checkpoints) is not bounded by it: a rank 0 that dies ends that wait at once.",
     )
 
     @model_validator(mode="after")

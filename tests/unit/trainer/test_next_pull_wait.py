@@ -1,6 +1,7 @@
-"""The other ranks' wait for rank 0's next pull (trainer/distributed.py ``_broadcast_table``) on real
-gloo groups: it outlasts the group's collective timeout (``dist_timeout_s``) while rank 0 is busy
-elsewhere (waiting for rollout, evaluating), and it ends with an error when rank 0's process dies."""
+"""The other ranks' wait for rank 0's next pull (trainer/distributed.py ``_broadcast_table``, over
+``_rank0_group``) on real gloo groups: it outlasts the group's collective timeout (``dist_timeout_s``)
+while rank 0 is busy elsewhere (waiting for rollout, evaluating), and it ends with an error when rank
+0's process dies."""
 
 from __future__ import annotations
 
