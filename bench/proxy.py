@@ -251,6 +251,13 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="run the proxy's engine in the proxy's own process (engine_process = false), sharing its interpreter lock",
     )
+    p.add_argument(
+        "--proxy-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="one more argument for `rollbook proxy`, e.g. --proxy-arg=--submit_linger_s=0.2 (repeatable)",
+    )
     args = p.parse_args(argv)
     if min(args.clients, args.calls, args.rounds, args.max_tokens, args.stream_tokens, args.ttft_calls) < 1:
         raise SystemExit("--clients, --calls, --rounds, --max-tokens, --stream-tokens and --ttft-calls must be >= 1")
@@ -301,6 +308,7 @@ def main(argv: list[str] | None = None) -> int:
                     "--max_tokens_limit",
                     str(max(256, args.max_tokens)),
                     f"--engine_process={str(not args.engine_in_proxy).lower()}",
+                    *args.proxy_arg,
                 ],
                 env,
                 work / "proxy.log",

@@ -413,10 +413,11 @@ class ProxyConfig(BaseModel):
     )
     submit_batch_size: int = Field(64, ge=1, description="Trajectories per Submit batch.")
     submit_linger_s: float = Field(
-        0.05,
+        0.2,
         ge=0,
         description="How long a Submit batch waits for more completions after its first: fewer, larger "
-        "batches cost the store and the proxy less CPU per completion; no answer waits for it.",
+        "batches cost the store and the proxy less CPU per completion. No answer waits for it, and a "
+        "reward or a session's end that waits for a completion's verdict sends the batch at once.",
     )
     spool_dir: str | None = Field(
         None,

@@ -4,6 +4,7 @@
 import asyncio
 import json
 import logging
+from collections.abc import Awaitable, Callable
 from typing import Any, Literal
 
 from pydantic import BaseModel, ValidationError
@@ -14,6 +15,22 @@ from rollbook.rollout.proxy.sessions import SessionError
 from rollbook.rollout.proxy.streaming import TokenStream
 
 log = logging.getLogger("rollbook.proxy")
+
+
+def disconnect_check(request: Any) -> Callable[[], Awaitable[bool]]:
+    """How an answer learns that its caller left. Under uvicorn the request's ``receive`` is its
+    request cycle's, whose ``disconnected`` flag the server sets when the connection is lost (what
+    ``receive`` would then answer); it is read as is. Starlette's ``Request.is_disconnected`` enters
+    and cancels an anyio cancel scope on every call to ask ``receive`` without waiting, about a tenth
+    of the proxy's CPU per call on the 2-core reference machine. Any other server: Starlette's."""
+    cycle = getattr(request.receive, "__self__", None)
+    if cycle is None or not isinstance(getattr(cycle, "disconnected", None), bool):
+        return request.is_disconnected
+
+    async def disconnected() -> bool:
+        return bool(cycle.disconnected)
+
+    return disconnected
 
 
 def create_app(proxy: Proxy):
@@ -100,15 +117,16 @@ def create_app(proxy: Proxy):
         proxy.session_of_key(request.headers)  # 401 before the body is read
         body = await read_json(request)
         answer = await proxy.complete(kind, request.headers, body)
+        disconnected = disconnect_check(request)
         if isinstance(answer, TokenStream):  # tokens leave as they are sampled
             return StreamingResponse(
-                answer.events(request.is_disconnected),
+                answer.events(disconnected),
                 media_type="text/event-stream",
                 headers={"x-rollbook-turn": str(answer.turn), "cache-control": "no-cache"},
             )
         payload, deliver, req = answer
         await asyncio.sleep(0)  # let a pending connection loss be seen
-        deliver(not await request.is_disconnected())
+        deliver(not await disconnected())
         return JSONResponse(payload, headers={"x-rollbook-turn": str(payload["rollbook"]["turn"])})
 
     # The two completion endpoints are plain Starlette routes: they read and answer the request

@@ -416,6 +416,8 @@ class Proxy:
         targets = reward_targets(session, which)
         loop = asyncio.get_running_loop()
         rewarded, skipped = [], []
+        if any(not f.done() for _, attempt in targets for f in attempt.verdicts):
+            self.submitter.hurry()
         for call, attempt in targets:
             verdicts = await asyncio.gather(*(asyncio.wrap_future(f) for f in attempt.verdicts), return_exceptions=True)
             for tid, verdict in zip(attempt.trajectory_ids, verdicts):
@@ -450,6 +452,8 @@ class Proxy:
             if session.ended_at is None:
                 session.ended_at = time.time()
             futures = [f for c in session.calls for a in c.attempts for f in a.verdicts]
+        if any(not f.done() for f in futures):
+            self.submitter.hurry()
         await asyncio.gather(*(asyncio.wrap_future(f) for f in futures), return_exceptions=True)
         return session.summary()
 

@@ -356,13 +356,14 @@ class SubmitQueue:
         client: StoreClient,
         *,
         batch_size: int = 64,
-        linger_s: float = 0.05,
+        linger_s: float = 0.2,
         spool_dir: str | None = None,
         spool_max_bytes: int = 256 << 20,
     ):
         self.client, self.batch_size, self.linger_s = client, batch_size, linger_s
         self._queue: queue.Queue = queue.Queue()
         self._stop = threading.Event()
+        self._hurry = threading.Event()  # send the batch being gathered now (SubmitQueue.hurry)
         self._lock = threading.Lock()
         self.submitted = self.failed = self.recovered = 0
         self.pending = 0  # put and not yet answered
@@ -424,6 +425,8 @@ class SubmitQueue:
                 self.pending += 1
             self._queue.put((t, future, seq))
             futures.append(future)
+        if self._queue.qsize() >= self.batch_size:  # a full batch waits for no linger
+            self._hurry.set()
         return futures
 
     def _done(self, _future) -> None:
@@ -441,6 +444,11 @@ class SubmitQueue:
         if last:
             self.spool.remove(seq)
 
+    def hurry(self) -> None:
+        """Someone waits for the queued trajectories' verdicts (a reward, a session's end): the batch
+        being gathered goes now instead of at the end of its linger."""
+        self._hurry.set()
+
     def _run(self) -> None:
         while not (self._stop.is_set() and self._queue.empty()):
             try:
@@ -449,9 +457,14 @@ class SubmitQueue:
                 continue
             batch = [first]
             deadline = time.monotonic() + self.linger_s
+            # wait out the linger, woken only by a hurry, a full batch or the close (put sets the
+            # event), not once per completion; then take what came
+            while not (self._hurry.is_set() or self._stop.is_set()) and (left := deadline - time.monotonic()) > 0:
+                self._hurry.wait(left)
+            self._hurry.clear()
             while len(batch) < self.batch_size:
                 try:
-                    batch.append(self._queue.get(timeout=max(0.0, deadline - time.monotonic())))
+                    batch.append(self._queue.get_nowait())
                 except queue.Empty:
                     break
             try:
@@ -477,6 +490,7 @@ class SubmitQueue:
 
     def close(self, timeout: float = 60.0) -> None:
         self._stop.set()
+        self._hurry.set()
         self._thread.join(timeout)
         for spool in (self.spool, self.held_spool):
             if spool is not None:

@@ -308,3 +308,118 @@ def test_the_engine_of_a_small_model_decodes_on_one_torch_thread_unless_configur
     engine = NativeEngine(build_student(ModelConfig()), version=0)
     assert engine.num_parameters == sum(p.numel() for p in build_student(ModelConfig()).parameters()) < SMALL_MODEL_PARAMETERS
     engine.close()
+
+
+class _SlowEngine(_FakeEngine):
+    def generate(self, requests, *, seed=None):
+        import time
+
+        time.sleep(0.6)
+        return super().generate(requests, seed=seed)
+
+
+def test_under_uvicorn_a_caller_that_left_before_its_answer_is_seen_from_the_cycles_flag(monkeypatch):
+    """The answer's delivery comes from uvicorn's own disconnect flag (not Starlette's cancel-scope
+    poll): a caller that closed its connection while generating gets an undelivered attempt, one that
+    waited a delivered one."""
+    import json
+    import socket
+    import time
+    import urllib.parse
+
+    from rollbook.config import ProxyConfig
+    from rollbook.rollout.proxy import app as app_module
+    from rollbook.rollout.proxy.core import Proxy
+    from rollbook.rollout.proxy.server import ProxyServer
+
+    checks: list[bool] = []
+    original = app_module.disconnect_check
+
+    def recording(request):
+        check = original(request)
+        checks.append(getattr(check, "__self__", None) is request)  # True: Starlette's own method
+        return check
+
+    monkeypatch.setattr(app_module, "disconnect_check", recording)
+    proxy = Proxy(ProxyConfig(), _SlowEngine(), _FakeStore(), admin_key=None, worker_key=None)
+    server = ProxyServer(proxy).start()
+    try:
+        session, key = proxy.sessions.start(task_id="t", domain="d", group_id="", group_size=1)
+        url = urllib.parse.urlparse(server.url)
+        body = json.dumps(BODY).encode()
+        head = (
+            f"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {key}\r\n"
+            f"content-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n"
+        ).encode()
+
+        def call(wait: bool) -> bytes:
+            with socket.create_connection((url.hostname, url.port), timeout=30) as sock:
+                sock.sendall(head + body)
+                if not wait:
+                    time.sleep(0.1)
+                    return b""
+                return sock.recv(65536)
+
+        assert call(wait=False) == b""
+        assert call(wait=True).startswith(b"HTTP/1.1 200")
+        deadline = time.monotonic() + 10
+        while len(session.calls) < 2 or any(a.delivered is None for c in session.calls for a in c.attempts):
+            assert time.monotonic() < deadline, "the calls were not recorded"
+            time.sleep(0.02)
+        assert [a.delivered for c in session.calls for a in c.attempts] == [False, True]
+        assert checks == [False, False]
+    finally:
+        server.stop()
+
+
+def _trajectory(i: int) -> dict:
+    return {"trajectory_id": f"s/turn-{i}.0/a0"}
+
+
+def test_the_submit_queue_lingers_for_a_batch_but_sends_at_once_when_hurried_full_or_closed():
+    """A batch waits ``linger_s`` for more completions (one Submit for all of them), unless a reward
+    or an end waits for its verdicts (``hurry``), the queue holds a whole batch, or the queue closes."""
+    import concurrent.futures
+
+    from rollbook.rollout.proxy.sessions import SubmitQueue
+
+    store = _FakeStore()
+    queue = SubmitQueue(store, batch_size=3, linger_s=600.0)  # a linger no test outwaits
+    try:
+        first = queue.put([_trajectory(0)]) + queue.put([_trajectory(1)])
+        with pytest.raises(concurrent.futures.TimeoutError):
+            first[0].result(timeout=0.3)  # lingering for a third
+        queue.hurry()
+        assert [f.result(timeout=30).status for f in first] == [1, 1]  # ACCEPTED, in one Submit
+        assert [t["trajectory_id"] for t in store.submitted] == ["s/turn-0.0/a0", "s/turn-1.0/a0"]
+        full = queue.put([_trajectory(2), _trajectory(3), _trajectory(4)])  # a whole batch: no linger
+        assert all(f.result(timeout=30) is not None for f in full)
+        last = queue.put([_trajectory(5)])
+    finally:
+        queue.close(timeout=30)  # sends what is queued without its linger
+    assert last[0].result(timeout=0) is not None
+    assert len(store.submitted) == 6
+
+
+def test_a_reward_does_not_wait_out_the_submit_linger():
+    from rollbook.config import ProxyConfig
+    from rollbook.rollout.proxy.core import Proxy
+
+    async def scenario(store: _FakeStore) -> dict:
+        proxy = Proxy(ProxyConfig(submit_linger_s=600.0), _FakeEngine(), store, admin_key=None, worker_key=None)
+        try:
+            session, key = proxy.sessions.start(task_id="t", domain="d", group_id="", group_size=1)
+            _, deliver, _ = await proxy.complete("chat", {"authorization": f"Bearer {key}"}, BODY)
+            deliver(True)
+            rewarded = await asyncio.wait_for(proxy.reward(session, "last", 1.0), timeout=60)
+            await asyncio.wait_for(proxy.end(session), timeout=60)
+            return rewarded
+        finally:
+            proxy.submitter.close(timeout=30)
+            proxy.close()
+
+    store = _FakeStore()
+    store.set_reward = lambda value, trajectory_id: None  # type: ignore[attr-defined]
+    rewarded = asyncio.run(scenario(store))
+    assert [r["trajectory_id"].split("/", 1)[1] for r in rewarded["rewarded"]] == ["turn-0.0/a0"]
+    assert len(store.submitted) == 1
