@@ -129,9 +129,10 @@ def create_app(proxy: Proxy):
         deliver(not await disconnected())
         return JSONResponse(payload, headers={"x-rollbook-turn": str(payload["rollbook"]["turn"])})
 
-    # The two completion endpoints are plain Starlette routes: they read and answer the request
-    # themselves, and FastAPI's per-call work around an endpoint (its dependency and response
-    # handling) is CPU that every call takes from the engine on a small machine.
+    # The two completion endpoints are answered before the FastAPI app (asgi below): they read and
+    # answer the request themselves, and FastAPI's per-call work around an endpoint (its middleware
+    # stack, dependency and response handling) is CPU that every call takes from the engine on a
+    # small machine. Other methods on their paths go to the app (its 405).
     async def chat_completions(request: Request):
         return await completion("chat", request)
 
@@ -140,6 +141,23 @@ def create_app(proxy: Proxy):
 
     app.add_route("/v1/chat/completions", chat_completions, methods=["POST"])
     app.add_route("/v1/completions", completions, methods=["POST"])
+    direct = {"/v1/chat/completions": "chat", "/v1/completions": "text"}
+
+    async def asgi(scope, receive, send) -> None:
+        kind = direct.get(scope["path"]) if scope["type"] == "http" and scope["method"] == "POST" else None
+        if kind is None:
+            await app(scope, receive, send)
+            return
+        request = Request(scope, receive, send)
+        try:
+            response = await completion(kind, request)  # type: ignore[arg-type]
+        except ApiError as exc:
+            response = error(exc)
+        except SessionError as exc:
+            response = await _session_error(request, exc)
+        except Exception as exc:
+            response = await _bug(request, exc)
+        await response(scope, receive, send)
 
     @app.get("/v1/models")
     async def models(request: Request):
@@ -222,4 +240,4 @@ def create_app(proxy: Proxy):
             raise ApiError(502, f"the store refused: {details() if callable(details) else exc}", code="store_error") from None
         return {"model_id": model_id, "vocab_size": proxy.render.vocab_size, "version": proxy.engine.version}
 
-    return app
+    return asgi

@@ -101,7 +101,13 @@ class ProxyServer:
         self.port = self.sock.getsockname()[1]
         self.url = f"http://{host}:{self.port}"
         self.server = uvicorn.Server(
-            uvicorn.Config(create_app(proxy), log_level="warning", access_log=False, timeout_graceful_shutdown=5)
+            uvicorn.Config(
+                create_app(proxy),
+                log_level="warning",
+                access_log=False,
+                proxy_headers=False,  # no client address is used: no forwarded-for middleware per request
+                timeout_graceful_shutdown=5,
+            )
         )
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 
