@@ -18,7 +18,7 @@ The modules, from the wire inwards:
 |---|---|
 | ``config`` | ``ProxyConfig``, the command's flags |
 | ``server`` | ``serve`` (the command), ``ProxyServer`` (uvicorn on a thread), ``build_engine``, the loopback rule |
-| ``app`` | ``create_app``: the FastAPI routes, body limits, error answers |
+| ``app`` | ``create_app``: the completion endpoints (answered before FastAPI), the FastAPI routes, body limits, error answers |
 | ``schemas`` | the request bodies (OpenAI and control) and ``ApiError``, the OpenAI-format error |
 | ``admission`` | ``Gate``: completions at once, waiting, pauses |
 | ``core`` | ``Proxy``: keys, completions, rewards, session ends, weight installs |

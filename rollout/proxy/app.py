@@ -34,6 +34,8 @@ def disconnect_check(request: Any) -> Callable[[], Awaitable[bool]]:
 
 
 def create_app(proxy: Proxy):
+    """The proxy's ASGI app: POSTs to the two completion endpoints are answered by ``completion``
+    directly; everything else (sessions, admin, ``/v1/models``, lifespan) by a FastAPI app."""
     import contextlib
 
     from fastapi import FastAPI, Request
