@@ -21,8 +21,9 @@ def disconnect_check(request: Any) -> Callable[[], Awaitable[bool]]:
     """How an answer learns that its caller left. Under uvicorn the request's ``receive`` is its
     request cycle's, whose ``disconnected`` flag the server sets when the connection is lost (what
     ``receive`` would then answer); it is read as is. Starlette's ``Request.is_disconnected`` enters
-    and cancels an anyio cancel scope on every call to ask ``receive`` without waiting, about a tenth
-    of the proxy's CPU per call on the 2-core reference machine. Any other server: Starlette's."""
+    and cancels an anyio cancel scope on every call to ask ``receive`` without waiting (about 0.1 ms
+    of the proxy's 3 ms of CPU per call on the 2-core reference machine, and once per streamed
+    token). Any other server: Starlette's."""
     cycle = getattr(request.receive, "__self__", None)
     if cycle is None or not isinstance(getattr(cycle, "disconnected", None), bool):
         return request.is_disconnected
