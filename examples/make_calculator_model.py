@@ -142,7 +142,12 @@ def build(
     for config in (model.config, model.generation_config):
         config.bos_token_id, config.eos_token_id = tokenizer.bos_token_id, tokenizer.eos_token_id
         config.pad_token_id = tokenizer.pad_token_id
-    model.save_pretrained(str(model_dir))  # the game's renderer reads the directory's tokenizer
+    # the game's renderer reads the directory's tokenizer and generation config; the weights are
+    # written once taught, so a build killed half way leaves no model that looks built
+    model.config.save_pretrained(str(model_dir))
+    model.generation_config.save_pretrained(str(model_dir))
+    for stale in model_dir.glob("*.safetensors"):
+        stale.unlink()
     game = CalculatorGame(HFRenderer(str(model_dir)))
     accuracy = teach(
         model,

@@ -140,3 +140,22 @@ def test_the_shipped_calculator_config_plays_the_calculator_agent():
     assert (root / config.online.agent).is_file() and config.online.agent.endswith("calculator_agent.py")
     assert config.rollout.domains == ["multiply"] and config.trainer.model.path == "models/calculator-llm"
     assert config.online.max_tokens >= 32  # a whole tool call of the built model (28 tokens) fits
+
+
+def test_a_calculator_model_build_stopped_while_teaching_leaves_no_weights_that_look_built(tmp_path, monkeypatch):
+    """bench/learning.py reuses a directory with a config and weights as a built model: a build killed
+    during its supervised steps must leave no weights there (only the tokenizer and configs)."""
+    from examples import make_calculator_model
+
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    model_dir = tmp_path / "calculator-llm"
+    model_dir.mkdir()
+    (model_dir / "model.safetensors").write_bytes(b"an earlier build's weights")
+    monkeypatch.setattr(make_calculator_model, "teach", killed)
+    problems = [(2, 3), (4, 5), (6, 7), (8, 9)]
+    with pytest.raises(KeyboardInterrupt):
+        make_calculator_model.build(model_dir, problems, problems, hidden_size=32, steps=1)
+    assert (model_dir / "tokenizer.json").is_file() and (model_dir / "config.json").is_file()
+    assert not list(model_dir.glob("*.safetensors"))
