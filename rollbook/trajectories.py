@@ -21,6 +21,8 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
+from google.protobuf.descriptor import FieldDescriptor
 
 from rollbook.v1 import rollbook_pb2 as pb
 
@@ -32,6 +34,7 @@ class Ragged:
 
     values: np.ndarray
     offsets: np.ndarray
+    _lengths: np.ndarray | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def from_parts(cls, parts: Sequence[np.ndarray], dtype: type) -> "Ragged":
@@ -42,7 +45,9 @@ class Ragged:
 
     @property
     def lengths(self) -> np.ndarray:
-        return np.diff(self.offsets)
+        if self._lengths is None:
+            self._lengths = np.diff(self.offsets)
+        return self._lengths
 
     def row(self, i: int) -> np.ndarray:
         return self.values[self.offsets[i] : self.offsets[i + 1]]
@@ -85,6 +90,11 @@ class TrajectoryColumns:
     tokens: Ragged  # int32
     logprobs: Ragged  # float32
     versions: Ragged  # int64
+    # scalar fields already decoded into Arrow arrays of SCALAR_TYPES (the store's Submit path
+    # decodes them with the packed arrays); any other is read from ``msgs`` when asked for
+    arrays: dict[str, pa.Array] = field(default_factory=dict, repr=False)
+    # per row, whether it sends metadata entries, when the decoder counted them (else read from msgs)
+    metadata_sent: np.ndarray | None = field(default=None, repr=False)
     _columns: dict[str, list] = field(default_factory=dict, repr=False)
 
     def __len__(self) -> int:
@@ -98,12 +108,44 @@ class TrajectoryColumns:
         """One scalar field of every row (``None`` where an optional field is unset), read once."""
         values = self._columns.get(name)
         if values is None:
-            if name in _OPTIONAL:
+            if name in self.arrays:
+                values = self.arrays[name].to_pylist()
+            elif name in OPTIONAL_FIELDS:
                 values = [getattr(m, name) if m.HasField(name) else None for m in self.msgs]
             else:
                 values = list(map(attrgetter(name), self.msgs))
             self._columns[name] = values
         return values
+
+    def array(self, name: str) -> pa.Array:
+        """One scalar field of every row as an Arrow array of its ``SCALAR_TYPES`` type (null where an
+        optional field is unset), read once."""
+        values = self.arrays.get(name)
+        if values is None:
+            values = self.arrays[name] = pa.array(self.column(name), type=SCALAR_TYPES[name])
+        return values
+
+    def numbers(self, name: str, unset: float = np.nan) -> np.ndarray:
+        """A numeric (or bool) scalar field of every row as float64, ``unset`` where an optional field
+        is unset."""
+        values = self.array(name)
+        if values.null_count:
+            return pc.cast(values, pa.float64()).fill_null(unset).to_numpy()
+        return values.to_numpy(zero_copy_only=False).astype(np.float64, copy=False)
+
+    def byte_lengths(self, name: str) -> np.ndarray:
+        """A string field's UTF-8 length in bytes, every row (at least its length in characters)."""
+        values = self.array(name)
+        offsets = values.buffers()[1]
+        if offsets is None:  # no rows
+            return np.zeros(len(values), np.int64)
+        return np.diff(np.frombuffer(offsets, np.int32)[values.offset : values.offset + len(values) + 1])
+
+    def metadata_rows(self) -> np.ndarray:
+        """The indices of the rows that send metadata entries."""
+        if self.metadata_sent is not None:
+            return np.flatnonzero(self.metadata_sent)
+        return np.flatnonzero(np.fromiter(map(bool, self.column("metadata")), bool, len(self)))
 
     def row(self, i: int) -> TrajectoryRow:
         m = self.msgs[i]
@@ -112,7 +154,21 @@ class TrajectoryColumns:
         )
 
 
-_OPTIONAL = frozenset(f.name for f in pb.Trajectory.DESCRIPTOR.fields if f.has_presence)
+# the fields a Trajectory may leave unset (None), as opposed to their default
+OPTIONAL_FIELDS = frozenset(f.name for f in pb.Trajectory.DESCRIPTOR.fields if f.has_presence)
+
+_ARROW_TYPES = {
+    FieldDescriptor.TYPE_STRING: pa.string(),
+    FieldDescriptor.TYPE_UINT32: pa.uint32(),
+    FieldDescriptor.TYPE_INT32: pa.int32(),
+    FieldDescriptor.TYPE_BOOL: pa.bool_(),
+    FieldDescriptor.TYPE_FLOAT: pa.float32(),
+    FieldDescriptor.TYPE_DOUBLE: pa.float64(),
+}
+# every singular scalar field of a Trajectory and its Arrow type (the store keeps these types)
+SCALAR_TYPES: dict[str, pa.DataType] = {
+    f.name: _ARROW_TYPES[f.type] for f in pb.Trajectory.DESCRIPTOR.fields if f.type in _ARROW_TYPES and not f.is_repeated
+}
 
 
 def decode(msg: pb.Trajectory) -> TrajectoryRow:

@@ -33,7 +33,7 @@ from rollbook.store.access import OPEN, Caller
 from rollbook.store.detect import Scanner
 from rollbook.store.governance import Policy, hold_reasons
 from rollbook.store.tables import rejections_table, trajectories_table
-from rollbook.trajectories import Ragged, TrajectoryColumns, decode_messages, varint_bytes
+from rollbook.trajectories import OPTIONAL_FIELDS, SCALAR_TYPES, Ragged, TrajectoryColumns, decode_messages, varint_bytes
 from rollbook.v1 import ingest_view_pb2 as view_pb
 from rollbook.v1 import rollbook_pb2 as pb
 from rollbook.validator import ingest
@@ -124,8 +124,8 @@ def decode_request(data: bytes) -> TrajectoryColumns:
     if view is not None and not _view_has_unknown_fields(view):  # unpacked arrays land among the unknown fields here
         walked = _walk(data, len(view.trajectories))
         if walked is not None:
-            prompt, tokens, logprobs, versions = walked
-            return TrajectoryColumns(view.trajectories, prompt, tokens, logprobs, versions)
+            (prompt, tokens, logprobs, versions), scalars, metadata_sent = walked
+            return TrajectoryColumns(view.trajectories, prompt, tokens, logprobs, versions, scalars, metadata_sent)
         try:
             return _decode_view(view.trajectories)
         except _NotExact:
@@ -150,22 +150,47 @@ _PACKED = (
     (pb.Trajectory.OUTPUT_LOGPROBS_FIELD_NUMBER, 2, np.float32),
     (pb.Trajectory.OUTPUT_VERSIONS_FIELD_NUMBER, 1, np.int64),
 )
-_PACKED_SPEC = tuple((number, kind) for number, kind, _ in _PACKED)
+# the singular scalar fields the C helper decodes beside them: (name, field number, kind, Arrow
+# type, optional); kind 3 a string, 4 a varint, 5 a double, 6 a float
+_SCALAR_KINDS = {pa.string(): 3, pa.uint32(): 4, pa.int32(): 4, pa.bool_(): 4, pa.float64(): 5, pa.float32(): 6}
+_SCALARS = tuple(
+    (name, pb.Trajectory.DESCRIPTOR.fields_by_name[name].number, _SCALAR_KINDS[type_], type_, name in OPTIONAL_FIELDS)
+    for name, type_ in SCALAR_TYPES.items()
+)
+_SPEC = (
+    *((number, kind) for number, kind, _ in _PACKED),
+    *((number, kind) for _, number, kind, _, _ in _SCALARS),
+    (pb.Trajectory.METADATA_FIELD_NUMBER, 7),  # kind 7: how many map entries each row sends
+)
+_NUMPY = {pa.uint32(): np.uint32, pa.int32(): np.int32, pa.bool_(): np.bool_, pa.float64(): np.float64, pa.float32(): np.float32}
 
 
-def _walk(data: bytes, rows: int) -> list[Ragged] | None:
-    """The four packed arrays decoded by the C helper straight from the request bytes into flat
-    arrays with each row's offsets (no per-row payload objects); None where the helper is not built
-    or declines (then the view's payloads are read)."""
+def _walk(data: bytes, rows: int) -> tuple[list[Ragged], dict[str, pa.Array], np.ndarray] | None:
+    """The four packed arrays and every singular scalar field decoded by the C helper straight from
+    the request bytes: flat arrays with each row's offsets, and one Arrow array a scalar field (no
+    Python object per row); None where the helper is not built or declines (then the view's
+    payloads and fields are read)."""
     if _varint is None:
         return None
-    walked = _varint.packed(data, _PACKED_SPEC)
+    walked = _varint.packed(data, _SPEC)
     if walked is None or walked[0] != rows:
         return None
-    return [
+    columns = walked[1]
+    arrays = [
         Ragged(np.frombuffer(values, dtype=dtype), np.frombuffer(offsets, dtype=np.int64))
-        for (values, offsets), (_, _, dtype) in zip(walked[1], _PACKED)
+        for (values, offsets), (_, _, dtype) in zip(columns, _PACKED)
     ]
+    scalars = {}
+    for (first, second), (name, _, kind, type_, optional) in zip(columns[len(_PACKED) : -1], _SCALARS):
+        if kind == 3:  # (the rows' UTF-8 bytes, int32 offsets): already Arrow's layout; the view's parse checked the UTF-8
+            scalars[name] = pa.Array.from_buffers(type_, rows, [None, pa.py_buffer(second), pa.py_buffer(first)])
+            continue
+        values = np.frombuffer(first, dtype=np.int64 if kind == 4 else np.float64 if kind == 5 else np.float32)
+        if kind == 4:  # a varint: its low 32 bits for (u)int32, nonzero for bool, as protobuf reads it
+            values = values.astype(_NUMPY[type_])
+        absent = np.frombuffer(second, dtype=np.bool_) if optional else None
+        scalars[name] = pa.array(values, type=type_, mask=None if absent is None else ~absent)
+    return arrays, scalars, np.frombuffer(columns[-1][0], dtype=np.int64) > 0
 
 
 def _decode_view(msgs: Sequence[view_pb.TrajectoryView]) -> TrajectoryColumns:

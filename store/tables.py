@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from rollbook.store.schema import DEFAULT_TENANT, REJECTION_SCHEMA, TRAJECTORY_SCHEMA
+from rollbook.store.schema import DEFAULT_TENANT, METADATA_TYPE, REJECTION_SCHEMA, TRAJECTORY_SCHEMA
 from rollbook.trajectories import Ragged, TrajectoryColumns
 from rollbook.v1 import rollbook_pb2 as pb
 
@@ -32,43 +32,49 @@ def trajectories_table(
         "output_logprobs": batch.logprobs.to_arrow(pa.float32()),
         "output_versions": batch.versions.to_arrow(pa.int64()),
     }
-    if keep is not None and not keep.all():
-        idx = np.flatnonzero(keep)
-
-        def column(name: str) -> list:
-            values = batch.column(name)
-            return [values[i] for i in idx]
-
-        lists = {name: array.take(pa.array(idx)) for name, array in lists.items()}
+    idx = None if keep is None or keep.all() else np.flatnonzero(keep)
+    versions = batch.versions
+    cols: dict[str, Any] = {name: batch.array(name) for name in _SCALAR_COLUMNS}
+    if idx is not None:
+        taken = pa.array(idx)
+        lists = {name: array.take(taken) for name, array in lists.items()}
+        cols = {name: array.take(taken) for name, array in cols.items()}
         versions = Ragged(
             lists["output_versions"].flatten().to_numpy(), lists["output_versions"].offsets.to_numpy().astype(np.int64)
         )
-    else:
-        column, versions = batch.column, batch.versions
     lengths = versions.lengths
-    cols: dict[str, Any] = {name: column(name) for name in _SCALAR_COLUMNS}
-    n = len(cols["trajectory_id"])
-    reasons = [None] * n if held is None else (list(held) if keep is None or keep.all() else [held[int(i)] for i in idx])
+    n = len(lengths)
+    reasons = [None] * n if held is None else (list(held) if idx is None else [held[int(i)] for i in idx])
     cols.update(
         {
-            "tenant": [tenant] * n,
-            "metadata": [list(m.items()) or None for m in column("metadata")],
-            "eligibility": ["eligible" if r is None else "held" for r in reasons],
-            "eligibility_reason": [r or "" for r in reasons],
+            "tenant": pa.array([tenant] * n, pa.string()),
+            "metadata": _metadata(batch, idx, n),
+            "eligibility": pa.array(["eligible" if r is None else "held" for r in reasons], pa.string()),
+            "eligibility_reason": pa.array([r or "" for r in reasons], pa.string()),
         }
     )
     cols.update(lists)
     cols.update(
         {
-            "num_prompt_tokens": np.diff(lists["prompt_token_ids"].offsets.to_numpy()),
-            "num_output_tokens": lengths.astype(np.int32),
+            "num_prompt_tokens": pa.array(np.diff(lists["prompt_token_ids"].offsets.to_numpy())),
+            "num_output_tokens": pa.array(lengths.astype(np.int32)),
             "min_version": pa.array(versions.reduce(np.minimum, 0), mask=lengths == 0),
             "max_version": pa.array(versions.reduce(np.maximum, 0), mask=lengths == 0),
             "original_reward": cols["reward"],
-            "received_at": np.full(n, received_at),
+            "received_at": pa.array(np.full(n, received_at)),
         }
     )
-    return pa.Table.from_pydict(cols, schema=TRAJECTORY_SCHEMA)
+    return pa.Table.from_arrays([cols[f.name] for f in TRAJECTORY_SCHEMA], schema=TRAJECTORY_SCHEMA)
+
+
+def _metadata(batch: TrajectoryColumns, idx: np.ndarray | None, n: int) -> pa.Array:
+    """The metadata maps of the kept rows (``idx``, or all), null where a row sends none."""
+    sent = batch.metadata_rows()
+    if not len(sent):
+        return pa.nulls(n, METADATA_TYPE)
+    metadata = batch.column("metadata")
+    rows = range(len(batch)) if idx is None else idx
+    return pa.array([list(metadata[i].items()) or None for i in rows], METADATA_TYPE)
 
 
 # the stored columns that are the message's own scalar fields

@@ -105,9 +105,10 @@ def _suspects(batch: TrajectoryColumns, registry: Registry, config: IngestConfig
     suspect |= _rows(batch.versions, step_down | (ver < 0)).reduce(np.logical_or, False)
     top = np.maximum(batch.tokens.reduce(np.maximum, -1), batch.prompt.reduce(np.maximum, -1))
     low = np.minimum(batch.tokens.reduce(np.minimum, 0), batch.prompt.reduce(np.minimum, 0))
-    model_ids = batch.column("model_id")
-    vocab = np.fromiter((registry.vocab_size(m) or 0 for m in model_ids), np.int64, len(model_ids))
-    lo, hi = _version_ranges(model_ids, registry)
+    models = batch.array("model_id").dictionary_encode()  # each model looked up once
+    model_ids, row_model = models.dictionary.to_pylist(), models.indices.to_numpy()
+    vocab = np.fromiter((registry.vocab_size(m) or 0 for m in model_ids), np.int64, len(model_ids))[row_model]
+    lo, hi = (bound[row_model] for bound in _version_ranges(model_ids, registry))
     suspect |= (low < 0) | (top >= vocab)
     suspect |= (batch.versions.reduce(np.minimum, 0) < lo) | (batch.versions.reduce(np.maximum, 0) > hi)
     return suspect
@@ -124,44 +125,41 @@ def _scalar_suspects(batch: TrajectoryColumns, config: IngestConfig) -> np.ndarr
     over the limit, a branch without a parent."""
     n = len(batch)
     suspect = np.zeros(n, bool)
-    for name in STRING_FIELDS:
-        lengths = np.fromiter(map(len, batch.column(name)), np.int64, n)
+    for name in STRING_FIELDS:  # bytes, at least the characters the rule counts: a superset
+        lengths = batch.byte_lengths(name)
         suspect |= lengths > config.max_id_length
         if name == "trajectory_id":
             suspect |= lengths == 0
     # an unset temperature / top_p reads as NaN: a suspect either way (MISSING_ or INVALID_SAMPLING_PARAMS)
-    temperature = np.array(batch.column("temperature"), dtype=np.float64)
-    top_p = np.array(batch.column("top_p"), dtype=np.float64)
+    temperature, top_p = batch.numbers("temperature"), batch.numbers("top_p")
     with np.errstate(invalid="ignore"):  # NaN compares False: the isfinite terms catch it
         suspect |= ~np.isfinite(temperature) | (temperature < 0) | ~(top_p > 0) | ~(top_p <= 1)
-    with np.errstate(invalid="ignore"):
-        suspect |= np.array(batch.column("top_k"), dtype=np.float64) < -1  # unset: NaN, never below
-    rewards = np.fromiter((0.0 if r is None else r for r in batch.column("reward")), np.float64, n)
-    suspect |= ~(np.abs(rewards) <= config.max_abs_reward)  # NaN and inf too
-    suspect |= ~np.isfinite(np.fromiter(batch.column("created_at"), np.float64, n))
-    suspect |= np.fromiter(batch.column("group_size"), np.int64, n) > config.max_group_size
-    orphan_branch = (b and not p for b, p in zip(batch.column("branched"), batch.column("parent_request_id")))
+        suspect |= batch.numbers("top_k") < -1  # unset: NaN, never below
+    suspect |= ~(np.abs(batch.numbers("reward", unset=0.0)) <= config.max_abs_reward)  # NaN and inf too
+    suspect |= ~np.isfinite(batch.numbers("created_at"))
+    suspect |= batch.numbers("group_size") > config.max_group_size
+    suspect |= (batch.numbers("branched") != 0) & (batch.byte_lengths("parent_request_id") == 0)  # a branch without a parent
     limit = config.max_id_length
-    bad_metadata = (
-        bool(md)
-        and (len(md) > MAX_METADATA_ENTRIES or any(not k or len(k) > MAX_METADATA_KEY or len(v) > limit for k, v in md.items()))
-        for md in batch.column("metadata")
-    )
-    suspect |= np.fromiter(bad_metadata, bool, n)
-    return suspect | np.fromiter(orphan_branch, bool, n)
+    with_metadata = batch.metadata_rows()
+    if len(with_metadata):
+        metadata = batch.column("metadata")
+        suspect[with_metadata] |= [
+            len(md) > MAX_METADATA_ENTRIES or any(not k or len(k) > MAX_METADATA_KEY or len(v) > limit for k, v in md.items())
+            for md in (metadata[i] for i in with_metadata)
+        ]
+    return suspect
 
 
 def _version_ranges(model_ids: Sequence[str], registry: Registry) -> tuple[np.ndarray, np.ndarray]:
-    """Per row, the published range [lo, hi] when the model's versions are contiguous (so any
-    version inside is published); otherwise an empty range, which sends the row to ``check``."""
-    ranges: dict[str, tuple[int, int]] = {}
-    for model_id in set(model_ids):
+    """Per model, the published range [lo, hi] when its versions are contiguous (so any version
+    inside is published); otherwise an empty range, which sends its rows to ``check``."""
+    ranges = []
+    for model_id in model_ids:
         v = registry.published_versions(model_id).versions
         contiguous = len(v) > 0 and int(v[-1]) - int(v[0]) + 1 == len(v)
-        ranges[model_id] = (int(v[0]), int(v[-1])) if contiguous else (1, 0)
-    lo = np.fromiter((ranges[m][0] for m in model_ids), np.int64, len(model_ids))
-    hi = np.fromiter((ranges[m][1] for m in model_ids), np.int64, len(model_ids))
-    return lo, hi
+        ranges.append((int(v[0]), int(v[-1])) if contiguous else (1, 0))
+    bounds = np.array(ranges, dtype=np.int64).reshape(len(ranges), 2)
+    return bounds[:, 0], bounds[:, 1]
 
 
 def _structure(row: _RowLike, config: IngestConfig) -> Verdict:

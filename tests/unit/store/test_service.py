@@ -14,7 +14,7 @@ import grpc
 import pytest
 
 from rollbook.store import service as service_module
-from rollbook.store.ledger import InvalidReward, ModelNotRegistered, NotRewardable, UnknownTrajectory
+from rollbook.store.ledger import InvalidReward, ModelNotRegistered, NotRewardable, Outcome, UnknownTrajectory
 from rollbook.store.service import Abort, SyncContext, TrajectoryStoreService
 from rollbook.store.sql import QueryLimits
 from rollbook.v1 import rollbook_pb2 as pb
@@ -99,3 +99,25 @@ def test_a_bytes_field_appended_to_an_encoded_message_parses_as_the_message_with
     expected = pb.PullBatchResponse(lease_id="lease-1", num_rows=7, stats_json='{"a": 1}', arrow_ipc=payload)
     assert pb.PullBatchResponse.FromString(encoded) == expected
     assert len(encoded) == len(expected.SerializeToString())
+
+
+@pytest.mark.parametrize(
+    "outcomes",
+    [
+        [],
+        [Outcome("t-1", "ACCEPTED"), Outcome("t-2", "DUPLICATE")],
+        [Outcome("", "REJECTED", "MISSING_ID", "trajectory_id is empty")],  # proto3 leaves "" out
+        [Outcome("é" * 90, "REJECTED", "OVERSIZED", "d" * 300)],  # lengths over 127: two-byte varints
+        [Outcome("x", "ACCEPTED"), Outcome("y", "REJECTED", "NAN_LOGPROB", "")],
+    ],
+)
+def test_the_submit_response_is_written_as_protobuf_writes_it(outcomes):
+    want = pb.SubmitResponse(
+        verdicts=[
+            pb.Verdict(trajectory_id=o.trajectory_id, status=pb.Verdict.Status.Value(o.status), reason=o.reason, detail=o.detail)
+            for o in outcomes
+        ]
+    )
+    got = service_module.submit_response(outcomes)
+    assert got == want.SerializeToString()
+    assert pb.SubmitResponse.FromString(got) == want

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from rollbook.client import encode_submit_request
 from rollbook.store import prepare
 from rollbook.store.prepare import MalformedRequest, decode_request, parse_message
-from rollbook.trajectories import TrajectoryColumns, decode_messages, trajectory_from_dict, varint_bytes
+from rollbook.trajectories import SCALAR_TYPES, TrajectoryColumns, decode_messages, trajectory_from_dict, varint_bytes
 from rollbook.v1 import ingest_view_pb2 as view_pb
 from rollbook.v1 import rollbook_pb2 as pb
 
@@ -47,6 +47,15 @@ def assert_same_batch(got: TrajectoryColumns, want: TrajectoryColumns) -> None:
             assert x == y or (isinstance(x, float) and math.isnan(x) and math.isnan(y)), field
         for field in OPTIONAL:
             assert a.HasField(field) == b.HasField(field), field
+    for name, type_ in SCALAR_TYPES.items():  # the Arrow arrays the store builds its rows from
+        g, w = got.array(name), want.array(name)
+        assert g.type == w.type == type_, name
+        assert [same(x, y) for x, y in zip(g.to_pylist(), w.to_pylist())] == [True] * len(w), name
+        assert got.column(name) == w.to_pylist() or all(map(same, got.column(name), w.to_pylist())), name
+
+
+def same(x, y) -> bool:
+    return x == y or (isinstance(x, float) and isinstance(y, float) and math.isnan(x) and math.isnan(y))
 
 
 @contextlib.contextmanager
@@ -300,7 +309,9 @@ def test_packed_batches_are_read_by_the_c_walker_not_the_views_payloads(monkeypa
     pytest.importorskip("rollbook.store._varint", reason="the C helper is not built here")
     monkeypatch.setattr(prepare, "_decode_view", lambda msgs: pytest.fail("read through the view's payloads"))
     msgs = [traj(trajectory_id=str(i), output_token_ids=[i, 300, 2**31 - 1], output_versions=[0, 1, 2**40]) for i in range(5)]
-    assert_same_batch(decode_request(encode_submit_request(msgs)), reference(encode_submit_request(msgs)))
+    batch = decode_request(encode_submit_request(msgs))
+    assert set(batch.arrays) == set(SCALAR_TYPES)  # the scalar fields came with them, not row by row
+    assert_same_batch(batch, reference(encode_submit_request(msgs)))
 
 
 @pytest.mark.parametrize(
@@ -319,8 +330,49 @@ def test_packed_batches_are_read_by_the_c_walker_not_the_views_payloads(monkeypa
 )
 def test_the_c_walker_declines_what_it_cannot_take_exactly(trajectory):
     varint = pytest.importorskip("rollbook.store._varint", reason="the C helper is not built here")
-    assert varint.packed(request(trajectory), prepare._PACKED_SPEC) is None
-    assert varint.packed(request(length_delimited(1, b"ok")), prepare._PACKED_SPEC) is not None
+    assert varint.packed(request(trajectory), prepare._SPEC) is None
+    assert varint.packed(request(length_delimited(1, b"ok")), prepare._SPEC) is not None
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        length_delimited(1, b"second-id"),  # a string sent twice: the last one counts
+        field(4, 0, varint_bytes(9)),  # group_size twice
+        field(19, 1, struct.pack("<d", 2.5)),  # reward twice
+        field(15, 5, struct.pack("<f", 0.25)),  # temperature twice
+        field(7, 0, varint_bytes(2)),  # a bool sent as 2: true
+        field(17, 0, varint_bytes(2**64 - 1)),  # top_k -1 as ten bytes
+        field(4, 0, varint_bytes(2**33 + 5)),  # a uint32 sent wider: its low 32 bits
+    ],
+    ids=["string-twice", "varint-twice", "double-twice", "float-twice", "bool-2", "top-k-ten-bytes", "wide-uint32"],
+)
+def test_scalar_fields_sent_twice_or_wide_decode_like_the_ordinary_parse(extra):
+    data = request(traj(trajectory_id="first", group_size=2, reward=1.0, consumed=False).SerializeToString() + extra)
+    assert_decodes_like_the_ordinary_parse(data)
+
+
+def test_the_c_walker_declines_a_singular_field_sent_twice_or_with_another_wire_type():
+    varint = pytest.importorskip("rollbook.store._varint", reason="the C helper is not built here")
+    once = traj(trajectory_id="a").SerializeToString()
+    assert varint.packed(request(once), prepare._SPEC) is not None
+    assert varint.packed(request(once + length_delimited(1, b"b")), prepare._SPEC) is None  # sent twice
+    assert varint.packed(request(once + length_delimited(4, b"\x01")), prepare._SPEC) is None  # group_size as bytes
+
+
+def test_the_c_walker_gives_each_scalar_field_as_arrow_buffers_with_presence():
+    varint = pytest.importorskip("rollbook.store._varint", reason="the C helper is not built here")
+    rows = [traj(trajectory_id="é", reward=0.5, top_k=-1), traj(trajectory_id="", top_p=None)]
+    n, columns = varint.packed(encode_submit_request(rows), prepare._SPEC)
+    spec = dict(zip([number for number, _ in prepare._SPEC], columns))
+    data, offsets = spec[1]  # trajectory_id
+    assert n == 2 and data == "é".encode() and np.frombuffer(offsets, np.int32).tolist() == [0, 2, 2]
+    values, present = spec[19]  # reward: optional
+    assert np.frombuffer(values, np.float64).tolist() == [0.5, 0.0] and list(present) == [1, 0]
+    values, present = spec[17]  # top_k: a ten-byte varint, kept as int64
+    assert np.frombuffer(values, np.int64).tolist() == [-1, 0] and list(present) == [1, 0]
+    values, present = spec[16]  # top_p: a float
+    assert np.frombuffer(values, np.float32).tolist() == [1.0, 0.0] and list(present) == [1, 0]
 
 
 def test_the_c_walker_skips_other_fields_and_keeps_each_rows_offsets():
@@ -330,7 +382,7 @@ def test_the_c_walker_skips_other_fields_and_keeps_each_rows_offsets():
         traj(trajectory_id="b"),
     ]
     data = encode_submit_request(rows) + field(9, 0, varint_bytes(1)) + field(8, 1, b"\0" * 8) + field(6, 5, b"\0" * 4)
-    n, columns = varint.packed(data, prepare._PACKED_SPEC)
+    n, columns = varint.packed(data, prepare._SPEC)
     tokens, offsets = columns[1]
     assert n == 2
     assert np.frombuffer(tokens, np.int32).tolist() == [1, 2, 5, 151935, 0]
@@ -360,7 +412,14 @@ trajectories = st.builds(
     output_logprobs=floats,
     output_versions=int64s | st.lists(st.integers(0, 9), max_size=20),
     reward=st.none() | st.floats(allow_nan=True),
+    temperature=st.none() | st.floats(width=32, allow_nan=True),
+    top_p=st.none() | st.floats(width=32),
     top_k=st.none() | st.integers(-(2**31), 2**31 - 1),
+    group_size=st.integers(0, 2**32 - 1),
+    attempt=st.integers(0, 2**32 - 1),
+    consumed=st.booleans(),
+    created_at=st.floats(allow_nan=True),
+    domain=st.text(max_size=5),
     parent_request_id=st.text(max_size=5),
     branched=st.booleans(),
 )
