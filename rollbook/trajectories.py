@@ -28,12 +28,25 @@ from rollbook.v1 import rollbook_pb2 as pb
 
 
 @dataclass(slots=True)
+class RowStats:
+    """Each row's least and greatest value and a flag, found while the rows were decoded (the store's
+    C helper, store/_varint.c). For integers (int64) the flag marks a value below the one before it;
+    for floats (float64 of the values) a NaN or an infinity, least and greatest being over the finite
+    values. A row without values has least > greatest."""
+
+    least: np.ndarray
+    greatest: np.ndarray
+    flag: np.ndarray  # bool
+
+
+@dataclass(slots=True)
 class Ragged:
     """Variable-length rows as one flat array and ``n + 1`` int64 offsets (row ``i`` is
-    ``values[offsets[i]:offsets[i + 1]]``)."""
+    ``values[offsets[i]:offsets[i + 1]]``), with each row's ``RowStats`` when the decoder found them."""
 
     values: np.ndarray
     offsets: np.ndarray
+    stats: RowStats | None = field(default=None, repr=False, compare=False)
     _lengths: np.ndarray | None = field(default=None, repr=False, compare=False)
 
     @classmethod
@@ -59,6 +72,9 @@ class Ragged:
         """``ufunc`` over each row (``np.maximum``, ``np.logical_or``, ...) in ``dtype`` (default: the
         values'); ``empty`` for empty rows."""
         starts, lengths = self.offsets[:-1], self.lengths
+        if self.stats is not None and dtype is None and self.values.dtype.kind in "iu" and ufunc in (np.maximum, np.minimum):
+            found = self.stats.greatest if ufunc is np.maximum else self.stats.least
+            return np.where(lengths > 0, found, empty).astype(self.values.dtype)
         if len(starts) and lengths.all():
             return ufunc.reduceat(self.values, starts, dtype=dtype)
         out = np.full(len(starts), empty, dtype=dtype or self.values.dtype)

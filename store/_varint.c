@@ -3,8 +3,11 @@
  * packed(request, spec) walks a serialized SubmitRequest and decodes the named fields of every
  * trajectory straight into one flat buffer per field, without a Python object per row: `spec`
  * names the Trajectory fields to take and how, as (field number, kind) pairs. The packed kinds
- * give (values bytes, int64 offsets bytes: rows + 1): 0 varints kept as int32 (their low 32 bits,
- * as protobuf does), 1 varints kept as int64, 2 float32. The singular kinds give one value a row:
+ * give (values bytes, int64 offsets bytes: rows + 1, then each row's least value, greatest value
+ * and a flag byte): 0 varints kept as int32 (their low 32 bits, as protobuf does), 1 varints kept
+ * as int64 (least and greatest as int64, INT64_MAX and INT64_MIN for an empty row; the flag: a
+ * value below the one before it), 2 float32 (least and greatest finite value as double, inf and
+ * -inf for a row without one; the flag: a NaN or an infinity). The singular kinds give one value a row:
  * 3 a string or bytes field as (the rows' bytes back to back, int32 offsets: rows + 1, Arrow's
  * layout; an absent field is empty), and (values, one presence byte a row) for 4 a varint kept as
  * int64, 5 a double, 6 a float (an absent field reads 0 and is marked absent); and 7, for a
@@ -30,6 +33,7 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -90,7 +94,27 @@ typedef struct {
     int32_t *str_offsets;      /* pass 2, strings: rows + 1 */
     uint8_t *present;          /* pass 2, singular scalars: one flag a row */
     Py_ssize_t at;
+    /* pass 2, packed kinds, each row's statistics: the least and greatest value (int64 for the
+     * varint kinds, double for float32, over its finite values; an empty row keeps the start
+     * values) and a flag: a value below the one before it (varints), a NaN or infinity (float32) */
+    char *mins, *maxs;
+    uint8_t *flags;
+    int64_t last;
+    int has_last;
 } Field;
+
+/* a row's statistics before its first value */
+static void start_row(Field *f, Py_ssize_t row) {
+    if (f->kind == K_FLOAT32) {
+        ((double *)f->mins)[row] = INFINITY;
+        ((double *)f->maxs)[row] = -INFINITY;
+    } else {
+        ((int64_t *)f->mins)[row] = INT64_MAX;
+        ((int64_t *)f->maxs)[row] = INT64_MIN;
+    }
+    f->flags[row] = 0;
+    f->has_last = 0;
+}
 
 static int is_packed(int kind) { return kind <= K_FLOAT32; }
 
@@ -142,12 +166,28 @@ static int skip_value(const uint8_t **p, const uint8_t *end, int wt) {
     }
 }
 
-/* Count (fill == 0) or decode (fill == 1) one packed record of field f. */
-static int take_record(Field *f, const uint8_t *p, const uint8_t *end, int fill) {
+/* Count (fill == 0) or decode (fill == 1) one packed record of field f into row `row`. */
+static int take_record(Field *f, const uint8_t *p, const uint8_t *end, Py_ssize_t row, int fill) {
     if (f->kind == K_FLOAT32) {
         Py_ssize_t n = end - p;
         if (n % 4) return -1;
-        if (fill) memcpy(f->values + f->at * 4, p, (size_t)n);
+        if (fill) {
+            float *out = (float *)(f->values + f->at * 4);
+            double lo = ((double *)f->mins)[row], hi = ((double *)f->maxs)[row];
+            uint8_t flag = f->flags[row];
+            memcpy(out, p, (size_t)n);
+            for (Py_ssize_t i = 0; i < n / 4; i++) {
+                double x = out[i];
+                if (!isfinite(x)) flag = 1;
+                else {
+                    if (x < lo) lo = x;
+                    if (x > hi) hi = x;
+                }
+            }
+            ((double *)f->mins)[row] = lo;
+            ((double *)f->maxs)[row] = hi;
+            f->flags[row] = flag;
+        }
         f->at += n / 4;
         return 0;
     }
@@ -158,12 +198,26 @@ static int take_record(Field *f, const uint8_t *p, const uint8_t *end, int fill)
         f->at += k;
         return 0;
     }
+    int64_t lo = ((int64_t *)f->mins)[row], hi = ((int64_t *)f->maxs)[row], last = f->last;
+    int has_last = f->has_last;
+    uint8_t flag = f->flags[row];
     while (p < end) {
         uint64_t v;
         if (read_varint(&p, end, &v) < 0) return -1;
-        if (f->kind == K_INT32) ((int32_t *)f->values)[f->at++] = (int32_t)(uint32_t)v;
-        else ((int64_t *)f->values)[f->at++] = (int64_t)v;
+        int64_t x;
+        if (f->kind == K_INT32) ((int32_t *)f->values)[f->at++] = (int32_t)(x = (int32_t)(uint32_t)v);
+        else ((int64_t *)f->values)[f->at++] = x = (int64_t)v;
+        if (x < lo) lo = x;
+        if (x > hi) hi = x;
+        if (has_last && x < last) flag = 1;
+        last = x;
+        has_last = 1;
     }
+    ((int64_t *)f->mins)[row] = lo;
+    ((int64_t *)f->maxs)[row] = hi;
+    f->flags[row] = flag;
+    f->last = last;
+    f->has_last = has_last;
     return 0;
 }
 
@@ -214,8 +268,10 @@ static Py_ssize_t walk(const uint8_t *p, const uint8_t *end, Field *fields, int 
         uint32_t seen = 0;
         if (fill)
             for (int i = 0; i < nfields; i++) {
-                if (is_packed(fields[i].kind)) fields[i].offsets[rows] = fields[i].at;
-                else if (fields[i].kind == K_STRING) fields[i].str_offsets[rows] = (int32_t)fields[i].at;
+                if (is_packed(fields[i].kind)) {
+                    fields[i].offsets[rows] = fields[i].at;
+                    start_row(&fields[i], rows);
+                } else if (fields[i].kind == K_STRING) fields[i].str_offsets[rows] = (int32_t)fields[i].at;
             }
         while (q < stop) {
             uint64_t t;
@@ -241,7 +297,7 @@ static Py_ssize_t walk(const uint8_t *p, const uint8_t *end, Field *fields, int 
             }
             uint64_t n;
             if (read_varint(&q, stop, &n) < 0 || n > (uint64_t)(stop - q)) return -1; /* cut */
-            if (take_record(f, q, q + n, fill) < 0) return -1;
+            if (take_record(f, q, q + n, rows, fill) < 0) return -1;
             q += n;
         }
         rows++;
@@ -260,7 +316,7 @@ static PyObject *packed(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "y*O", &src, &spec)) return NULL;
     Field fields[MAX_FIELDS];
     int8_t index[MAX_NUMBER];
-    PyObject *out[MAX_FIELDS][2] = {{NULL}};
+    PyObject *out[MAX_FIELDS][5] = {{NULL}};
     PyObject *result = NULL, *columns = NULL;
     const uint8_t *p = (const uint8_t *)src.buf, *end = p + src.len;
     Py_ssize_t rows, again, nfields = PySequence_Length(spec);
@@ -305,6 +361,15 @@ static PyObject *packed(PyObject *self, PyObject *args) {
         out[i][0] = PyBytes_FromStringAndSize(NULL, size);
         out[i][1] = PyBytes_FromStringAndSize(NULL, second);
         if (!out[i][0] || !out[i][1]) goto done;
+        if (packed_kind) { /* each row's least and greatest value and its flag */
+            out[i][2] = PyBytes_FromStringAndSize(NULL, rows * 8);
+            out[i][3] = PyBytes_FromStringAndSize(NULL, rows * 8);
+            out[i][4] = PyBytes_FromStringAndSize(NULL, rows);
+            if (!out[i][2] || !out[i][3] || !out[i][4]) goto done;
+            f->mins = PyBytes_AS_STRING(out[i][2]);
+            f->maxs = PyBytes_AS_STRING(out[i][3]);
+            f->flags = (uint8_t *)PyBytes_AS_STRING(out[i][4]);
+        }
         f->count = f->at;
         f->values = PyBytes_AS_STRING(out[i][0]);
         f->offsets = packed_kind ? (int64_t *)PyBytes_AS_STRING(out[i][1]) : NULL;
@@ -327,7 +392,9 @@ static PyObject *packed(PyObject *self, PyObject *args) {
     columns = PyList_New(nfields);
     if (!columns) goto done;
     for (Py_ssize_t i = 0; i < nfields; i++) {
-        PyList_SET_ITEM(columns, i, Py_BuildValue("(OO)", out[i][0], out[i][1]));
+        PyList_SET_ITEM(columns, i,
+                        is_packed(fields[i].kind) ? Py_BuildValue("(OOOOO)", out[i][0], out[i][1], out[i][2], out[i][3], out[i][4])
+                                                  : Py_BuildValue("(OO)", out[i][0], out[i][1]));
         if (!PyList_GET_ITEM(columns, i)) {
             Py_DECREF(columns);
             goto done;
@@ -335,10 +402,8 @@ static PyObject *packed(PyObject *self, PyObject *args) {
     }
     result = Py_BuildValue("(nN)", rows, columns);
 done:
-    for (int i = 0; i < MAX_FIELDS; i++) {
-        Py_XDECREF(out[i][0]);
-        Py_XDECREF(out[i][1]);
-    }
+    for (int i = 0; i < MAX_FIELDS; i++)
+        for (int j = 0; j < 5; j++) Py_XDECREF(out[i][j]);
     PyBuffer_Release(&src);
     return result;
 }

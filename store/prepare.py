@@ -33,7 +33,15 @@ from rollbook.store.access import OPEN, Caller
 from rollbook.store.detect import Scanner
 from rollbook.store.governance import Policy, hold_reasons
 from rollbook.store.tables import rejections_table, trajectories_table
-from rollbook.trajectories import OPTIONAL_FIELDS, SCALAR_TYPES, Ragged, TrajectoryColumns, decode_messages, varint_bytes
+from rollbook.trajectories import (
+    OPTIONAL_FIELDS,
+    SCALAR_TYPES,
+    Ragged,
+    RowStats,
+    TrajectoryColumns,
+    decode_messages,
+    varint_bytes,
+)
 from rollbook.v1 import ingest_view_pb2 as view_pb
 from rollbook.v1 import rollbook_pb2 as pb
 from rollbook.validator import ingest
@@ -176,10 +184,13 @@ def _walk(data: bytes, rows: int) -> tuple[list[Ragged], dict[str, pa.Array], np
     if walked is None or walked[0] != rows:
         return None
     columns = walked[1]
-    arrays = [
-        Ragged(np.frombuffer(values, dtype=dtype), np.frombuffer(offsets, dtype=np.int64))
-        for (values, offsets), (_, _, dtype) in zip(columns, _PACKED)
-    ]
+    arrays = []
+    for (values, offsets, least, greatest, flag), (_, kind, dtype) in zip(columns, _PACKED):
+        found = np.float64 if kind == 2 else np.int64  # each row's least and greatest value
+        stats = RowStats(
+            np.frombuffer(least, dtype=found), np.frombuffer(greatest, dtype=found), np.frombuffer(flag, dtype=np.bool_)
+        )
+        arrays.append(Ragged(np.frombuffer(values, dtype=dtype), np.frombuffer(offsets, dtype=np.int64), stats))
     scalars = {}
     for (first, second), (name, _, kind, type_, optional) in zip(columns[len(_PACKED) : -1], _SCALARS):
         if kind == 3:  # (the rows' UTF-8 bytes, int32 offsets): already Arrow's layout; the view's parse checked the UTF-8

@@ -92,17 +92,28 @@ def _suspects(batch: TrajectoryColumns, registry: Registry, config: IngestConfig
     suspect |= (n_tok > config.max_output_tokens) | (n_p > config.max_prompt_tokens) | _scalar_suspects(batch, config)
     # each rule below reads one array with its own offsets, so rows of mismatched lengths cannot shift
     # the others; their results only matter for rows not already suspect
-    lp = batch.logprobs.values
-    bad_lp = ~np.isfinite(lp) | (lp > config.positive_logprob_tolerance)
-    for sentinel in config.sentinel_logprobs:
-        bad_lp |= lp == np.float32(sentinel)
-    suspect |= _rows(batch.logprobs, bad_lp).reduce(np.logical_or, False)
-    ver = batch.versions.values
-    step_down = np.zeros(len(ver), bool)
-    step_down[1:] = ver[1:] < ver[:-1]
-    starts = batch.versions.offsets[:-1]
-    step_down[starts[starts < len(ver)]] = False  # a row may start lower than the previous one ended
-    suspect |= _rows(batch.versions, step_down | (ver < 0)).reduce(np.logical_or, False)
+    found = batch.logprobs.stats  # each row's range, found while decoding: no pass over the values
+    if found is not None:  # float32 values as float64: compared with the float32 limits, as below
+        bad = found.flag | (found.greatest > float(np.float32(config.positive_logprob_tolerance)))
+        for sentinel in config.sentinel_logprobs:
+            bad |= (found.least <= float(np.float32(sentinel))) & (float(np.float32(sentinel)) <= found.greatest)
+        suspect |= bad
+    else:
+        lp = batch.logprobs.values
+        bad_lp = ~np.isfinite(lp) | (lp > config.positive_logprob_tolerance)
+        for sentinel in config.sentinel_logprobs:
+            bad_lp |= lp == np.float32(sentinel)
+        suspect |= _rows(batch.logprobs, bad_lp).reduce(np.logical_or, False)
+    found = batch.versions.stats
+    if found is not None:  # a step down inside a row, or a negative version
+        suspect |= found.flag | (found.least < 0)
+    else:
+        ver = batch.versions.values
+        step_down = np.zeros(len(ver), bool)
+        step_down[1:] = ver[1:] < ver[:-1]
+        starts = batch.versions.offsets[:-1]
+        step_down[starts[starts < len(ver)]] = False  # a row may start lower than the previous one ended
+        suspect |= _rows(batch.versions, step_down | (ver < 0)).reduce(np.logical_or, False)
     top = np.maximum(batch.tokens.reduce(np.maximum, -1), batch.prompt.reduce(np.maximum, -1))
     low = np.minimum(batch.tokens.reduce(np.minimum, 0), batch.prompt.reduce(np.minimum, 0))
     models = batch.array("model_id").dictionary_encode()  # each model looked up once

@@ -19,11 +19,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rollbook.client import encode_submit_request
+from rollbook.config import IngestConfig
 from rollbook.store import prepare
 from rollbook.store.prepare import MalformedRequest, decode_request, parse_message
-from rollbook.trajectories import SCALAR_TYPES, TrajectoryColumns, decode_messages, trajectory_from_dict, varint_bytes
+from rollbook.trajectories import SCALAR_TYPES, TrajectoryColumns, decode, decode_messages, trajectory_from_dict, varint_bytes
 from rollbook.v1 import ingest_view_pb2 as view_pb
 from rollbook.v1 import rollbook_pb2 as pb
+from rollbook.validator.ingest import check, check_batch
+from tests.unit.validator import test_ingest_fuzz as fuzz
 
 ARRAYS = ("prompt_token_ids", "output_token_ids", "output_logprobs", "output_versions")
 SCALARS = [f.name for f in pb.Trajectory.DESCRIPTOR.fields if f.name not in ARRAYS]
@@ -41,6 +44,8 @@ def assert_same_batch(got: TrajectoryColumns, want: TrajectoryColumns) -> None:
         assert g.values.dtype == w.values.dtype, name
         assert g.offsets.tolist() == w.offsets.tolist(), name
         assert g.values.tobytes() == w.values.tobytes(), name  # bit for bit: NaN payloads, -0.0
+        if g.stats is not None:
+            assert_row_stats(g)
     for a, b in zip(got.msgs, want.msgs):
         for field in SCALARS:
             x, y = getattr(a, field), getattr(b, field)
@@ -52,6 +57,21 @@ def assert_same_batch(got: TrajectoryColumns, want: TrajectoryColumns) -> None:
         assert g.type == w.type == type_, name
         assert [same(x, y) for x, y in zip(g.to_pylist(), w.to_pylist())] == [True] * len(w), name
         assert got.column(name) == w.to_pylist() or all(map(same, got.column(name), w.to_pylist())), name
+
+
+def assert_row_stats(ragged) -> None:
+    """The C helper's per-row statistics are what numpy finds in each row."""
+    for i in range(len(ragged.offsets) - 1):
+        row = ragged.row(i)
+        if ragged.values.dtype.kind == "f":
+            finite = row[np.isfinite(row)].astype(np.float64)
+            assert ragged.stats.flag[i] == (len(finite) < len(row)), i
+            assert ragged.stats.least[i] == (finite.min() if len(finite) else np.inf), i
+            assert ragged.stats.greatest[i] == (finite.max() if len(finite) else -np.inf), i
+        else:
+            assert ragged.stats.flag[i] == bool((row[1:] < row[:-1]).any()), i  # compared: a diff overflows
+            assert ragged.stats.least[i] == (row.min() if len(row) else np.iinfo(np.int64).max), i
+            assert ragged.stats.greatest[i] == (row.max() if len(row) else np.iinfo(np.int64).min), i
 
 
 def same(x, y) -> bool:
@@ -383,7 +403,9 @@ def test_the_c_walker_skips_other_fields_and_keeps_each_rows_offsets():
     ]
     data = encode_submit_request(rows) + field(9, 0, varint_bytes(1)) + field(8, 1, b"\0" * 8) + field(6, 5, b"\0" * 4)
     n, columns = varint.packed(data, prepare._SPEC)
-    tokens, offsets = columns[1]
+    tokens, offsets, least, greatest, flag = columns[1]
+    assert np.frombuffer(least, np.int64).tolist() == [1, 0] and np.frombuffer(greatest, np.int64).tolist() == [2, 151935]
+    assert list(flag) == [0, 1]  # 5, 151935, 0: a step down
     assert n == 2
     assert np.frombuffer(tokens, np.int32).tolist() == [1, 2, 5, 151935, 0]
     assert np.frombuffer(offsets, np.int64).tolist() == [0, 2, 5]
@@ -510,3 +532,16 @@ def test_any_corruption_decodes_like_the_ordinary_parse_or_fails_like_it(msgs, d
         else:
             raw[at:at] = bytes([data.draw(st.integers(0, 255), label="byte")])
     assert_decodes_like_the_ordinary_parse(bytes(raw))
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), config=fuzz.configs | st.just(IngestConfig()))
+def test_the_evidence_rules_on_the_c_helpers_columns_give_the_verdicts_of_check_row_by_row(data, config):
+    """The store's batches come with each row's ranges found while decoding, and the rules read those
+    instead of the values: they must reject exactly what ``check`` rejects row by row."""
+    registry = data.draw(fuzz.small_registries(), label="registry")
+    msgs = data.draw(st.lists(fuzz.near_valid_for(registry) | fuzz.trajectories(), min_size=1, max_size=6), label="batch")
+    batch = decode_request(encode_submit_request(msgs))
+    if prepare._varint is not None:
+        assert batch.logprobs.stats is not None and batch.versions.stats is not None
+    assert check_batch(batch, registry, config) == [check(decode(m), registry, config) for m in msgs]
