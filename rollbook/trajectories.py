@@ -59,7 +59,7 @@ class Ragged:
     @property
     def lengths(self) -> np.ndarray:
         if self._lengths is None:
-            self._lengths = np.diff(self.offsets)
+            self._lengths = self.offsets[1:] - self.offsets[:-1]
         return self._lengths
 
     def row(self, i: int) -> np.ndarray:
@@ -152,10 +152,11 @@ class TrajectoryColumns:
     def byte_lengths(self, name: str) -> np.ndarray:
         """A string field's UTF-8 length in bytes, every row (at least its length in characters)."""
         values = self.array(name)
-        offsets = values.buffers()[1]
-        if offsets is None:  # no rows
-            return np.zeros(len(values), np.int64)
-        return np.diff(np.frombuffer(offsets, np.int32)[values.offset : values.offset + len(values) + 1])
+        buffer = values.buffers()[1]
+        if buffer is None:  # no rows
+            return np.zeros(len(values), np.int32)
+        offsets = np.frombuffer(buffer, np.int32, len(values) + 1, values.offset * 4)
+        return offsets[1:] - offsets[:-1]
 
     def metadata_rows(self) -> np.ndarray:
         """The indices of the rows that send metadata entries."""

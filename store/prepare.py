@@ -2,11 +2,15 @@
 evidence rules, build the Arrow tables. Pure (no store state but the registry), and done outside
 every lock; the ledger then only deduplicates and group-commits (``Ledger.commit``).
 
-``decode_request`` reads the bytes through the ingest view (``ingest_view.proto``), which gives the
-scalar fields and shows any field sent otherwise than the contract says. The packed arrays of the
-whole batch are then decoded by the C helper ``_varint.packed`` straight from the request bytes,
-without the GIL: one flat array per field and each row's offsets, no Python object per row. Where
-the helper is not built or declines, the view's raw payloads become numpy arrays in a few bulk
+``decode_request`` reads the bytes through the ingest view (``ingest_view.proto``), which checks
+them (UTF-8 strings, wire types) and shows any field sent otherwise than the contract says. The C
+helper ``_varint.packed`` then walks the request bytes once, without the GIL, and decodes every
+trajectory's fields straight into flat buffers, no Python object per row: the four packed arrays
+(one flat array each with the rows' offsets, and each row's least and greatest value and its step
+down or non-finite value, which the evidence rules read instead of the values), every singular
+scalar field (strings in Arrow's layout, numbers with a presence flag: ``TrajectoryColumns.arrays``)
+and how many metadata entries each row sends. Where the helper is not built or declines, the scalar
+fields are read from the view row by row and its raw payloads become numpy arrays in a few bulk
 operations (float32 log-probs are reinterpreted in place; a varint column is decoded in one call
 over the batch's joined payloads, by ``_varint.decode`` or else by upb, or taken byte for byte when
 every value is below 128). A packed field may arrive in several records, which concatenate, but
