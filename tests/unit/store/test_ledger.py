@@ -60,6 +60,12 @@ def ledger(tmp_path):
     led.close()
 
 
+def test_the_ledger_folds_on_one_duckdb_thread(ledger):
+    """Two threads write an order-keeping insert (a fold) in parallel and merge it: twice the CPU
+    per folded row and a file twice the size (store/ledger.py ``_connect``)."""
+    assert ledger.con.execute("SELECT current_setting('threads')").fetchone() == (1,)
+
+
 def test_duplicates_within_one_batch_are_stored_once(ledger):
     out = ledger.submit([row("a"), row("b"), row("a"), row("a")])
     assert [o.status for o in out] == [ACCEPTED, ACCEPTED, DUPLICATE, DUPLICATE]
