@@ -545,3 +545,11 @@ def test_the_evidence_rules_on_the_c_helpers_columns_give_the_verdicts_of_check_
     if prepare._varint is not None:
         assert batch.logprobs.stats is not None and batch.versions.stats is not None
     assert check_batch(batch, registry, config) == [check(decode(m), registry, config) for m in msgs]
+
+
+@pytest.mark.parametrize("field_number", [1, 9, 22])  # trajectory_id, domain, parent_request_id
+def test_a_string_that_is_not_utf8_is_refused_like_the_ordinary_parse(field_number):
+    data = request(traj().SerializeToString() + length_delimited(field_number, b"\xff\xfe"))
+    with pytest.raises(MalformedRequest, match="UTF-8"):
+        reference(data)
+    assert_decodes_like_the_ordinary_parse(data)
