@@ -150,7 +150,9 @@ def _connect(db_path: pathlib.Path) -> duckdb.DuckDBPyConnection:
     size (measured here: 112 against 259 µs, 36 against 72 MiB for 6,144 trajectories of 1,000
     tokens). The ledger's own reads are a batch's rows at a time; the SQL endpoint's queries run in
     the sandbox's processes with threads of their own."""
-    early = {k: v for k, v in SANDBOX_CONFIG.items() if k not in ("enable_external_access", "lock_configuration")}
+    early: dict[str, bool | int] = {
+        k: v for k, v in SANDBOX_CONFIG.items() if k not in ("enable_external_access", "lock_configuration")
+    }
     early["threads"] = 1
     con = duckdb.connect(config=early)  # type: ignore[arg-type]  # dict is invariant; the values are config values
     path = str(db_path).replace("'", "''")
