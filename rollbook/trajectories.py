@@ -21,7 +21,6 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 from google.protobuf.descriptor import FieldDescriptor
 
 from rollbook.v1 import rollbook_pb2 as pb
@@ -146,7 +145,7 @@ class TrajectoryColumns:
         is unset."""
         values = self.array(name)
         if values.null_count:
-            return pc.cast(values, pa.float64()).fill_null(unset).to_numpy()
+            return values.cast(pa.float64()).fill_null(unset).to_numpy()
         return values.to_numpy(zero_copy_only=False).astype(np.float64, copy=False)
 
     def byte_lengths(self, name: str) -> np.ndarray:
