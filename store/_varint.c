@@ -1,4 +1,4 @@
-/* Bulk decoding of protobuf varints for the store's Submit path (rollbook.store.prepare).
+/* Bulk decoding of Submit requests and protobuf varints for the store (rollbook.store.prepare).
  *
  * packed(request, spec) walks a serialized SubmitRequest and decodes the named fields of every
  * trajectory straight into one flat buffer per field, without a Python object per row: `spec`
@@ -11,8 +11,9 @@
  * 3 a string or bytes field as (the rows' bytes back to back, int32 offsets: rows + 1, Arrow's
  * layout; an absent field is empty), and (values, one presence byte a row) for 4 a varint kept as
  * int64, 5 a double, 6 a float (an absent field reads 0 and is marked absent); and 7, for a
- * repeated message field such as a map, (each row's number of records as int64, unused). It returns (number
- * of trajectories, [(first, second), ...] in spec order), or None for anything it does not take
+ * repeated message field such as a map, (each row's number of records as int64, unused). It
+ * returns (number of trajectories, [buffers, ...] in spec order: five bytes objects for a packed
+ * kind, two for the others), or None for anything it does not take
  * exactly (the caller then reads the request the slower ways, which either agree or word the
  * error): a field sent with another wire type than its kind (a packed array sent unpacked), a
  * singular field sent twice in a row (protobuf keeps the last), a record cut inside a value, a
